@@ -1,0 +1,1 @@
+"""Execution backends: torch (built in), jax (optional)."""

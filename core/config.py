@@ -1,0 +1,142 @@
+"""SpeculativeConfig: what users write in ``speculative_config`` / ``--speculative-config``.
+
+Field names follow vLLM's so existing configs carry over. Checks that need nothing but the
+config run here; checks that need the target (vocabulary, tensor parallel size, installed
+methods) run when the engine is built (:func:`speculum.engine_build.resolve_method`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import attrs
+
+from speculum.errors import ConfigError
+
+NGRAM_ALIASES = ("ngram", "[ngram]")
+DRAFT_SAMPLE_METHODS = ("sample", "greedy")
+
+
+def _positive_or_none(_inst, attribute, value):
+    if value is not None and value < 1:
+        raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """Speculative decoding settings (immutable).
+
+    Build it with :meth:`from_dict`, :meth:`from_json` or :meth:`from_cli`; these reject
+    unknown keys with the list of valid ones.
+    """
+
+    #: number of draft tokens proposed per step (k)
+    num_speculative_tokens: int
+    #: method name ("ngram", "draft_model", or a plugin's); None = detect from ``model``
+    method: str | None = None
+    #: draft checkpoint (directory or GGUF), or "ngram"/"[ngram]"
+    model: str | None = None
+    #: tensor parallel size of the draft: 1 or the target's
+    draft_tensor_parallel_size: int | None = attrs.field(default=None, validator=_positive_or_none)
+    #: ngram: shortest suffix to match
+    prompt_lookup_min: int | None = attrs.field(default=None, validator=_positive_or_none)
+    #: ngram: longest suffix to match
+    prompt_lookup_max: int | None = attrs.field(default=None, validator=_positive_or_none)
+    #: verifier name: "rejection_sampler" (default, lossless), "greedy", or a plugin's
+    acceptance_method: str = "rejection_sampler"
+    #: how model drafts pick tokens for sampled requests: "sample" (from the draft
+    #: distribution, with its probabilities) or "greedy" (draft argmax, one-hot)
+    draft_sample_method: str = "sample"
+    #: longest sequence (prompt + output) the draft must handle; None = the target's
+    max_model_len: int | None = attrs.field(default=None, validator=_positive_or_none)
+    #: plugin-specific options, validated by the method's own options class
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+    def __attrs_post_init__(self):
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(
+                f"num_speculative_tokens must be an integer >= 1, got {k!r}; it is the number "
+                "of draft tokens per step (3-5 is a good start)"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ConfigError(
+                f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ConfigError(
+                f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, "
+                f"got {self.draft_sample_method!r}"
+            )
+        if self.method is None and self.model is None:
+            raise ConfigError(
+                "speculative config needs a 'method' or a 'model' (a draft checkpoint, or "
+                "'ngram' for prompt lookup)"
+            )
+
+    # -- named constructors -------------------------------------------------------
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [a.name for a in attrs.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SpeculativeConfig":
+        if isinstance(data, SpeculativeConfig):
+            return data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"speculative config must be a JSON object / dict, got {type(data).__name__}")
+        data = dict(data)
+        if "tensor_parallel_size" in data:
+            raise ConfigError(
+                "'tensor_parallel_size' is not a speculative config key: the draft's tensor "
+                "parallel size is 'draft_tensor_parallel_size' (1 or the target's)"
+            )
+        valid = cls.valid_keys()
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ConfigError(
+                f"unknown speculative config key(s): {', '.join(unknown)}; valid keys: "
+                f"{', '.join(valid)}"
+            )
+        if "num_speculative_tokens" not in data:
+            raise ConfigError(
+                "num_speculative_tokens is required: the number of draft tokens per step "
+                "(e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4})"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--speculative-config is not valid JSON ({exc}): {text!r}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_cli(cls, value: str | None) -> "SpeculativeConfig | None":
+        """Parse the ``--speculative-config`` flag (a JSON object); None/empty means off."""
+        if value is None or not value.strip():
+            return None
+        return cls.from_json(value)
+
+    @classmethod
+    def coerce(cls, value: "SpeculativeConfig | Mapping[str, Any] | str | None") -> "SpeculativeConfig | None":
+        """Accept a config object, a dict, a JSON string or None."""
+        if value is None:
+            return None
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            return cls.from_json(value)
+        return cls.from_dict(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    # -- derived ------------------------------------------------------------------
+    @property
+    def model_is_ngram(self) -> bool:
+        return self.model is not None and self.model.lower() in NGRAM_ALIASES

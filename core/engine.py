@@ -1,0 +1,237 @@
+"""The engine and its Python API: ``LLM(model=..., speculative_config=...)``.
+
+Speculation is an engine concern: the same ``generate()`` serves both, only the config
+differs. Requests go through ``add_request`` / ``step``; ``generate`` drives those.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Iterable, Mapping, Sequence as Seq
+
+import torch
+
+from speculum.config import SpeculativeConfig
+from speculum.engine_build import build_speculation
+from speculum.errors import ConfigError, RequestError
+from speculum.loop import DraftVerifyLoop
+from speculum.metrics import SpecDecodeMetrics
+from speculum.model_source import resolve_model_path
+from speculum.outputs import CompletionOutput, RequestOutput
+from speculum.plugins import build_registry
+from speculum.sampling import SamplingParams, make_generator
+from speculum.sequence import Sequence
+from speculum.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[dict] | Mapping[str, Any]
+
+
+class LLM:
+    """An inference engine with optional speculative decoding.
+
+    ``model``: a transformers directory, a ``.gguf`` file, or None for the default
+    SmolLM2-135M-Instruct. ``speculative_config``: None, a dict, a JSON string or a
+    :class:`SpeculativeConfig`. ``plugins``: extra in-process plugins (modules/objects with
+    ``@speculum.hookimpl`` functions) besides the installed entry points.
+    """
+
+    def __init__(self, model: str | None = None, speculative_config: Any = None, *,
+                 dtype: str | torch.dtype = "auto", device: str | None = "auto", seed: int = 0,
+                 backend: str = "torch", max_num_seqs: int = 32, max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None):
+        if tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported yet; use 1")
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        spec_cfg = SpeculativeConfig.coerce(speculative_config)
+        self.registry = build_registry(extra_plugins=plugins)
+        self.backend = self.registry.backend(backend).factory(device=device, dtype=dtype)
+        self.model_path = resolve_model_path(model)
+        self.tokenizer = Tokenizer.load(resolve_model_path(tokenizer) if tokenizer else self.model_path)
+        self.target = self.backend.load_model(self.model_path, role="target", max_model_len=max_model_len)
+        eos = getattr(self.target.model.config, "eos_token_id", None) if hasattr(self.target, "model") else None
+        if eos is not None:
+            self.tokenizer = Tokenizer(self.tokenizer.hf, [eos] if isinstance(eos, int) else list(eos))
+        self.max_model_len = int(self.target.allocator.max_model_len or max_model_len or 2048)
+        self.max_num_seqs = max_num_seqs
+        self.speculative_config = spec_cfg
+        proposer, hidden_layers = None, ()
+        k = 0
+        if spec_cfg is not None:
+            if spec_cfg.max_model_len is not None:
+                self.max_model_len = min(self.max_model_len, spec_cfg.max_model_len)
+            verifier_name = spec_cfg.acceptance_method
+            spec_cfg, proposer, self.method_spec = build_speculation(
+                spec_cfg, self.registry, backend, backend=self.backend, target=self.target,
+                target_path=self.model_path, vocab_size=self.target.vocab_size, tokenizer=self.tokenizer,
+                max_model_len=self.max_model_len, tensor_parallel_size=tensor_parallel_size)
+            self.speculative_config = spec_cfg
+            k = spec_cfg.num_speculative_tokens
+            hidden_layers = tuple(getattr(proposer, "hidden_layers", ()) or ())
+        else:
+            verifier_name = "rejection_sampler"
+        self.verifier_spec = self.registry.verifier(verifier_name)
+        self.verifier = self.verifier_spec.factory()
+        self.proposer = proposer
+        self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers)
+        self._seed_gen = make_generator(seed)
+        self._ids = itertools.count()
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
+        self._by_request: dict[str, Sequence] = {}
+        self.stats = SpecDecodeMetrics()
+        self.num_generated_tokens = 0
+        log.info("engine ready: model=%s method=%s k=%d verifier=%s", self.model_path.name,
+                 spec_cfg.method if spec_cfg else None, k, verifier_name)
+
+    # -- requests -----------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Text, chat messages or ``{"prompt_token_ids": [...]}`` -> (text, token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+                bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+                if bad:
+                    raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
+                return prompt.get("prompt"), ids
+            if "prompt" in prompt:
+                return self.encode_prompt(prompt["prompt"])
+            if "messages" in prompt:
+                return None, self.tokenizer.apply_chat_template(list(prompt["messages"]))
+        if isinstance(prompt, list) and all(isinstance(m, Mapping) and "role" in m for m in prompt):
+            return None, self.tokenizer.apply_chat_template(list(prompt))
+        raise RequestError(
+            "a prompt is a string, a list of chat messages ({'role', 'content'}), or "
+            f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}"
+        )
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request; it runs on the following ``step()`` calls."""
+        params = params or SamplingParams()
+        if request_id in self._by_request:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
+                "shorten the prompt"
+            )
+        if params.stop and self.tokenizer.hf is None:
+            raise RequestError("stop strings need a tokenizer; use stop_token_ids")
+        gen = None
+        if not params.greedy:
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            gen = make_generator(seed, self.target.device)
+        seq = Sequence(request_id, next(self._ids), text, ids, params, gen, self.max_model_len)
+        self._waiting.append(seq)
+        self._by_request[request_id] = seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV cache."""
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return
+        seq.abort()
+        if seq in self._running:
+            self._running.remove(seq)
+            self.loop.finish(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        del self._by_request[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, run one draft-verify step; return finished requests."""
+        free = self.max_num_seqs - len(self._running)
+        if free > 0 and self._waiting:
+            new, self._waiting = self._waiting[:free], self._waiting[free:]
+            self.loop.start(new)
+            self._running += new
+        if not self._running:
+            return []
+        before = [len(s.output_token_ids) for s in self._running]
+        self.loop.step(self._running)
+        done = []
+        for s, b in zip(list(self._running), before):
+            self.num_generated_tokens += len(s.output_token_ids) - b
+            if s.finished:
+                self._running.remove(s)
+                self.loop.finish(s)
+                self.stats.merge(s.metrics)
+                del self._by_request[s.request_id]
+                done.append(self._output(s))
+        return done
+
+    def _output(self, s: Sequence) -> RequestOutput:
+        out_ids = s.output_token_ids
+        text = s.text if s.text is not None else self.tokenizer.decode(out_ids)
+        return RequestOutput(
+            request_id=s.request_id, prompt=s.prompt, prompt_token_ids=list(s.prompt_token_ids),
+            outputs=[CompletionOutput(text, list(out_ids), s.finish_reason, s.stop_reason)],
+            finished=s.finished, metrics=s.metrics,
+            time_to_first_token=(s.first_token_time - s.arrival_time) if s.first_token_time else None,
+            latency=(s.finish_time - s.arrival_time) if s.finish_time else None,
+        )
+
+    # -- convenience --------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or many; returns outputs in prompt order."""
+        if isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], Mapping) and "role" in prompts[0]):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        base = f"gen-{next(self._ids)}-"
+        ids = [f"{base}{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, params):
+            self.add_request(rid, p, sp)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="generating", unit="req")
+        while len(results) < len(ids):
+            for out in self.step():
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the chat template applies)."""
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm)
+
+    @property
+    def metrics(self) -> SpecDecodeMetrics:
+        """Engine-wide speculation totals over finished requests."""
+        return self.stats

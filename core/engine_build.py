@@ -1,0 +1,57 @@
+"""Turning a SpeculativeConfig into a proposer and a verifier (at engine construction)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import attrs
+
+from speculum.config import SpeculativeConfig
+from speculum.context import ProposerContext
+from speculum.errors import ConfigError
+from speculum.plugins import Registry, validate_options
+
+log = logging.getLogger(__name__)
+
+
+def resolve_method(cfg: SpeculativeConfig, registry: Registry) -> SpeculativeConfig:
+    """Fill in ``method`` when only ``model`` was given (auto-detection)."""
+    if cfg.method is not None:
+        if cfg.model_is_ngram and cfg.method != "ngram":
+            raise ConfigError(f"model {cfg.model!r} means method 'ngram', but method is {cfg.method!r}")
+        return cfg
+    if cfg.model_is_ngram:
+        return attrs.evolve(cfg, method="ngram")
+    path = Path(cfg.model).expanduser()
+    config = {}
+    cfg_file = path / "config.json" if path.is_dir() else None
+    if cfg_file is not None and cfg_file.exists():
+        try:
+            config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    method = registry.detect_method(str(path), config) or "draft_model"
+    log.info("speculative method for %s detected as %r", cfg.model, method)
+    return attrs.evolve(cfg, method=method)
+
+
+def check_parallel(cfg: SpeculativeConfig, target_tp: int) -> None:
+    dtp = cfg.draft_tensor_parallel_size
+    if dtp is not None and dtp not in (1, target_tp):
+        raise ConfigError(
+            f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size "
+            f"({target_tp}), got {dtp}"
+        )
+
+
+def build_speculation(cfg: SpeculativeConfig, registry: Registry, backend_name: str, **ctx_fields):
+    """Return ``(resolved config, proposer, method spec)`` for the engine."""
+    cfg = resolve_method(cfg, registry)
+    check_parallel(cfg, ctx_fields.get("tensor_parallel_size", 1))
+    spec = registry.method(cfg.method, backend_name)
+    options = validate_options(spec, dict(cfg.options))
+    ctx = ProposerContext(config=cfg, options=options, **ctx_fields)
+    proposer = spec.factory(ctx)
+    return cfg, proposer, spec

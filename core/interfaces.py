@@ -1,0 +1,182 @@
+"""The three interfaces of the draft-verify loop, and the data that crosses them.
+
+Shapes are written as ``# [B, k]`` comments above fields: ``B`` is the number of
+sequences in a step, ``k`` the number of draft tokens, ``V`` the vocabulary size.
+Token tensors use ``-1`` as padding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+
+import attrs
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speculum.sampling import SamplingBatch
+
+
+@attrs.define(eq=False)
+class SequenceView:
+    """What a proposer may read about one running sequence."""
+
+    seq_id: int
+    # all tokens so far: prompt followed by output
+    token_ids: list[int]
+    num_prompt_tokens: int
+    # per-request generator for sampled drafting (None for greedy requests)
+    generator: torch.Generator | None = None
+
+
+@attrs.define(eq=False)
+class ProposeBatch:
+    """Input of :meth:`Proposer.propose` for one engine step."""
+
+    seqs: list[SequenceView]
+    # the most draft tokens wanted per sequence this step
+    num_speculative_tokens: int
+    sampling: "SamplingBatch"
+
+
+@attrs.define(eq=False)
+class Draft:
+    """Draft tokens for a batch. Rows may hold fewer than k tokens (padded with -1)."""
+
+    # [B, k] int64, -1 padded on the right
+    token_ids: torch.Tensor
+    # [B, k, V] float, the draft distribution each token was sampled from; None means
+    # the draft is deterministic (counts as one-hot for the rejection sampler)
+    probs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """[B] number of leading non-padding draft tokens per row."""
+        valid = self.token_ids >= 0
+        # count only the leading run of valid tokens
+        return valid.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+    @classmethod
+    def empty(cls, batch_size: int, device: torch.device | str = "cpu") -> "Draft":
+        return cls(token_ids=torch.full((batch_size, 0), -1, dtype=torch.int64, device=device))
+
+
+@attrs.define(eq=False)
+class Verdict:
+    """Output of :meth:`Verifier.verify`."""
+
+    # [B, k+1] int64: accepted draft tokens followed by one target token, -1 padded
+    token_ids: torch.Tensor
+    # [B] number of draft tokens accepted (0..k); emitted = num_accepted + 1
+    num_accepted: torch.Tensor
+
+
+@attrs.define(eq=False)
+class StepFeedback:
+    """What a proposer learns after verification (:meth:`Proposer.observe`)."""
+
+    seq_ids: list[int]
+    # [B] draft tokens accepted per row
+    num_accepted: list[int]
+    # [B] new sequence length (prompt + output) after this step, before stop cuts
+    new_lengths: list[int]
+    # requested target hidden states, if the proposer asked for any
+    hidden_states: dict[int, torch.Tensor] | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Makes draft tokens. Model-free proposers return ``probs=None``."""
+
+    def propose(self, batch: ProposeBatch) -> Draft:
+        """Return up to ``batch.num_speculative_tokens`` draft tokens per sequence."""
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """Learn the outcome of verification (roll back draft caches, adapt)."""
+
+
+class StatefulProposer(Proposer, Protocol):
+    """A proposer with per-request state (its own KV cache, for example)."""
+
+    def add_request(self, seq: SequenceView) -> None:
+        """Called once when a sequence starts running (prefill the draft state)."""
+
+    def remove_request(self, seq_id: int) -> None:
+        """Called when a sequence finishes or is aborted; free its state."""
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """Decides which draft tokens the target accepts."""
+
+    #: True when output has exactly the target's distribution.
+    lossless: bool
+
+    def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: "SamplingBatch") -> Verdict:
+        """``target_logits``: [B, k+1, V] at the last token and each draft position."""
+
+
+@runtime_checkable
+class KVAllocator(Protocol):
+    """Bookkeeping of KV-cache slots per sequence and cache group. Owns no tensors."""
+
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` more slots fit for this sequence now."""
+
+    def allocate(self, seq_id: int, num_tokens: int) -> None:
+        """Reserve ``num_tokens`` more slots (raises ``KVCacheFull`` if they do not fit)."""
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` slots; later ones are free to reuse."""
+
+    def free(self, seq_id: int) -> None:
+        """Release every slot of the sequence."""
+
+    def length(self, seq_id: int) -> int:
+        """Slots held by the sequence."""
+
+    def usage(self) -> float:
+        """Fraction of the budget in use (0..1)."""
+
+
+class KVCacheFull(RuntimeError):
+    """Raised when an allocation does not fit the KV budget."""
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """A backend's handle on one loaded model with a KV cache it can roll back.
+
+    Positions: a sequence of length ``L`` keeps KV for its first ``L - 1`` tokens; the
+    last token is the input of the next forward.
+    """
+
+    vocab_size: int
+    device: torch.device
+
+    def add(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Start a sequence: run the prefill over ``token_ids`` (may be empty)."""
+
+    def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: torch.Tensor,
+                hidden_layers: Sequence[int] = ()) -> Any:
+        """Append tokens and return logits.
+
+        ``token_ids``: [B, q] (padding past ``num_tokens[b]`` is ignored and not kept).
+        Returns a :class:`ForwardOutput`: logits [B, q, V] and requested hidden states.
+        """
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep KV for the first ``length`` positions only (rollback by length)."""
+
+    def length(self, seq_id: int) -> int:
+        """Positions with KV kept for the sequence."""
+
+    def remove(self, seq_id: int) -> None:
+        """Drop the sequence and its KV."""
+
+
+@attrs.define(eq=False)
+class ForwardOutput:
+    # [B, q, V] float32
+    logits: torch.Tensor
+    # layer index -> [B, q, H]; only the layers asked for
+    hidden_states: dict[int, torch.Tensor] = attrs.field(factory=dict)

@@ -1,0 +1,97 @@
+"""One engine step of the draft-verify loop, over a batch of running sequences.
+
+    proposer.propose -> target forward over [last token + drafts] -> verifier.verify
+    -> KV rollback by length -> stop checks -> proposer.observe -> metrics
+
+With no proposer the same step is plain autoregressive decoding (k = 0), so speculative
+and baseline runs share every line of code but the draft.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+
+from speculum.interfaces import Draft, ModelRunner, ProposeBatch, Proposer, StepFeedback, Verifier
+from speculum.sampling import SamplingBatch
+from speculum.sequence import Sequence
+from speculum.tokenizer import Tokenizer
+
+
+class DraftVerifyLoop:
+    """Runs steps for a target runner, an optional proposer and a verifier."""
+
+    def __init__(self, target: ModelRunner, verifier: Verifier, tokenizer: Tokenizer,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 hidden_layers: Seq[int] = ()):
+        self.target = target
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.k = num_speculative_tokens if proposer is not None else 0
+        self.hidden_layers = tuple(hidden_layers)
+
+    def start(self, seqs: list[Sequence]) -> None:
+        """Prefill new sequences: everything but the last token goes into the KV cache."""
+        if not seqs:
+            return
+        self.target.add_many([s.seq_id for s in seqs], [s.token_ids[:-1] for s in seqs])
+        add = getattr(self.proposer, "add_request", None)
+        if add is not None:
+            for s in seqs:
+                add(s.view())
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a sequence's KV and proposer state."""
+        self.target.remove(seq.seq_id)
+        remove = getattr(self.proposer, "remove_request", None)
+        if remove is not None:
+            remove(seq.seq_id)
+
+    def step(self, seqs: list[Sequence]) -> None:
+        """Advance every sequence in ``seqs`` by one verify step (1..k+1 tokens each)."""
+        B = len(seqs)
+        device = self.target.device
+        sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], device)
+        draft = self._propose(seqs, sampling)
+        # [B] draft tokens per row, capped so no row drafts past what it may emit
+        room = torch.tensor([max(s.room() - 1, 0) for s in seqs], device=device)
+        n_draft = torch.minimum(draft.num_tokens.to(device), room)
+        k = draft.token_ids.shape[1]
+        if k:
+            cols = torch.arange(k, device=device).view(1, k)
+            draft.token_ids = torch.where(cols < n_draft.view(B, 1), draft.token_ids.to(device), -1)
+        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64, device=device).view(B, 1)
+        # [B, k+1]: last token, then drafts
+        inputs = torch.cat([last, draft.token_ids.clamp_min(0)], dim=1)
+        out = self.target.forward([s.seq_id for s in seqs], inputs, n_draft + 1, self.hidden_layers)
+        verdict = self.verifier.verify(out.logits, draft, sampling)
+        # the one host synchronisation of the step
+        tokens = verdict.token_ids.tolist()
+        accepted = verdict.num_accepted.tolist()
+        drafted = n_draft.tolist()
+        new_lengths = []
+        for b, s in enumerate(seqs):
+            a = accepted[b]
+            old_len = len(s.token_ids)
+            # KV kept: old tokens plus the accepted drafts (the new last token has none yet)
+            self.target.truncate(s.seq_id, old_len + a)
+            s.metrics.record_step(drafted[b], a)
+            s.append(tokens[b][: a + 1], self.tokenizer)
+            new_lengths.append(old_len + a + 1)
+        if self.proposer is not None:
+            self.proposer.observe(StepFeedback(
+                seq_ids=[s.seq_id for s in seqs], num_accepted=accepted, new_lengths=new_lengths,
+                hidden_states=out.hidden_states or None))
+
+    def _propose(self, seqs: list[Sequence], sampling: SamplingBatch) -> Draft:
+        if self.proposer is None or self.k == 0:
+            return Draft.empty(len(seqs), self.target.device)
+        draft = self.proposer.propose(ProposeBatch([s.view() for s in seqs], self.k, sampling))
+        if draft.token_ids.shape[0] != len(seqs) or draft.token_ids.shape[1] > self.k:
+            raise RuntimeError(
+                f"proposer {type(self.proposer).__name__} returned draft of shape "
+                f"{tuple(draft.token_ids.shape)}; expected [{len(seqs)}, <= {self.k}]"
+            )
+        return draft

