@@ -1,0 +1,5 @@
+"""Prompt-lookup (n-gram) speculation: a speculum plugin."""
+
+from speculum_ngram.proposer import NgramOptions, NgramProposer, find_ngram_draft
+
+__all__ = ["NgramProposer", "NgramOptions", "find_ngram_draft"]

@@ -1,0 +1,66 @@
+"""An autoregressive draft loop over any backend ModelRunner (shared by model-based proposers).
+
+Each step the draft model first catches up on the tokens it has not seen (the last
+accepted run plus the target's token), then drafts ``k`` tokens one at a time. After
+verification :func:`rollback` keeps only the KV of accepted positions.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from speculum.interfaces import Draft, ModelRunner, SequenceView
+from speculum.sampling import SamplingBatch, processed_probs, sample_rows
+
+
+def pending_tokens(runner: ModelRunner, seqs: Sequence[SequenceView]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens each sequence's draft cache lacks: ([B, P] right padded, [B] counts)."""
+    rows = [s.token_ids[runner.length(s.seq_id):] for s in seqs]
+    counts = [len(r) for r in rows]
+    if min(counts) < 1:
+        raise RuntimeError("draft cache is ahead of its sequence; rollback was skipped")
+    ids = torch.zeros(len(rows), max(counts), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return ids.to(runner.device), torch.tensor(counts, device=runner.device)
+
+
+def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: int,
+                         sampling: SamplingBatch, sample: bool = True) -> Draft:
+    """Draft ``k`` tokens per sequence with ``runner``.
+
+    ``sample``: sampled requests draw drafts from the processed draft distribution and
+    report it as ``probs``; otherwise drafts are the draft argmax and ``probs`` is None.
+    """
+    seq_ids = [s.seq_id for s in seqs]
+    B = len(seqs)
+    ids, counts = pending_tokens(runner, seqs)
+    sample = sample and not sampling.all_greedy
+    gens = sampling.generators if sample else [None] * B
+    tokens, probs = [], []
+    for i in range(k):
+        out = runner.forward(seq_ids, ids, counts)
+        # [B, V] logits at each row's last valid input
+        last = out.logits[torch.arange(B, device=out.logits.device), counts - 1]
+        if sample:
+            p = processed_probs(last.unsqueeze(1), sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
+            tok = sample_rows(p, gens)
+            probs.append(p)
+        else:
+            tok = last.argmax(dim=-1)
+        tokens.append(tok)
+        if i + 1 < k:
+            ids, counts = tok.view(B, 1), torch.ones(B, dtype=torch.int64, device=tok.device)
+    token_ids = torch.stack(tokens, dim=1) if tokens else torch.empty(B, 0, dtype=torch.int64)
+    return Draft(token_ids=token_ids, probs=torch.stack(probs, dim=1) if sample and probs else None)
+
+
+def rollback(runner: ModelRunner, seq_ids: Sequence[int], num_accepted: Sequence[int],
+             new_lengths: Sequence[int]) -> None:
+    """Keep draft KV only for positions the target accepted."""
+    for sid, a, new_len in zip(seq_ids, num_accepted, new_lengths):
+        old_len = new_len - a - 1
+        keep = min(runner.length(sid), old_len + a)
+        runner.truncate(sid, keep)
