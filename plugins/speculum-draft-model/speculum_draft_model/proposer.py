@@ -38,7 +38,10 @@ class DraftModelProposer:
     def from_context(cls, ctx) -> "DraftModelProposer":
         path = ctx.resolve_draft_path()
         opts = ctx.options or DraftModelOptions()
-        runner = ctx.backend.load_model(path, role="draft", max_model_len=ctx.max_model_len,
+        # the draft runs up to k - 1 positions past a sequence's last token; near the
+        # context limit those drafts are discarded by the loop, but they must still fit
+        runner = ctx.backend.load_model(path, role="draft",
+                                        max_model_len=ctx.max_model_len + ctx.config.num_speculative_tokens,
                                         num_layers=opts.num_layers)
         ctx.check_vocab(runner.vocab_size)
         log.info("draft model %s loaded (%s layers)", path, opts.num_layers or "all")
