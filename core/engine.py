@@ -161,7 +161,11 @@ class LLM:
         return len(self._waiting)
 
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests, run one draft-verify step; return finished requests."""
+        """Admit waiting requests and run one draft-verify step.
+
+        Returns an output for every request that advanced: ``finished=False`` while it
+        runs (for streaming), ``finished=True`` once, at the end.
+        """
         free = self.max_num_seqs - len(self._running)
         if free > 0 and self._waiting:
             new, self._waiting = self._waiting[:free], self._waiting[free:]
@@ -171,7 +175,7 @@ class LLM:
             return []
         before = [len(s.output_token_ids) for s in self._running]
         self.loop.step(self._running)
-        done = []
+        outputs = []
         for s, b in zip(list(self._running), before):
             self.num_generated_tokens += len(s.output_token_ids) - b
             if s.finished:
@@ -179,12 +183,15 @@ class LLM:
                 self.loop.finish(s)
                 self.stats.merge(s.metrics)
                 del self._by_request[s.request_id]
-                done.append(self._output(s))
-        return done
+            outputs.append(self._output(s))
+        return outputs
 
     def _output(self, s: Sequence) -> RequestOutput:
         out_ids = s.output_token_ids
-        text = s.text if s.text is not None else self.tokenizer.decode(out_ids)
+        if s.finished:
+            text = s.text if s.text is not None else self.tokenizer.decode(out_ids)
+        else:  # decoding every step is the caller's choice (streaming); keep it lazy here
+            text = None
         return RequestOutput(
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=list(s.prompt_token_ids),
             outputs=[CompletionOutput(text, list(out_ids), s.finish_reason, s.stop_reason)],
@@ -218,9 +225,10 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="generating", unit="req")
         while len(results) < len(ids):
             for out in self.step():
-                results[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
         return [results[r] for r in ids]

@@ -11,7 +11,8 @@ from speculum.metrics import SpecDecodeMetrics
 class CompletionOutput:
     """One generated continuation."""
 
-    text: str
+    #: None while the request runs (decode ``token_ids`` yourself to stream text)
+    text: str | None
     token_ids: list[int]
     #: "stop" (EOS, stop string or stop token), "length" (max_tokens / context), "abort"
     finish_reason: str | None
