@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         _quiet_transformers()
+        logging.getLogger("speculum").setLevel(logging.INFO)  # runner choice, memory plan
     try:
         return args.func(args)
     except (ConfigError, ModelLoadError, PluginError, RequestError) as exc:

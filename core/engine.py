@@ -42,21 +42,25 @@ class LLM:
     def __init__(self, model: str | None = None, speculative_config: Any = None, *,
                  dtype: str | torch.dtype = "auto", device: str | None = "auto", seed: int = 0,
                  backend: str = "torch", max_num_seqs: int = 32, max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None):
+                 tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None,
+                 **backend_options: Any):
         if tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet; use 1")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         spec_cfg = SpeculativeConfig.coerce(speculative_config)
         self.registry = build_registry(extra_plugins=plugins)
-        self.backend = self.registry.backend(backend).factory(device=device, dtype=dtype)
+        try:
+            self.backend = self.registry.backend(backend).factory(device=device, dtype=dtype, **backend_options)
+        except TypeError as exc:
+            raise ConfigError(f"backend {backend!r} does not accept these options: {exc}") from exc
         self.model_path = resolve_model_path(model)
         self.tokenizer = Tokenizer.load(resolve_model_path(tokenizer) if tokenizer else self.model_path)
         self.target = self.backend.load_model(self.model_path, role="target", max_model_len=max_model_len)
-        eos = getattr(self.target.model.config, "eos_token_id", None) if hasattr(self.target, "model") else None
-        if eos is not None:
-            self.tokenizer = Tokenizer(self.tokenizer.hf, [eos] if isinstance(eos, int) else list(eos))
-        self.max_model_len = int(self.target.allocator.max_model_len or max_model_len or 2048)
+        eos = _config_eos(self.model_path)
+        if eos:
+            self.tokenizer = Tokenizer(self.tokenizer.hf, eos)
+        self.max_model_len = int(self.target.max_model_len or max_model_len or 2048)
         self.max_num_seqs = max_num_seqs
         self.speculative_config = spec_cfg
         proposer, hidden_layers = None, ()
@@ -74,6 +78,13 @@ class LLM:
             hidden_layers = tuple(getattr(proposer, "hidden_layers", ()) or ())
         else:
             verifier_name = "rejection_sampler"
+        plan = getattr(self.backend, "plan_memory", None)
+        if plan is not None:
+            from speculum.interfaces import KVCacheFull
+            try:
+                plan(self.max_model_len)
+            except KVCacheFull as exc:
+                raise ConfigError(str(exc)) from exc
         self.verifier_spec = self.registry.verifier(verifier_name)
         self.verifier = self.verifier_spec.factory()
         self.proposer = proposer
@@ -85,6 +96,8 @@ class LLM:
         self._by_request: dict[str, Sequence] = {}
         self.stats = SpecDecodeMetrics()
         self.num_generated_tokens = 0
+        self.num_preemptions = 0
+        self.k = k
         log.info("engine ready: model=%s method=%s k=%d verifier=%s", self.model_path.name,
                  spec_cfg.method if spec_cfg else None, k, verifier_name)
 
@@ -166,11 +179,7 @@ class LLM:
         Returns an output for every request that advanced: ``finished=False`` while it
         runs (for streaming), ``finished=True`` once, at the end.
         """
-        free = self.max_num_seqs - len(self._running)
-        if free > 0 and self._waiting:
-            new, self._waiting = self._waiting[:free], self._waiting[free:]
-            self.loop.start(new)
-            self._running += new
+        self._schedule()
         if not self._running:
             return []
         before = [len(s.output_token_ids) for s in self._running]
@@ -185,6 +194,46 @@ class LLM:
                 del self._by_request[s.request_id]
             outputs.append(self._output(s))
         return outputs
+
+    def _blocks_needed(self, seq: Sequence, extra: int) -> int:
+        alloc = self.target.allocator
+        if not hasattr(alloc, "block_table"):
+            return 0
+        have = len(alloc.block_table(seq.seq_id))
+        return max(0, -(-(max(len(seq.token_ids) - 1, 0) + extra) // alloc.block_size) - have)
+
+    def _schedule(self) -> None:
+        """Admit waiting requests while KV blocks last; preempt the newest when they run out.
+
+        Preempted sequences free their KV and go back to the front of the queue; they are
+        recomputed (prefilled again with their output so far) when room returns.
+        """
+        alloc = self.target.allocator
+        paged = hasattr(alloc, "num_free_blocks")
+        lookahead = self.k + 1
+        if paged:
+            while self._running and sum(self._blocks_needed(s, lookahead) for s in self._running) > alloc.num_free_blocks:
+                victim = self._running.pop()
+                self.loop.finish(victim)
+                self._waiting.insert(0, victim)
+                self.num_preemptions += 1
+                log.warning("KV cache full: preempted request %s (will recompute)", victim.request_id)
+        new = []
+        budget = alloc.num_free_blocks - sum(self._blocks_needed(s, lookahead) for s in self._running) if paged else 0
+        while self._waiting and len(self._running) + len(new) < self.max_num_seqs:
+            s = self._waiting[0]
+            if paged:
+                need = self._blocks_needed(s, lookahead)
+                if need > budget:
+                    if not self._running and not new:
+                        raise RequestError(f"request {s.request_id} needs {need} KV blocks but the cache has "
+                                           f"{alloc.num_free_blocks}; raise kv_cache_memory or shorten it")
+                    break
+                budget -= need
+            new.append(self._waiting.pop(0))
+        if new:
+            self.loop.start(new)
+            self._running += new
 
     def _output(self, s: Sequence) -> RequestOutput:
         out_ids = s.output_token_ids
@@ -243,3 +292,15 @@ class LLM:
     def metrics(self) -> SpecDecodeMetrics:
         """Engine-wide speculation totals over finished requests."""
         return self.stats
+
+
+def _config_eos(path) -> list[int]:
+    import json
+    from pathlib import Path
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return []
+    eos = json.loads(cfg_file.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -47,6 +47,9 @@ class Draft:
     # [B, k, V] float, the draft distribution each token was sampled from; None means
     # the draft is deterministic (counts as one-hot for the rejection sampler)
     probs: torch.Tensor | None = None
+    # [B] leading valid tokens per row, on the host, when the proposer knows them without
+    # reading the device (saves a synchronisation); None = count from token_ids
+    lengths: list[int] | None = None
 
     @property
     def num_tokens(self) -> torch.Tensor:
@@ -156,7 +159,7 @@ class ModelRunner(Protocol):
     def add(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Start a sequence: run the prefill over ``token_ids`` (may be empty)."""
 
-    def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: torch.Tensor,
+    def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
                 hidden_layers: Sequence[int] = ()) -> Any:
         """Append tokens and return logits.
 

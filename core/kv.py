@@ -61,3 +61,133 @@ class SimpleKVAllocator:
     @property
     def used_tokens(self) -> int:
         return self._used
+
+
+@attrs.define(eq=False)
+class PagedKVAllocator:
+    """Fixed-size blocks with a block table per sequence, for one cache group.
+
+    Block 0 is reserved as a scratch block: padded positions write there, so a padded
+    batch never touches a live block. Rollback by length frees whole blocks past the
+    new end; rejected slots inside the last block are simply overwritten next step.
+    """
+
+    group: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int | None = None
+    _free: list[int] = attrs.field(init=False)
+    _tables: dict[int, list[int]] = attrs.field(factory=dict, init=False)
+    _lengths: dict[int, int] = attrs.field(factory=dict, init=False)
+
+    def __attrs_post_init__(self):
+        if self.num_blocks < 2:
+            raise KVCacheFull(f"{self.group} KV cache needs at least 2 blocks, got {self.num_blocks}")
+        # pop() hands out low block ids first
+        self._free = list(range(self.num_blocks - 1, 0, -1))
+
+    def _blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        new_len = self._lengths.get(seq_id, 0) + num_tokens
+        if self.max_model_len is not None and new_len > self.max_model_len:
+            return False
+        need = self._blocks_for(new_len) - len(self._tables.get(seq_id, ()))
+        return need <= len(self._free)
+
+    def allocate(self, seq_id: int, num_tokens: int) -> None:
+        if not self.can_allocate(seq_id, num_tokens):
+            raise KVCacheFull(
+                f"{self.group} KV cache: no room for {num_tokens} more tokens of sequence {seq_id} "
+                f"({len(self._free)} free blocks of {self.block_size}; length "
+                f"{self._lengths.get(seq_id, 0)}, max_model_len {self.max_model_len})"
+            )
+        table = self._tables.setdefault(seq_id, [])
+        new_len = self._lengths.get(seq_id, 0) + num_tokens
+        while len(table) < self._blocks_for(new_len):
+            table.append(self._free.pop())
+        self._lengths[seq_id] = new_len
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        cur = self._lengths.get(seq_id, 0)
+        if length < 0 or length > cur:
+            raise ValueError(f"cannot truncate sequence {seq_id} of length {cur} to {length}")
+        table = self._tables.get(seq_id, [])
+        keep = self._blocks_for(length)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self._lengths[seq_id] = length
+
+    def free(self, seq_id: int) -> None:
+        for b in self._tables.pop(seq_id, []):
+            self._free.append(b)
+        self._lengths.pop(seq_id, None)
+
+    def length(self, seq_id: int) -> int:
+        return self._lengths.get(seq_id, 0)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self._tables.get(seq_id, [])
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / (self.num_blocks - 1)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+
+@attrs.frozen
+class MemoryPlan:
+    """How the KV budget is split; logged at engine start."""
+
+    budget_bytes: int
+    bytes_per_block: dict[str, int]
+    num_blocks: int
+    block_size: int
+    weight_bytes: dict[str, int]
+    max_model_len: int
+
+    @property
+    def tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def max_seqs_at_max_len(self) -> int:
+        return (self.num_blocks - 1) // -(-self.max_model_len // self.block_size)
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        w = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in self.weight_bytes.items())
+        kv = ", ".join(f"{k} {v * self.num_blocks / gib:.2f} GiB" for k, v in self.bytes_per_block.items())
+        return (f"memory plan: weights [{w}]; KV budget {self.budget_bytes / gib:.2f} GiB [{kv}]; "
+                f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens; "
+                f"{self.max_seqs_at_max_len} sequences fit at max length {self.max_model_len}")
+
+
+def plan_kv_memory(budget_bytes: int, bytes_per_token: dict[str, int], block_size: int,
+                   weight_bytes: dict[str, int], max_model_len: int) -> MemoryPlan:
+    """Split a KV budget into equally many blocks for every cache group.
+
+    Every group (target, each draft cache) holds the same tokens, so a block costs the
+    sum of the groups' bytes. Raises KVCacheFull when not even one sequence at
+    ``max_model_len`` fits.
+    """
+    per_block = {g: b * block_size for g, b in bytes_per_token.items()}
+    num_blocks = int(budget_bytes // max(sum(per_block.values()), 1))
+    plan = MemoryPlan(int(budget_bytes), per_block, num_blocks, block_size, dict(weight_bytes), max_model_len)
+    need = -(-max_model_len // block_size) + 1
+    if num_blocks < need:
+        gib = 1 << 30
+        raise KVCacheFull(
+            f"KV cache budget {budget_bytes / gib:.3f} GiB holds {max(num_blocks - 1, 0) * block_size} tokens, "
+            f"less than one sequence of max_model_len={max_model_len} (weights: "
+            + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in weight_bytes.items())
+            + "). Raise kv_cache_memory / gpu_memory_utilization, lower max_model_len, or use a smaller draft."
+        )
+    return plan

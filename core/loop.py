@@ -55,22 +55,24 @@ class DraftVerifyLoop:
         device = self.target.device
         sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], device)
         draft = self._propose(seqs, sampling)
-        # [B] draft tokens per row, capped so no row drafts past what it may emit
-        room = torch.tensor([max(s.room() - 1, 0) for s in seqs], device=device)
-        n_draft = torch.minimum(draft.num_tokens.to(device), room)
+        # draft tokens per row (host), capped so no row drafts past what it may emit
+        lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
+        drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
         k = draft.token_ids.shape[1]
         if k:
-            cols = torch.arange(k, device=device).view(1, k)
-            draft.token_ids = torch.where(cols < n_draft.view(B, 1), draft.token_ids.to(device), -1)
-        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64, device=device).view(B, 1)
+            ids = draft.token_ids.to(device)
+            if drafted != [k] * B:
+                n = torch.tensor(drafted, device=device).view(B, 1)
+                ids = torch.where(torch.arange(k, device=device).view(1, k) < n, ids, -1)
+            draft.token_ids = ids
+        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(device)
         # [B, k+1]: last token, then drafts
         inputs = torch.cat([last, draft.token_ids.clamp_min(0)], dim=1)
-        out = self.target.forward([s.seq_id for s in seqs], inputs, n_draft + 1, self.hidden_layers)
+        out = self.target.forward([s.seq_id for s in seqs], inputs, [n + 1 for n in drafted], self.hidden_layers)
         verdict = self.verifier.verify(out.logits, draft, sampling)
         # the one host synchronisation of the step
         tokens = verdict.token_ids.tolist()
         accepted = verdict.num_accepted.tolist()
-        drafted = n_draft.tolist()
         new_lengths = []
         for b, s in enumerate(seqs):
             a = accepted[b]

@@ -15,8 +15,8 @@ from speculum.interfaces import Draft, ModelRunner, SequenceView
 from speculum.sampling import SamplingBatch, processed_probs, sample_rows
 
 
-def pending_tokens(runner: ModelRunner, seqs: Sequence[SequenceView]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens each sequence's draft cache lacks: ([B, P] right padded, [B] counts)."""
+def pending_tokens(runner: ModelRunner, seqs: Sequence[SequenceView]) -> tuple[torch.Tensor, list[int]]:
+    """Tokens each sequence's draft cache lacks: ([B, P] right padded, counts per row)."""
     rows = [s.token_ids[runner.length(s.seq_id):] for s in seqs]
     counts = [len(r) for r in rows]
     if min(counts) < 1:
@@ -24,7 +24,7 @@ def pending_tokens(runner: ModelRunner, seqs: Sequence[SequenceView]) -> tuple[t
     ids = torch.zeros(len(rows), max(counts), dtype=torch.int64)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return ids.to(runner.device), torch.tensor(counts, device=runner.device)
+    return ids.to(runner.device), counts
 
 
 def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: int,
@@ -43,7 +43,8 @@ def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: i
     for i in range(k):
         out = runner.forward(seq_ids, ids, counts)
         # [B, V] logits at each row's last valid input
-        last = out.logits[torch.arange(B, device=out.logits.device), counts - 1]
+        last = out.logits[:, -1] if max(counts) == min(counts) else \
+            out.logits[torch.arange(B, device=out.logits.device), torch.tensor(counts, device=out.logits.device) - 1]
         if sample:
             p = processed_probs(last.unsqueeze(1), sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
             tok = sample_rows(p, gens)
@@ -52,9 +53,10 @@ def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: i
             tok = last.argmax(dim=-1)
         tokens.append(tok)
         if i + 1 < k:
-            ids, counts = tok.view(B, 1), torch.ones(B, dtype=torch.int64, device=tok.device)
+            ids, counts = tok.view(B, 1), [1] * B
     token_ids = torch.stack(tokens, dim=1) if tokens else torch.empty(B, 0, dtype=torch.int64)
-    return Draft(token_ids=token_ids, probs=torch.stack(probs, dim=1) if sample and probs else None)
+    return Draft(token_ids=token_ids, probs=torch.stack(probs, dim=1) if sample and probs else None,
+                 lengths=[k] * B)
 
 
 def rollback(runner: ModelRunner, seq_ids: Sequence[int], num_accepted: Sequence[int],

@@ -1,21 +1,29 @@
-"""The torch backend: loads transformers causal LMs as roll-back-able runners."""
+"""The torch backend: native Llama-family runner over paged KV, transformers as fallback.
+
+Models are loaded first (target, then any draft), then :meth:`TorchBackend.plan_memory`
+splits the KV budget into equally many blocks for every paged cache group and allocates
+the pools. The plan is logged; a budget too small for one sequence is a clear error.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from speculum.backends.torch.hf_runner import HFRunner
 from speculum.errors import ConfigError, ModelLoadError
-from speculum.kv import SimpleKVAllocator
+from speculum.kv import PagedKVAllocator, SimpleKVAllocator, plan_kv_memory
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+RUNNERS = ("auto", "native", "hf")
+CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -38,33 +46,103 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 class TorchBackend:
-    """Runs transformers models with PyTorch on CPU or CUDA."""
+    """Runs models with PyTorch on CPU or CUDA.
+
+    ``runner``: ``auto`` (native for the Llama family, transformers otherwise), ``native``
+    or ``hf``. ``cuda_graphs``: capture decode/verify steps (CUDA only).
+    """
 
     name = "torch"
 
-    def __init__(self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+    def __init__(self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                 runner: str | None = None, cuda_graphs: bool = True, block_size: int = 16,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.runner_kind = runner or os.environ.get("SPECULUM_RUNNER", "auto")
+        if self.runner_kind not in RUNNERS:
+            raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner_kind!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.cuda_graphs = cuda_graphs
+        self.block_size = block_size
+        self.kv_cache_memory = kv_cache_memory
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.runners: list = []
+        self.plan = None
 
     def load_model(self, path: Path, role: str = "target", max_model_len: int | None = None,
-                   num_layers: int | None = None) -> HFRunner:
-        """Load the transformers checkpoint at ``path`` as a runner for ``role``.
+                   num_layers: int | None = None):
+        """Load the checkpoint at ``path`` as a runner for ``role`` ("target", "draft", ...).
 
         ``num_layers`` keeps only the first layers (a cheap self-draft for experiments).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from speculum.backends.torch.native.arch import read_arch
 
+        arch, why = (None, "runner=hf asked for") if self.runner_kind == "hf" else read_arch(path, num_layers, max_model_len)
+        if arch is None and self.runner_kind == "native":
+            raise ConfigError(f"runner='native' cannot serve {path}: {why}; use runner='auto' or 'hf'")
+        if arch is not None:
+            from speculum.backends.torch.native.runner import NativeRunner
+            from speculum.backends.torch.native.weights import build_native
+            try:
+                model = build_native(path, arch, self.dtype, self.device)
+            except ModelLoadError:
+                raise
+            except Exception as exc:
+                raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
+            runner = NativeRunner(model, name=role, max_model_len=min(max_model_len or arch.max_position_embeddings,
+                                                                     arch.max_position_embeddings),
+                                  cuda_graphs=self.cuda_graphs)
+            log.info("%s model %s: native %s runner (paged KV%s), %s on %s", role, Path(path).name, arch.model_type,
+                     ", CUDA graphs" if runner.cuda_graphs else "", str(self.dtype).replace("torch.", ""), self.device)
+        else:
+            runner = self._load_hf(path, role, max_model_len, num_layers)
+            log.info("%s model %s: transformers runner (%s: %s), %s on %s", role, Path(path).name,
+                     type(runner.model).__name__, why, str(self.dtype).replace("torch.", ""), self.device)
+        self.runners.append(runner)
+        return runner
+
+    def _load_hf(self, path, role, max_model_len, num_layers) -> HFRunner:
+        from transformers import AutoConfig, AutoModelForCausalLM
         try:
             cfg = AutoConfig.from_pretrained(str(path))
             if num_layers is not None:
                 cfg.num_hidden_layers = num_layers
-                if hasattr(cfg, "layer_types") and cfg.layer_types:
+                if getattr(cfg, "layer_types", None):
                     cfg.layer_types = cfg.layer_types[:num_layers]
             model = AutoModelForCausalLM.from_pretrained(str(path), config=cfg, dtype=self.dtype)
         except Exception as exc:
             raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
         model.to(self.device)
-        log.info("%s model %s: transformers runner (%s), %s on %s", role, Path(path).name,
-                 type(model).__name__, str(self.dtype).replace("torch.", ""), self.device)
         limit = max_model_len or getattr(model.config, "max_position_embeddings", None)
         return HFRunner(model, SimpleKVAllocator(group=role, max_model_len=limit), name=role)
+
+    # -- memory ---------------------------------------------------------------------------
+    def kv_budget_bytes(self) -> int:
+        if self.kv_cache_memory is not None:
+            return int(self.kv_cache_memory)
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES
+        # weights are loaded by now, so they are already out of ``free``
+        free, total = torch.cuda.mem_get_info(self.device)
+        activation_reserve = 2 << 30
+        return int(free - total * (1 - self.gpu_memory_utilization) - activation_reserve)
+
+    def plan_memory(self, max_model_len: int) -> None:
+        """Give every paged runner an allocator with the same number of blocks."""
+        paged = [r for r in self.runners if hasattr(r, "attach_cache")]
+        if not paged:
+            return
+        plan = plan_kv_memory(
+            self.kv_budget_bytes(),
+            {f"{r.name}#{i}": r.kv_bytes_per_token for i, r in enumerate(paged)},
+            self.block_size,
+            {f"{r.name}#{i}": r.weight_bytes for i, r in enumerate(paged)},
+            max_model_len,
+        )
+        self.plan = plan
+        log.info(plan.describe())
+        for r in paged:
+            r.attach_cache(PagedKVAllocator(group=r.name, num_blocks=plan.num_blocks, block_size=self.block_size,
+                                            max_model_len=min(max_model_len, r.max_model_len)))

@@ -34,6 +34,7 @@ class HFRunner:
         self.num_layers = int(getattr(cfg, "num_hidden_layers", 0))
         self.device = next(model.parameters()).device
         self.allocator = allocator or SimpleKVAllocator(group=name)
+        self.max_model_len = self.allocator.max_model_len
         self.rows: list[int] = []          # seq_id of each cache row
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [R, H, C, D]
         self.col_pos = torch.empty(0, 0, dtype=torch.int64, device=self.device)  # [R, C], -1 = invalid
@@ -132,7 +133,7 @@ class HFRunner:
         self.col_pos = torch.cat([pad(self.col_pos, (0, C - C_old), value=-1), pad(new_pos, (0, C - C_new), value=-1)])
         self.rows += list(seq_ids)
 
-    def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: torch.Tensor,
+    def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:
         """Append ``token_ids`` [B, q] (first ``num_tokens[b]`` valid) for each listed sequence.
 
@@ -148,8 +149,8 @@ class HFRunner:
         n = torch.zeros(R, dtype=torch.int64, device=self.device)
         idx = torch.tensor(order, device=self.device)
         ids[idx] = token_ids.to(self.device).clamp_min(0)
-        n[idx] = num_tokens.to(self.device)
-        for s, cnt in zip(seq_ids, num_tokens.tolist()):
+        n[idx] = torch.tensor(list(num_tokens), dtype=torch.int64, device=self.device)
+        for s, cnt in zip(seq_ids, num_tokens):
             self.allocator.allocate(s, int(cnt))
         lengths = torch.tensor([self.allocator.length(s) for s in self.rows], device=self.device) - n
         ar = torch.arange(q, device=self.device).view(1, q)

@@ -1,0 +1,217 @@
+"""NativeRunner: the native Llama-family model over a paged KV cache, with CUDA graphs.
+
+Decode and verify forwards have static shapes ``[B, q]`` with ``B`` rounded up to a batch
+bucket and the context rounded up to a block bucket, so each shape is captured once as
+a CUDA graph and replayed. Per-step host work is building one small int64 buffer
+(positions, write slots, block tables) and copying it to the device; there is no host
+synchronisation inside a forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from speculum.backends.torch.native.model import NativeLlama
+from speculum.interfaces import ForwardOutput
+from speculum.kv import PagedKVAllocator
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return n
+
+
+class NativeRunner:
+    """A :class:`~speculum.interfaces.ModelRunner` for :class:`NativeLlama` models."""
+
+    def __init__(self, model: NativeLlama, name: str = "target", max_model_len: int | None = None,
+                 cuda_graphs: bool = True, prefill_chunk: int = 512):
+        self.model = model
+        self.arch = model.arch
+        self.name = name
+        self.vocab_size = model.arch.vocab_size
+        self.hidden_size = model.arch.hidden_size
+        self.num_layers = model.arch.num_layers
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_model_len = max_model_len or model.arch.max_position_embeddings
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.prefill_chunk = prefill_chunk
+        self._graphs: dict[tuple, tuple] = {}
+        self._pool = None
+        self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.arch.kv_bytes_per_token * torch.empty(0, dtype=self.dtype).element_size()
+
+    def attach_cache(self, allocator: PagedKVAllocator) -> None:
+        """Allocate this runner's K/V pools for ``allocator``'s blocks."""
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        slots = allocator.num_blocks * allocator.block_size
+        a = self.arch
+        self.pools = [(torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device),
+                       torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device))
+                      for _ in range(a.num_layers)]
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self._block_buckets = self._make_block_buckets()
+        self._graphs.clear()
+
+    # -- shapes ---------------------------------------------------------------------------
+    def _make_block_buckets(self) -> list[int]:
+        out, nb = [], max(1, 256 // self.block_size)
+        while nb < self.max_blocks:
+            out.append(nb)
+            nb *= 2
+        out.append(self.max_blocks)
+        return out
+
+    def _read_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[B, nb] block ids -> [B, nb * block_size] slot ids."""
+        bs = self.block_size
+        ar = torch.arange(bs, device=blocks.device)
+        return (blocks.unsqueeze(-1) * bs + ar).reshape(blocks.shape[0], -1)
+
+    def _host_meta(self, seq_ids: Sequence[int], num_tokens: Sequence[int], q: int, B: int, nb: int):
+        """Positions, write slots and block tables ([B, q], [B, q], [B, nb]) on the host."""
+        bs = self.block_size
+        pos = np.zeros((B, q), dtype=np.int64)
+        wsl = np.zeros((B, q), dtype=np.int64)
+        blk = np.zeros((B, nb), dtype=np.int64)
+        ar = np.arange(q, dtype=np.int64)
+        for b, (sid, n) in enumerate(zip(seq_ids, num_tokens)):
+            table = self.allocator.block_table(sid)
+            end = self.allocator.length(sid)
+            p = ar + (end - n)
+            pos[b] = p
+            blk[b, : len(table)] = table
+            # rows past the valid tokens write into scratch block 0
+            wsl[b] = np.where(p < end, blk[b, np.minimum(p // bs, nb - 1)] * bs + p % bs, p % bs)
+        return torch.from_numpy(pos), torch.from_numpy(wsl), torch.from_numpy(blk)
+
+    # -- ModelRunner ----------------------------------------------------------------------
+    def length(self, seq_id: int) -> int:
+        return self.allocator.length(seq_id)
+
+    def add(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self.add_many([seq_id], [token_ids])
+
+    def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Prefill each new sequence in chunks of ``prefill_chunk`` tokens (eager)."""
+        for sid, toks in zip(seq_ids, prompts):
+            if self.allocator.length(sid) or self.allocator.block_table(sid):
+                raise ValueError(f"sequence {sid} already in the {self.name} runner")
+            toks = list(toks)
+            for i in range(0, len(toks), self.prefill_chunk):
+                chunk = toks[i: i + self.prefill_chunk]
+                self.allocator.allocate(sid, len(chunk))
+                ids = torch.tensor([chunk], dtype=torch.int64, device=self.device)
+                self._eager([sid], ids, [len(chunk)], (), compute_logits=False)
+            if not toks:
+                self.allocator.allocate(sid, 0)
+
+    def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
+                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+        """Append ``token_ids`` [B, q] (first ``num_tokens[b]`` valid per row); logits [B, q, V].
+
+        The returned tensors may be graph outputs: valid until this runner's next forward.
+        """
+        num_tokens = [int(n) for n in num_tokens]
+        for sid, n in zip(seq_ids, num_tokens):
+            self.allocator.allocate(sid, n)
+        token_ids = token_ids.to(self.device).clamp_min(0)
+        if self.cuda_graphs:
+            return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers))
+        return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers))
+
+    def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True) -> ForwardOutput:
+        B, q = token_ids.shape
+        need = max(-(-self.allocator.length(s) // self.block_size) for s in seq_ids)
+        nb = _bucket(max(need, 1), self._block_buckets)
+        pos, wsl, blk = (t.to(self.device, non_blocking=True) for t in self._host_meta(seq_ids, num_tokens, q, B, nb))
+        with torch.inference_mode():
+            logits, hidden = self.model(token_ids, pos, wsl, self._read_slots(blk), self.pools, hidden_layers,
+                                        compute_logits)
+        return ForwardOutput(logits=logits, hidden_states=hidden)
+
+    def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers) -> ForwardOutput:
+        B, q = token_ids.shape
+        Bb = _bucket(B, BATCH_BUCKETS)
+        need = max(-(-self.allocator.length(s) // self.block_size) for s in seq_ids)
+        nb = _bucket(max(need, 1), self._block_buckets)
+        key = (Bb, q, nb, hidden_layers)
+        entry = self._graphs.get(key) or self._capture(key)
+        graph, static_in, static_out = entry
+        pos, wsl, blk = self._host_meta(seq_ids, num_tokens, q, Bb, nb)
+        packed = torch.cat([pos.view(-1), wsl.view(-1), blk.view(-1)]).pin_memory()
+        static_in["meta"].copy_(packed, non_blocking=True)
+        ids = static_in["ids"]
+        ids[:B].copy_(token_ids)
+        if Bb > B:
+            ids[B:].zero_()
+        graph.replay()
+        logits, hidden = static_out
+        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()})
+
+    def _capture(self, key):
+        Bb, q, nb, hidden_layers = key
+        ids = torch.zeros(Bb, q, dtype=torch.int64, device=self.device)
+        meta = torch.zeros(2 * Bb * q + Bb * nb, dtype=torch.int64, device=self.device)
+
+        def run():
+            pos = meta[: Bb * q].view(Bb, q)
+            wsl = meta[Bb * q: 2 * Bb * q].view(Bb, q)
+            blk = meta[2 * Bb * q:].view(Bb, nb)
+            return self.model(ids, pos, wsl, self._read_slots(blk), self.pools, hidden_layers, True)
+
+        with torch.inference_mode():
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):  # warm up kernels / allocator outside the graph
+                    run()
+            torch.cuda.current_stream().wait_stream(s)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = run()
+        entry = (graph, {"ids": ids, "meta": meta}, out)
+        self._graphs[key] = entry
+        log.debug("%s: captured CUDA graph for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
+        return entry
+
+    def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int]) -> int:
+        """Capture graphs ahead of time (all block buckets); returns how many were made."""
+        if not self.cuda_graphs:
+            return 0
+        n = 0
+        for B in batch_sizes:
+            for q in query_lens:
+                for nb in self._block_buckets:
+                    key = (_bucket(B, BATCH_BUCKETS), q, nb, ())
+                    if key not in self._graphs:
+                        self._capture(key)
+                        n += 1
+        return n
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self.allocator.truncate(seq_id, length)
+
+    def remove(self, seq_id: int) -> None:
+        self.allocator.free(seq_id)
