@@ -1,0 +1,1 @@
+"""Native Llama-family models over paged KV, with CUDA graphs."""

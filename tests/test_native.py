@@ -1,0 +1,93 @@
+"""The native Llama-family runner matches transformers, and the paged KV cache is safe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculum import LLM, SamplingParams
+from speculum.backends.torch.backend import TorchBackend
+from speculum.backends.torch.native.runner import NativeRunner
+from speculum.errors import ConfigError
+from speculum.testing import tiny_model_dir
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_dir(request, tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+
+
+def _hf_logits(path, ids):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0]
+
+
+def test_native_logits_match_transformers(arch_dir):
+    ids = [5, 17, 300, 42, 9, 77, 120, 3, 8, 250, 11]
+    ref = _hf_logits(arch_dir, ids)
+    be = TorchBackend(device="cpu", dtype="float32", runner="native")
+    runner = be.load_model(arch_dir, "target", max_model_len=256)
+    assert isinstance(runner, NativeRunner)
+    be.plan_memory(256)
+    # prefill 6 tokens, then a 3-token verify-style forward, then 2 single-token steps
+    runner.add(0, ids[:6])
+    out = [runner.forward([0], torch.tensor([ids[6:9]]), [3]).logits[0]]
+    out += [runner.forward([0], torch.tensor([[t]]), [1]).logits[0] for t in ids[9:]]
+    got = torch.cat(out)
+    diff = (got - ref[6:]).abs().max().item()
+    assert diff < 1e-4, f"max abs diff {diff}"
+
+
+def test_native_rollback_then_rewrite_matches(arch_dir):
+    """Writing rejected tokens, truncating, and writing others gives the clean logits."""
+    ids = [5, 17, 300, 42, 9, 77, 120]
+    ref = _hf_logits(arch_dir, ids)
+    be = TorchBackend(device="cpu", dtype="float32", runner="native", block_size=4)
+    runner = be.load_model(arch_dir, "target", max_model_len=64)
+    be.plan_memory(64)
+    runner.add(0, ids[:4])
+    runner.forward([0], torch.tensor([[ids[4], 1, 2, 3, 4, 6]]), [6])  # 5 junk drafts span 2 blocks
+    runner.truncate(0, 5)
+    got = runner.forward([0], torch.tensor([ids[5:7]]), [2]).logits[0]
+    assert (got - ref[5:7]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}])
+def test_native_greedy_equals_transformers_runner(arch_dir, spec):
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (1, 4, 9, 23)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    hf = LLM(str(arch_dir), runner="hf", max_num_seqs=3).generate(prompts, sp)
+    nat = LLM(str(arch_dir), speculative_config=spec, runner="native", max_num_seqs=3).generate(prompts, sp)
+    assert [o.token_ids for o in hf] == [o.token_ids for o in nat]
+
+
+def test_preemption_keeps_outputs_identical(tiny_llama):
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLM(str(tiny_llama), max_num_seqs=6).generate(prompts, sp)
+    spec = {"model": str(tiny_llama), "num_speculative_tokens": 3}
+    # per token: 2 layers * 2 (k,v) * 2 heads * 16 dims * 4 bytes = 512 B per group; two groups
+    tight = LLM(str(tiny_llama), speculative_config=spec, max_num_seqs=6, block_size=4,
+                kv_cache_memory=40 * 4 * 1024, max_model_len=96)
+    outs = tight.generate(prompts, sp)
+    assert tight.num_preemptions > 0, "the budget was meant to force preemption"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_impossible_kv_budget_is_a_clear_error(tiny_llama):
+    with pytest.raises(ConfigError, match="less than one sequence of max_model_len"):
+        LLM(str(tiny_llama), kv_cache_memory=4096, max_model_len=512)
+
+
+def test_runner_choice_is_logged(tiny_llama, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="speculum"):
+        LLM(str(tiny_llama))
+    assert any("native llama runner" in r.message for r in caplog.records)
+    assert any("memory plan" in r.message for r in caplog.records)
