@@ -82,9 +82,10 @@ class LLM:
         if plan is not None:
             from speculum.interfaces import KVCacheFull
             try:
-                plan(self.max_model_len)
+                plan(self.max_model_len, self.max_num_seqs)
             except KVCacheFull as exc:
                 raise ConfigError(str(exc)) from exc
+        self._capture_graphs(k)
         self.verifier_spec = self.registry.verifier(verifier_name)
         self.verifier = self.verifier_spec.factory()
         self.proposer = proposer
@@ -100,6 +101,16 @@ class LLM:
         self.k = k
         log.info("engine ready: model=%s method=%s k=%d verifier=%s", self.model_path.name,
                  spec_cfg.method if spec_cfg else None, k, verifier_name)
+
+    def _capture_graphs(self, k: int) -> None:
+        """Capture CUDA graphs for the common decode/verify shapes up front (others lazily)."""
+        capture = getattr(self.target, "capture", None)
+        if capture is None or not getattr(self.target, "cuda_graphs", False):
+            return
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs] + [self.max_num_seqs]
+        t0 = time.perf_counter()
+        n = capture(sizes, sorted({1, k + 1}), max_block_buckets=1)
+        log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
     # -- requests -----------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:

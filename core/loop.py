@@ -59,8 +59,9 @@ class DraftVerifyLoop:
         lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
         drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
         k = draft.token_ids.shape[1]
+        draft.token_ids = draft.token_ids.to(device)
         if k:
-            ids = draft.token_ids.to(device)
+            ids = draft.token_ids
             if drafted != [k] * B:
                 n = torch.tensor(drafted, device=device).view(B, 1)
                 ids = torch.where(torch.arange(k, device=device).view(1, k) < n, ids, -1)

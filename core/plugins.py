@@ -8,6 +8,7 @@ the register hooks once and returns a :class:`Registry`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
 import logging
@@ -113,10 +114,16 @@ def _disabled() -> set[str]:
     return {p.strip() for p in raw.split(",") if p.strip()}
 
 
+@functools.lru_cache(maxsize=1)
+def _packages_distributions() -> dict[str, list[str]]:
+    """Top-level module -> distributions; scanning every installed one takes ~0.3 s, so once."""
+    return dict(md.packages_distributions())
+
+
 def _dist_info(module: Any) -> tuple[str, str]:
     name = getattr(module, "__name__", type(module).__name__)
     top = name.split(".")[0]
-    for dist in md.packages_distributions().get(top, []):
+    for dist in _packages_distributions().get(top, []):
         try:
             return dist, md.version(dist)
         except md.PackageNotFoundError:  # pragma: no cover

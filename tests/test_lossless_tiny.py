@@ -7,8 +7,9 @@ the draft proposes and however requests are batched: prompts of mixed lengths (1
 mid-flight) and large enough to run everything at once. The baseline itself is pinned
 to transformers' own ``generate(do_sample=False)``.
 
-All models are random, fp32, on CPU. Every output's speculation metrics are checked for
-internal consistency along the way.
+All models are random, fp32, on CPU; the speculative runs go through both model runners
+(the native Llama-family one and the transformers fallback). Every output's speculation
+metrics are checked for internal consistency along the way.
 """
 
 from __future__ import annotations
@@ -46,17 +47,21 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
+#: fp32 on CPU; a small KV budget (the paged runner allocates all of it up front)
+ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+RUNNERS = ["native", "hf"]  # the native Llama-family runner and the transformers fallback
+
+
 def make_llm(model, spec=None, **kw) -> LLM:
     kw.setdefault("max_num_seqs", len(PROMPTS))
-    return LLM(model=str(model), speculative_config=spec, device="cpu", dtype="float32", **kw)
+    return LLM(model=str(model), speculative_config=spec, **ENGINE_KW, **kw)
 
 
-def check_metrics(m, num_output_tokens: int, stopped: bool = False) -> None:
-    """Internal consistency of one request's SpecDecodeMetrics."""
-    if stopped:
-        assert m.num_emitted_tokens >= num_output_tokens
-    else:  # nothing is cut: every emitted token is in the output
-        assert m.num_emitted_tokens == num_output_tokens
+def check_metrics(m, num_output_tokens: int) -> None:
+    """Internal consistency of one request's SpecDecodeMetrics (for runs without stops)."""
+    # nothing is cut by a stop, and drafts never run past max_tokens: every emitted token
+    # is in the output (with a stop it is >=, see test_stops.py)
+    assert m.num_emitted_tokens == num_output_tokens
     hist, per_pos = m.acceptance_histogram, m.accepted_per_position
     assert sum(hist) == m.num_steps
     assert sum(a * c for a, c in enumerate(hist)) == m.num_accepted_tokens
@@ -106,21 +111,25 @@ def test_baseline_matches_transformers_generate(tiny_llama, baseline):
         assert baseline[i] == hf_greedy(tiny_llama, PROMPT_IDS[i], MAX_TOKENS[i]), f"prompt {i}"
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 2])
-def test_baseline_is_batch_invariant(tiny_llama, baseline, max_num_seqs):
-    outs = make_llm(tiny_llama, max_num_seqs=max_num_seqs).generate(PROMPTS, GREEDY)
+@pytest.mark.parametrize("runner, max_num_seqs", [("native", 1), ("native", 2), ("hf", 2), ("hf", 6)])
+def test_baseline_is_batch_and_runner_invariant(tiny_llama, baseline, runner, max_num_seqs):
+    llm = make_llm(tiny_llama, max_num_seqs=max_num_seqs, runner=runner)
+    assert type(llm.target).__name__ == {"native": "NativeRunner", "hf": "HFRunner"}[runner]
+    outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == baseline
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_other_architectures(request, arch):
+def test_other_architectures(request, arch, runner):
     """Baseline == transformers generate == self-draft speculation, for Qwen2 and Qwen3."""
     model = request.getfixturevalue(f"tiny_{arch}")
     idx = [0, 2, 4]
     prompts, params = [PROMPTS[i] for i in idx], [GREEDY[i] for i in idx]
-    base = [o.token_ids for o in make_llm(model, max_num_seqs=2).generate(prompts, params)]
+    base = [o.token_ids for o in make_llm(model, max_num_seqs=2, runner=runner).generate(prompts, params)]
     assert base[1] == hf_greedy(model, PROMPT_IDS[2], MAX_TOKENS[2])
-    llm = make_llm(model, {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}, max_num_seqs=2)
+    llm = make_llm(model, {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3},
+                   max_num_seqs=2, runner=runner)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == base
     assert all(o.metrics.draft_acceptance_rate == 1.0 for o in outs)
@@ -140,11 +149,12 @@ def spec_configs(tiny_llama, tiny_llama_draft) -> dict[str, dict]:
     }
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("max_num_seqs", BATCH_SIZES, ids=["joins-mid-flight", "all-at-once"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft", "self_draft_1_layer"])
-def test_greedy_speculation_is_lossless(tiny_llama, tiny_llama_draft, baseline, method, max_num_seqs):
+def test_greedy_speculation_is_lossless(tiny_llama, tiny_llama_draft, baseline, method, max_num_seqs, runner):
     spec = spec_configs(tiny_llama, tiny_llama_draft)[method]
-    llm = make_llm(tiny_llama, spec, max_num_seqs=max_num_seqs)
+    llm = make_llm(tiny_llama, spec, max_num_seqs=max_num_seqs, runner=runner)
     outs = llm.generate(PROMPTS, GREEDY)
     for i, (o, want) in enumerate(zip(outs, baseline)):
         assert o.token_ids == want, f"{method}: prompt {i} (length {len(PROMPT_IDS[i])}) differs from the baseline"
@@ -169,22 +179,24 @@ def test_greedy_speculation_is_lossless(tiny_llama, tiny_llama_draft, baseline, 
             assert m.acceptance_histogram[k] >= m.num_steps - 1
         assert total.mean_acceptance_length > k
     elif method == "self_draft_1_layer":
-        assert llm.proposer.runner.num_layers == 1
-        assert llm.proposer.runner.model.config.num_hidden_layers == 1
+        assert llm.proposer.runner.num_layers == 1 and llm.target.num_layers == 2
 
 
-def test_staggered_arrivals(tiny_llama, baseline):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_staggered_arrivals(tiny_llama, baseline, runner):
     """Requests added between steps (via add_request/step) still match the baseline."""
     llm = make_llm(tiny_llama, {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3,
-                                "options": {"num_layers": 1}}, max_num_seqs=3)
+                                "options": {"num_layers": 1}}, max_num_seqs=3, runner=runner)
     pending = list(range(len(PROMPTS)))[::-1]
     results, steps = {}, 0
     while pending or llm.has_unfinished_requests():
         if pending and steps % 2 == 0:
             i = pending.pop()
             llm.add_request(f"r{i}", PROMPTS[i], GREEDY[i])
-        for out in llm.step():
-            results[out.request_id] = out.token_ids
+        for out in llm.step():  # an output for every request that advanced
+            if out.finished:
+                assert out.request_id not in results
+                results[out.request_id] = out.token_ids
         steps += 1
         assert steps < 1000
     assert [results[f"r{i}"] for i in range(len(PROMPTS))] == baseline

@@ -29,6 +29,7 @@ PROMPTS = [
 ]
 N = 40
 ENGINES = ["baseline", "speculative"]
+ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
 
 
 class FakeHFTokenizer:
@@ -73,7 +74,7 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama) -> dict[str, LLM]:
-    kw = dict(device="cpu", dtype="float32", max_num_seqs=len(PROMPTS))
+    kw = dict(ENGINE_KW, max_num_seqs=len(PROMPTS))
     return {
         "baseline": LLM(str(tiny_llama), **kw),
         "speculative": LLM(str(tiny_llama), {"method": "draft_model", "model": str(tiny_llama),
@@ -128,10 +129,11 @@ def test_max_tokens(engines, reference, engine):
         assert outs[0].metrics.num_draft_tokens == 0  # max_tokens=1 leaves no room to draft
 
 
+@pytest.mark.parametrize("runner", ["native", "hf"])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_max_model_len(tiny_llama, reference, engine):
+def test_max_model_len(tiny_llama, reference, engine, runner):
     spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": K} if engine == "speculative" else None
-    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_model_len=27)
+    llm = LLM(str(tiny_llama), spec, max_model_len=27, runner=runner, **ENGINE_KW)
     prompt = PROMPTS[2]  # 20 tokens: 7 fit
     out = llm.generate(prompt, greedy(ignore_eos=True))[0]
     assert out.token_ids == reference[2][:7]

@@ -91,9 +91,10 @@ class TorchBackend:
                 raise
             except Exception as exc:
                 raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
-            runner = NativeRunner(model, name=role, max_model_len=min(max_model_len or arch.max_position_embeddings,
-                                                                     arch.max_position_embeddings),
-                                  cuda_graphs=self.cuda_graphs)
+            limit = max_model_len or arch.max_position_embeddings
+            if role == "target":  # a draft may be asked for a few positions past the context
+                limit = min(limit, arch.max_position_embeddings)
+            runner = NativeRunner(model, name=role, max_model_len=limit, cuda_graphs=self.cuda_graphs)
             log.info("%s model %s: native %s runner (paged KV%s), %s on %s", role, Path(path).name, arch.model_type,
                      ", CUDA graphs" if runner.cuda_graphs else "", str(self.dtype).replace("torch.", ""), self.device)
         else:
@@ -119,23 +120,36 @@ class TorchBackend:
         return HFRunner(model, SimpleKVAllocator(group=role, max_model_len=limit), name=role)
 
     # -- memory ---------------------------------------------------------------------------
-    def kv_budget_bytes(self) -> int:
+    def kv_budget_bytes(self, cap: int | None = None) -> int:
+        """Bytes for KV: ``kv_cache_memory`` if set, else what the device allows (CUDA:
+        ``gpu_memory_utilization`` of the card minus what is in use and an activation
+        reserve; CPU: 2 GiB), never more than ``cap`` (what the engine can ever use)."""
         if self.kv_cache_memory is not None:
             return int(self.kv_cache_memory)
         if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BYTES
+            return min(CPU_DEFAULT_KV_BYTES, cap or CPU_DEFAULT_KV_BYTES)
         # weights are loaded by now, so they are already out of ``free``
         free, total = torch.cuda.mem_get_info(self.device)
         activation_reserve = 2 << 30
-        return int(free - total * (1 - self.gpu_memory_utilization) - activation_reserve)
+        avail = int(free - total * (1 - self.gpu_memory_utilization) - activation_reserve)
+        return min(avail, cap) if cap else avail
 
-    def plan_memory(self, max_model_len: int) -> None:
-        """Give every paged runner an allocator with the same number of blocks."""
+    def plan_memory(self, max_model_len: int, max_num_seqs: int | None = None) -> None:
+        """Give every paged runner an allocator with the same number of blocks.
+
+        Without an explicit ``kv_cache_memory`` the budget is capped at what
+        ``max_num_seqs`` sequences of ``max_model_len`` can use (plus slack), so several
+        engines can share a device.
+        """
         paged = [r for r in self.runners if hasattr(r, "attach_cache")]
         if not paged:
             return
+        cap = None
+        if max_num_seqs:
+            blocks = max_num_seqs * (-(-max_model_len // self.block_size) + 1) + 2
+            cap = blocks * self.block_size * sum(r.kv_bytes_per_token for r in paged)
         plan = plan_kv_memory(
-            self.kv_budget_bytes(),
+            self.kv_budget_bytes(cap),
             {f"{r.name}#{i}": r.kv_bytes_per_token for i, r in enumerate(paged)},
             self.block_size,
             {f"{r.name}#{i}": r.weight_bytes for i, r in enumerate(paged)},
@@ -145,4 +159,4 @@ class TorchBackend:
         log.info(plan.describe())
         for r in paged:
             r.attach_cache(PagedKVAllocator(group=r.name, num_blocks=plan.num_blocks, block_size=self.block_size,
-                                            max_model_len=min(max_model_len, r.max_model_len)))
+                                            max_model_len=r.max_model_len))  # never below the engine's

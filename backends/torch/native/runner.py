@@ -196,14 +196,16 @@ class NativeRunner:
         log.debug("%s: captured CUDA graph for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
         return entry
 
-    def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int]) -> int:
-        """Capture graphs ahead of time (all block buckets); returns how many were made."""
+    def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
+                max_block_buckets: int | None = None) -> int:
+        """Capture graphs ahead of time; returns how many were made. Other shapes are
+        captured the first time they occur."""
         if not self.cuda_graphs:
             return 0
         n = 0
         for B in batch_sizes:
             for q in query_lens:
-                for nb in self._block_buckets:
+                for nb in self._block_buckets[:max_block_buckets]:
                     key = (_bucket(B, BATCH_BUCKETS), q, nb, ())
                     if key not in self._graphs:
                         self._capture(key)

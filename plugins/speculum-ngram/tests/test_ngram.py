@@ -1,0 +1,141 @@
+"""Unit tests of prompt lookup: find_ngram_draft, NgramProposer batching and defaults."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from speculum.config import SpeculativeConfig
+from speculum.interfaces import ProposeBatch, SequenceView
+from speculum.sampling import SamplingBatch, SamplingParams
+from speculum_ngram import NgramOptions, NgramProposer, find_ngram_draft
+from speculum_ngram.proposer import DEFAULT_MAX, DEFAULT_MIN
+
+
+def draft(tokens, n_min=1, n_max=5, k=3):
+    return find_ngram_draft(torch.tensor(tokens, dtype=torch.int64), n_min, n_max, k)
+
+
+# ------------------------------------------------------------------ find_ngram_draft
+def test_longest_match_wins():
+    # suffix [1, 2, 3] occurred at the start (followed by 10, 11); the shorter suffix
+    # [2, 3] occurred more recently (followed by 20, 21): the longer match wins
+    tokens = [1, 2, 3, 10, 11, 2, 3, 20, 21, 1, 2, 3]
+    assert draft(tokens, n_max=3, k=2) == [10, 11]
+    assert draft(tokens, n_max=2, k=2) == [20, 21]  # n_max bounds the match length
+
+
+def test_most_recent_occurrence_wins():
+    tokens = [5, 6, 1, 9, 5, 6, 2, 8, 5, 6]
+    assert draft(tokens, n_min=2, n_max=2, k=2) == [2, 8]
+    # also for single tokens
+    assert draft([7, 1, 7, 2, 7], n_min=1, n_max=1, k=1) == [2]
+
+
+def test_min_bound():
+    tokens = [4, 9, 8, 7, 4]  # only the 1-gram [4] recurs
+    assert draft(tokens, n_min=1, n_max=3, k=2) == [9, 8]
+    assert draft(tokens, n_min=2, n_max=3, k=2) == []
+
+
+def test_no_match():
+    assert draft([1, 2, 3, 4, 5]) == []
+    assert draft([]) == []
+    assert draft([7]) == []  # nothing before the suffix
+    assert draft([7, 7], n_min=2, n_max=2) == []  # the suffix itself is not a match
+
+
+def test_k_truncated_at_end_of_context():
+    # [1, 2] matched at the start: the continuation runs into the suffix and then ends
+    assert draft([1, 2, 3, 1, 2], n_min=2, n_max=2, k=5) == [3, 1, 2]
+    assert draft([1, 2, 3, 1, 2], n_min=2, n_max=2, k=2) == [3, 1]
+    # overlapping match in a constant run: continuation is cut at the context end
+    assert draft([7, 7, 7, 7], n_min=2, n_max=3, k=4) == [7]
+
+
+def test_n_max_larger_than_context():
+    assert draft([3, 4, 3], n_min=1, n_max=10, k=4) == [4, 3]
+
+
+def test_k_zero():
+    assert draft([1, 2, 1], k=0) == []
+
+
+# ------------------------------------------------------------------ NgramProposer
+def batch(rows, k):
+    params = [SamplingParams(temperature=0)] * len(rows)
+    views = [SequenceView(i, list(r), 1) for i, r in enumerate(rows)]
+    return ProposeBatch(views, k, SamplingBatch.from_params(params, [None] * len(rows)))
+
+
+def test_propose_pads_rows_with_minus_one():
+    prop = NgramProposer(1, 3)
+    rows = [
+        [1, 2, 3, 4, 1, 2],      # match [1, 2] -> 3, 4, 1 (k=3)
+        [9, 8, 7],               # no match
+        [5, 6, 5],               # match [5] -> 6, 5 (context end)
+    ]
+    d = prop.propose(batch(rows, 3))
+    assert d.probs is None
+    assert d.token_ids.dtype == torch.int64
+    assert d.token_ids.tolist() == [[3, 4, 1], [-1, -1, -1], [6, 5, -1]]
+    assert d.num_tokens.tolist() == [3, 0, 2]
+
+
+def test_propose_width_is_the_longest_draft():
+    prop = NgramProposer(1, 3)
+    d = prop.propose(batch([[5, 6, 5], [9, 8, 7]], 4))
+    assert d.token_ids.shape == (2, 2)  # narrower than k
+    assert d.token_ids.tolist() == [[6, 5], [-1, -1]]
+    empty = prop.propose(batch([[1, 2, 3], [4, 5]], 4))
+    assert empty.token_ids.shape == (2, 0)
+    assert empty.num_tokens.tolist() == [0, 0]
+
+
+def test_search_window():
+    rows = [[1, 2, 9, 9, 9, 9, 1]]
+    assert NgramProposer(1, 1).propose(batch(rows, 2)).token_ids.tolist() == [[2, 9]]
+    # the old occurrence of 1 lies outside the last 4 tokens
+    assert NgramProposer(1, 1, search_window=4).propose(batch(rows, 2)).token_ids.shape == (1, 0)
+
+
+def test_observe_is_a_no_op():
+    NgramProposer(1, 2).observe(None)
+
+
+# ------------------------------------------------------------------ defaults from config
+def from_config(**kw):
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, **kw)
+    return NgramProposer.from_context(types.SimpleNamespace(config=cfg, options=None))
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, (DEFAULT_MIN, DEFAULT_MAX)),
+    ({"prompt_lookup_min": 3}, (3, 5)),
+    ({"prompt_lookup_min": 7}, (7, 7)),
+    ({"prompt_lookup_max": 4}, (2, 4)),
+    ({"prompt_lookup_max": 1}, (1, 1)),
+    ({"prompt_lookup_min": 1, "prompt_lookup_max": 9}, (1, 9)),
+])
+def test_lookup_bounds_from_config(given, expected):
+    assert (DEFAULT_MIN, DEFAULT_MAX) == (2, 5)
+    p = from_config(**given)
+    assert (p.n_min, p.n_max) == expected
+    assert p.search_window == 0
+
+
+def test_options_from_context():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    p = NgramProposer.from_context(types.SimpleNamespace(config=cfg, options=NgramOptions(search_window=64)))
+    assert p.search_window == 64
+    with pytest.raises(ValueError):
+        NgramOptions(search_window=-1)
+
+
+def test_registered_through_the_entry_point():
+    from speculum.plugins import build_registry
+    spec = build_registry().methods["ngram"]
+    assert spec.factory == NgramProposer.from_context
+    assert spec.options is NgramOptions and spec.backends == ("torch",)
