@@ -1,4 +1,4 @@
-"""The ``speculum`` command line: ``generate`` and ``plugins``."""
+"""The ``speculum`` command line: ``generate``, ``plugins``, ``serve`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plugins", help="list installed methods, verifiers and backends")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plugins)
+
+    from speculum.bench.cli import add_parser as add_bench_parser
+    from speculum.server.cli import add_parser as add_serve_parser
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

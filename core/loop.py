@@ -59,21 +59,21 @@ class DraftVerifyLoop:
         lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
         drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
         k = draft.token_ids.shape[1]
-        draft.token_ids = draft.token_ids.to(device)
-        if k:
-            ids = draft.token_ids
-            if drafted != [k] * B:
-                n = torch.tensor(drafted, device=device).view(B, 1)
-                ids = torch.where(torch.arange(k, device=device).view(1, k) < n, ids, -1)
-            draft.token_ids = ids
-        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(device)
-        # [B, k+1]: last token, then drafts
-        inputs = torch.cat([last, draft.token_ids.clamp_min(0)], dim=1)
+        ids = draft.token_ids
+        if k and drafted != [k] * B:
+            n = torch.tensor(drafted).view(B, 1).to(ids.device)
+            ids = torch.where(torch.arange(k, device=ids.device).view(1, k) < n, ids, -1)
+        draft.token_ids = ids
+        # [B, k+1]: last token, then drafts; built where the drafts live (host for
+        # model-free proposers, so the runner ships everything in one copy)
+        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(ids.device)
+        inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
         out = self.target.forward([s.seq_id for s in seqs], inputs, [n + 1 for n in drafted], self.hidden_layers)
         verdict = self.verifier.verify(out.logits, draft, sampling)
-        # the one host synchronisation of the step
-        tokens = verdict.token_ids.tolist()
-        accepted = verdict.num_accepted.tolist()
+        # the one host synchronisation of the step (none left if the verifier synced)
+        both = torch.cat([verdict.num_accepted.view(B, 1), verdict.token_ids], dim=1).tolist()
+        accepted = [r[0] for r in both]
+        tokens = [r[1:] for r in both]
         new_lengths = []
         for b, s in enumerate(seqs):
             a = accepted[b]
@@ -90,7 +90,7 @@ class DraftVerifyLoop:
 
     def _propose(self, seqs: list[Sequence], sampling: SamplingBatch) -> Draft:
         if self.proposer is None or self.k == 0:
-            return Draft.empty(len(seqs), self.target.device)
+            return Draft.empty(len(seqs))
         draft = self.proposer.propose(ProposeBatch([s.view() for s in seqs], self.k, sampling))
         if draft.token_ids.shape[0] != len(seqs) or draft.token_ids.shape[1] > self.k:
             raise RuntimeError(

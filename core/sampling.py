@@ -58,35 +58,63 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@attrs.define(eq=False)
 class SamplingBatch:
-    """Sampling settings of the rows of one step, as tensors plus per-row generators."""
+    """Sampling settings of the rows of one step, plus per-row generators.
 
-    # [B] float32; 0 marks a greedy row
-    temperature: torch.Tensor
-    # [B] int64; 0 disables
-    top_k: torch.Tensor
-    # [B] float32; 1 disables
-    top_p: torch.Tensor
-    # [B] per-request random generators (None for greedy rows)
-    generators: list[torch.Generator | None]
+    The per-row tensors are built on first use only: an all-greedy step never needs them,
+    which keeps host-to-device copies out of the fast path.
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 device: torch.device | str = "cpu"):
+        self.params = list(params)
+        # one generator per row, or a single generator shared by all rows
+        self.generators = generators if isinstance(generators, torch.Generator) else list(generators)
+        self.device = device
+        self.all_greedy = all(p.temperature == 0 for p in self.params)
+        self._t = None
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                     device: torch.device | str = "cpu") -> "SamplingBatch":
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            generators=list(generators),
-        )
+        return cls(params, generators, device)
+
+    @classmethod
+    def from_tensors(cls, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     generators: Sequence[torch.Generator | None]) -> "SamplingBatch":
+        """Build directly from [B] tensors (tests, kernels)."""
+        batch = cls([], generators, temperature.device)
+        batch._t = (temperature.float(), top_k.long(), top_p.float())
+        batch.all_greedy = bool((temperature == 0).all())
+        return batch
+
+    def _tensors(self):
+        if self._t is None:
+            ps = self.params
+            self._t = (
+                torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(self.device),
+                torch.tensor([max(p.top_k, 0) for p in ps], dtype=torch.int64).to(self.device),
+                torch.tensor([p.top_p for p in ps], dtype=torch.float32).to(self.device),
+            )
+        return self._t
 
     @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+    def temperature(self) -> torch.Tensor:
+        """[B] float32; 0 marks a greedy row."""
+        return self._tensors()[0]
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        """[B] int64; 0 disables."""
+        return self._tensors()[1]
+
+    @property
+    def top_p(self) -> torch.Tensor:
+        """[B] float32; 1 disables."""
+        return self._tensors()[2]
 
     def __len__(self) -> int:
-        return self.temperature.shape[0]
+        return self.temperature.shape[0] if self._t is not None else len(self.params)
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

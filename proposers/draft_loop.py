@@ -24,7 +24,7 @@ def pending_tokens(runner: ModelRunner, seqs: Sequence[SequenceView]) -> tuple[t
     ids = torch.zeros(len(rows), max(counts), dtype=torch.int64)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return ids.to(runner.device), counts
+    return ids, counts  # runners take host tokens (one copy with the step metadata)
 
 
 def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: int,

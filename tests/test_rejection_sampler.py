@@ -343,7 +343,7 @@ def test_verify_with_temperature_top_k_top_p_is_exact(temperature, top_k, top_p)
     q = processed_probs(dl.unsqueeze(0), temp[one], tk[one], tp[one])[0]
     gen = torch.Generator().manual_seed(7)
     drafts = draw_drafts(q, N, gen)
-    sampling = SamplingBatch(temperature=temp, top_k=tk, top_p=tp, generators=gen)
+    sampling = SamplingBatch.from_tensors(temp, tk, tp, gen)
     verdict = RejectionSampler().verify(tl.expand(N, -1, -1), Draft(drafts, q.expand(N, -1, -1)), sampling)
     check_structure(verdict, drafts)
     check_positions(verdict, p)
@@ -419,9 +419,8 @@ def test_mixed_greedy_and_sampled_rows():
     greedy_drafts = torch.where(corrupt, noise, am)
     greedy_drafts[torch.arange(N) % 10 == 0, 2] = -1  # some padded rows too
     drafts = torch.where(greedy_rows.view(-1, 1), greedy_drafts, drafts)
-    sampling = SamplingBatch(
-        temperature=torch.where(greedy_rows, 0.0, 1.0),
-        top_k=torch.zeros(N, dtype=torch.int64), top_p=torch.ones(N), generators=gen)
+    sampling = SamplingBatch.from_tensors(
+        torch.where(greedy_rows, 0.0, 1.0), torch.zeros(N, dtype=torch.int64), torch.ones(N), gen)
     q_rows = q.expand(N, -1, -1)
     verdict = RejectionSampler().verify(tl.expand(N, -1, -1), Draft(drafts, q_rows), sampling)
     check_structure(verdict, drafts)

@@ -11,23 +11,32 @@ from speculum.sampling import SamplingBatch
 def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdict:
     """Accept the longest prefix of ``draft_ids`` that matches the target argmax.
 
-    ``target_logits``: [B, k+1, V]; ``draft_ids``: [B, k] (-1 padded). The emitted run is
-    the accepted drafts followed by the target's argmax at the first mismatch (or the
-    bonus position when every draft matched).
+    ``target_logits``: [B, k+1, V]; ``draft_ids``: [B, k] (-1 padded), on any device. The
+    emitted run is the accepted drafts followed by the target's argmax at the first
+    mismatch (or the bonus position when every draft matched).
+
+    Only the argmax leaves the device (one synchronisation); the prefix match runs on
+    the host, and the Verdict comes back as CPU tensors.
     """
     B, k1, _ = target_logits.shape
     k = k1 - 1
     # [B, k+1]
     argmax = target_logits.argmax(dim=-1)
-    if k == 0:
-        return Verdict(token_ids=argmax, num_accepted=torch.zeros(B, dtype=torch.int64, device=argmax.device))
-    # [B, k] True while the draft matches (padding never matches: argmax >= 0)
-    match = draft_ids == argmax[:, :k]
-    num_accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    pos = torch.arange(k1, device=argmax.device).view(1, k1)
-    # accepted drafts equal argmax there, so the emitted run is argmax up to num_accepted
-    tokens = torch.where(pos <= num_accepted.view(B, 1), argmax, torch.full_like(argmax, -1))
-    return Verdict(token_ids=tokens, num_accepted=num_accepted)
+    if k > 0 and draft_ids.device != torch.device("cpu"):
+        both = torch.cat([argmax, draft_ids.to(argmax.device, torch.int64)], dim=1).tolist()
+        am, drafts = [r[:k1] for r in both], [r[k1:] for r in both]
+    else:
+        am = argmax.tolist()
+        drafts = draft_ids.tolist() if k > 0 else [[] for _ in range(B)]
+    tokens, accepted = [], []
+    for a, d in zip(am, drafts):
+        n = 0
+        while n < k and d[n] == a[n]:
+            n += 1
+        tokens.append(a[: n + 1] + [-1] * (k - n))
+        accepted.append(n)
+    return Verdict(token_ids=torch.tensor(tokens, dtype=torch.int64).view(B, k1),
+                   num_accepted=torch.tensor(accepted, dtype=torch.int64))
 
 
 class GreedyVerifier:

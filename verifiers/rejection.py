@@ -95,10 +95,13 @@ class RejectionSampler:
         if sampling.all_greedy:
             return greedy_verify(target_logits, draft.token_ids)
         p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        verdict = rejection_sample(p, draft.probs, draft.token_ids, sampling.generators)
+        ids = draft.token_ids.to(p.device)
+        probs = draft.probs.to(p.device) if draft.probs is not None else None
+        verdict = rejection_sample(p, probs, ids, sampling.generators)
         greedy_rows = sampling.temperature == 0
         if bool(greedy_rows.any()):
-            g = greedy_verify(target_logits, draft.token_ids)
-            verdict.token_ids = torch.where(greedy_rows.view(-1, 1), g.token_ids, verdict.token_ids)
-            verdict.num_accepted = torch.where(greedy_rows, g.num_accepted, verdict.num_accepted)
+            g = greedy_verify(target_logits, ids)
+            gr = greedy_rows.view(-1, 1)
+            verdict.token_ids = torch.where(gr, g.token_ids.to(p.device), verdict.token_ids)
+            verdict.num_accepted = torch.where(greedy_rows, g.num_accepted.to(p.device), verdict.num_accepted)
         return verdict

@@ -53,6 +53,8 @@ class EngineUpdate:
     stop_reason: str | int | None = None
     #: final text (finished only; the engine's, with stop strings cut)
     text: str | None = None
+    #: every output token id (finished only)
+    token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     #: the request's speculation counts (finished only)
@@ -234,6 +236,8 @@ class AsyncEngine:
         if self.record_steps:
             live.steps = []
         self._live[live.request_id] = live
+        if self.metrics is not None:
+            self.metrics.count_prompt_tokens(live.num_prompt_tokens)
         live.push(EngineUpdate("added"))
 
     def _abort(self, request_id: str) -> None:
@@ -259,12 +263,14 @@ class AsyncEngine:
             self._fail_all(EngineStepError(f"the engine failed while running this request: {exc!r}"), "error")
             return
         now = time.perf_counter()
+        generated = 0
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:  # not a server request (nobody to tell)
                 continue
             ids = out.token_ids
             new = ids[live.num_sent:]
+            generated += len(new)
             if new:
                 if live.first_token_time is None:
                     live.first_token_time = now
@@ -286,11 +292,13 @@ class AsyncEngine:
                 self._record_finished(live, reason, now)
                 live.push(EngineUpdate(
                     "output", new_token_ids=list(new), finished=True, finish_reason=reason,
-                    stop_reason=out.outputs[0].stop_reason, text=out.text,
+                    stop_reason=out.outputs[0].stop_reason, text=out.text, token_ids=list(ids),
                     num_prompt_tokens=live.num_prompt_tokens, num_output_tokens=len(ids),
                     metrics=out.metrics, steps=live.steps))
             elif live.stream and new:
                 live.push(EngineUpdate("output", new_token_ids=list(new)))
+        if self.metrics is not None and generated:
+            self.metrics.count_step_tokens(generated)
 
     def _fail_all(self, error: BaseException, reason: str) -> None:
         now = time.perf_counter()

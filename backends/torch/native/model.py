@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculum.backends.torch.native.arch import LlamaArch
+from speculum.backends.torch.native.kernels import add_rmsnorm, rope_write_kv, rope_write_kv_torch
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +25,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) — or, with ``residual``, (norm(x + residual), x + residual)."""
+        if residual is None:
+            return add_rmsnorm(x, None, self.weight, self.eps)[0]
+        return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
@@ -49,11 +50,6 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
     return inv
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, arch: LlamaArch, qkv_bias: bool, o_bias: bool):
         super().__init__()
@@ -67,18 +63,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, write_slots, read_slots, mask, k_pool, v_pool):
         B, q, _ = x.shape
         qkv = self.qkv(x)
-        qh, kh, vh = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        qh = qh.view(B, q, self.nq, self.d)
-        kh = kh.view(B, q, self.nkv, self.d)
-        vh = vh.view(B, q, self.nkv, self.d)
-        if self.q_norm is not None:
-            qh, kh = self.q_norm(qh), self.k_norm(kh)
-        # cos/sin: [B, q, 1, D]
-        qh = qh * cos + rotate_half(qh) * sin
-        kh = kh * cos + rotate_half(kh) * sin
-        # write this step's K/V into the paged pools, then read the whole context
-        k_pool.index_copy_(0, write_slots.reshape(-1), kh.reshape(B * q, self.nkv, self.d))
-        v_pool.index_copy_(0, write_slots.reshape(-1), vh.reshape(B * q, self.nkv, self.d))
+        if self.q_norm is None:
+            qh = rope_write_kv(qkv, self.nq, self.nkv, self.d, cos, sin, write_slots, k_pool, v_pool)
+        else:
+            qh, kh, vh = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+            qh = self.q_norm(qh.reshape(B, q, self.nq, self.d))
+            kh = self.k_norm(kh.reshape(B, q, self.nkv, self.d))
+            qh = rope_write_kv_torch(qh, kh, vh.reshape(B, q, self.nkv, self.d), cos, sin, write_slots,
+                                     k_pool, v_pool)
+        # read the whole context (this step's K/V included) through the block tables
         kc = k_pool[read_slots].transpose(1, 2)  # [B, Hkv, Lc, D]
         vc = v_pool[read_slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(qh.transpose(1, 2), kc, vc, attn_mask=mask, scale=self.scale,
@@ -106,9 +99,19 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, h, cos, sin, write_slots, read_slots, mask, k_pool, v_pool):
-        h = h + self.attn(self.attn_norm(h), cos, sin, write_slots, read_slots, mask, k_pool, v_pool)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool):
+        """``x + residual`` is the stream entering the layer (``residual`` None at layer 0).
+
+        Returns (mlp output, residual): the layer's output stream is their sum, which the
+        next layer's fused add+norm forms without a separate kernel.
+        """
+        if residual is None:
+            normed, residual = self.attn_norm(x), x
+        else:
+            normed, residual = self.attn_norm(x, residual)
+        a = self.attn(normed, cos, sin, write_slots, read_slots, mask, k_pool, v_pool)
+        normed, residual = self.mlp_norm(a, residual)
+        return self.mlp(normed), residual
 
 
 class NativeLlama(nn.Module):
@@ -141,12 +144,13 @@ class NativeLlama(nn.Module):
         # [B, 1, q, Lc]: key position j is visible to a query at position p iff j <= p
         mask = (torch.arange(Lc, device=h.device).view(1, 1, 1, Lc) <= positions.unsqueeze(1).unsqueeze(-1))
         hidden = {}
+        x, residual = h, None
         for i, layer in enumerate(self.layers):
             k_pool, v_pool = pools[i]
-            h = layer(h, cos, sin, write_slots, read_slots, mask, k_pool, v_pool)
+            x, residual = layer(x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool)
             if i in hidden_layers:
-                hidden[i] = h
-        h = self.norm(h)
+                hidden[i] = x + residual
+        h, _ = self.norm(x, residual)
         if -1 in hidden_layers:
             hidden[-1] = h
         logits = self.lm_head(h).float() if compute_logits else None

@@ -49,6 +49,7 @@ class NativeRunner:
         self.prefill_chunk = prefill_chunk
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
+        self._ring_pos = 0
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
 
     @property
@@ -112,18 +113,29 @@ class NativeRunner:
         self.add_many([seq_id], [token_ids])
 
     def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Prefill each new sequence in chunks of ``prefill_chunk`` tokens (eager)."""
-        for sid, toks in zip(seq_ids, prompts):
+        """Prefill new sequences together, in chunks of ``prefill_chunk`` tokens (eager).
+
+        Rows are right padded to the longest chunk; padding writes to the scratch block.
+        """
+        prompts = [list(p) for p in prompts]
+        for sid in seq_ids:
             if self.allocator.length(sid) or self.allocator.block_table(sid):
                 raise ValueError(f"sequence {sid} already in the {self.name} runner")
-            toks = list(toks)
-            for i in range(0, len(toks), self.prefill_chunk):
-                chunk = toks[i: i + self.prefill_chunk]
-                self.allocator.allocate(sid, len(chunk))
-                ids = torch.tensor([chunk], dtype=torch.int64, device=self.device)
-                self._eager([sid], ids, [len(chunk)], (), compute_logits=False)
-            if not toks:
-                self.allocator.allocate(sid, 0)
+            self.allocator.allocate(sid, 0)
+        longest = max((len(p) for p in prompts), default=0)
+        # bound the padded batch: at most prefill_chunk * 8 tokens per forward
+        rows_per_pass = max(1, (self.prefill_chunk * 8) // max(1, min(longest, self.prefill_chunk)))
+        for start in range(0, longest, self.prefill_chunk):
+            chunk = [(sid, p[start: start + self.prefill_chunk]) for sid, p in zip(seq_ids, prompts)
+                     if len(p) > start]
+            for i in range(0, len(chunk), rows_per_pass):
+                part = chunk[i: i + rows_per_pass]
+                q = max(len(t) for _, t in part)
+                ids = torch.zeros(len(part), q, dtype=torch.int64)
+                for r, (sid, toks) in enumerate(part):
+                    ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+                    self.allocator.allocate(sid, len(toks))
+                self._eager([sid for sid, _ in part], ids, [len(t) for _, t in part], (), compute_logits=False)
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:
@@ -134,13 +146,14 @@ class NativeRunner:
         num_tokens = [int(n) for n in num_tokens]
         for sid, n in zip(seq_ids, num_tokens):
             self.allocator.allocate(sid, n)
-        token_ids = token_ids.to(self.device).clamp_min(0)
+        token_ids = token_ids.clamp_min(0)
         if self.cuda_graphs:
             return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers))
         return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers))
 
     def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True) -> ForwardOutput:
         B, q = token_ids.shape
+        token_ids = token_ids.to(self.device)
         need = max(-(-self.allocator.length(s) // self.block_size) for s in seq_ids)
         nb = _bucket(max(need, 1), self._block_buckets)
         pos, wsl, blk = (t.to(self.device, non_blocking=True) for t in self._host_meta(seq_ids, num_tokens, q, B, nb))
@@ -156,27 +169,43 @@ class NativeRunner:
         nb = _bucket(max(need, 1), self._block_buckets)
         key = (Bb, q, nb, hidden_layers)
         entry = self._graphs.get(key) or self._capture(key)
-        graph, static_in, static_out = entry
+        graph, meta, out, ring = entry
+        # one pinned host buffer [ids | positions | write slots | block tables] per step,
+        # taken from a ring so a pending copy never sees its buffer rewritten
+        host, done = ring[self._ring_pos % len(ring)]
+        self._ring_pos += 1
+        if done is not None:
+            done.synchronize()
         pos, wsl, blk = self._host_meta(seq_ids, num_tokens, q, Bb, nb)
-        packed = torch.cat([pos.view(-1), wsl.view(-1), blk.view(-1)]).pin_memory()
-        static_in["meta"].copy_(packed, non_blocking=True)
-        ids = static_in["ids"]
-        ids[:B].copy_(token_ids)
-        if Bb > B:
-            ids[B:].zero_()
+        h = host.numpy()
+        n = Bb * q
+        h[n: 2 * n] = pos.numpy().reshape(-1)
+        h[2 * n: 3 * n] = wsl.numpy().reshape(-1)
+        h[3 * n:] = blk.numpy().reshape(-1)
+        on_host = token_ids.device.type == "cpu"
+        h[:n] = 0
+        if on_host:
+            h[: B * q] = token_ids.numpy().reshape(-1)
+        meta.copy_(host, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        ring[(self._ring_pos - 1) % len(ring)] = (host, ev)
+        if not on_host:
+            meta[: B * q].copy_(token_ids.reshape(-1))
         graph.replay()
-        logits, hidden = static_out
+        logits, hidden = out
         return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()})
 
     def _capture(self, key):
         Bb, q, nb, hidden_layers = key
-        ids = torch.zeros(Bb, q, dtype=torch.int64, device=self.device)
-        meta = torch.zeros(2 * Bb * q + Bb * nb, dtype=torch.int64, device=self.device)
+        n = Bb * q
+        meta = torch.zeros(3 * n + Bb * nb, dtype=torch.int64, device=self.device)
 
         def run():
-            pos = meta[: Bb * q].view(Bb, q)
-            wsl = meta[Bb * q: 2 * Bb * q].view(Bb, q)
-            blk = meta[2 * Bb * q:].view(Bb, nb)
+            ids = meta[:n].view(Bb, q)
+            pos = meta[n: 2 * n].view(Bb, q)
+            wsl = meta[2 * n: 3 * n].view(Bb, q)
+            blk = meta[3 * n:].view(Bb, nb)
             return self.model(ids, pos, wsl, self._read_slots(blk), self.pools, hidden_layers, True)
 
         with torch.inference_mode():
@@ -191,7 +220,8 @@ class NativeRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = run()
-        entry = (graph, {"ids": ids, "meta": meta}, out)
+        ring = [(torch.zeros(meta.numel(), dtype=torch.int64).pin_memory(), None) for _ in range(8)]
+        entry = (graph, meta, out, ring)
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
         return entry

@@ -1,0 +1,169 @@
+"""``speculum bench serve``: benchmark a running server, or ``--compare`` baseline vs speculation.
+
+Only argparse is imported here; httpx and matplotlib load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+#: further ``speculum bench`` subcommands: modules with ``add_parser(bench_subparsers)``
+OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step")
+
+
+def _rate(text: str) -> float:
+    text = text.strip().lower()
+    if text in ("inf", "infinity"):
+        return math.inf
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a request rate is a positive number or inf, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0 (or inf), got {text!r}")
+    return v
+
+
+def _rates(text: str) -> list[float]:
+    return [_rate(t) for t in text.split(",") if t.strip()]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    bench = sub.add_parser("bench", help="benchmarks: serve (load-test an OpenAI-compatible server) and more")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bsub.add_parser("serve", help="send MT-bench to a server; TTFT, TPOT, ITL, throughput, acceptance",
+                        description="Load-test an OpenAI-compatible server (ours or any) with streamed requests. "
+                                    "See docs/serving.md.")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (ignored with --compare)")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                   help="chat: /v1/chat/completions (prompts as one user message); completions: /v1/completions")
+    p.add_argument("--model", default=None,
+                   help="model name to request (default: the server's first); with --compare, the model to serve")
+    p.add_argument("--dataset", default=None, metavar="JSONL",
+                   help='one {"prompt": "text" or [token ids]} per line (default: MT-bench questions)')
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (fixed output lengths)")
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--sweep", type=_rates, default=None, metavar="R1,R2,...",
+                   help="run once per request rate, e.g. 1,2,4,8 (inf allowed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--extra-body", default=None, metavar="JSON",
+                   help='fields added to every request, e.g. \'{"top_k": 1}\'')
+    p.add_argument("--result-json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before each sweep")
+    c = p.add_argument_group("--compare: start both servers here")
+    c.add_argument("--compare", action="store_true",
+                   help="start `speculum serve` without and with --speculative-config, sweep both, plot, and "
+                        "print a baseline vs speculation table")
+    c.add_argument("--speculative-config", default=None, metavar="JSON")
+    c.add_argument("--max-num-seqs", type=int, default=32, help="for the servers --compare starts")
+    c.add_argument("--dtype", default="auto")
+    c.add_argument("--device", default="auto")
+    c.add_argument("--plot-dir", default=None, help="where the PNGs go (default: beside --result-json, or .)")
+    c.add_argument("--server-log-dir", default=None, help="keep each server's log here")
+    p.set_defaults(func=cmd_bench_serve)
+    for name in OTHER_COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.add_parser(bsub)
+    return p
+
+
+def cmd_bench_serve(args) -> int:
+    import asyncio
+
+    from speculum.bench import report
+    from speculum.bench.datasets import load_prompts
+    from speculum.errors import ConfigError
+
+    if args.num_prompts < 1:
+        raise ConfigError("--num-prompts must be >= 1")
+    extra = json.loads(args.extra_body) if args.extra_body else None
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError("--extra-body must be a JSON object")
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    if args.endpoint == "chat" and any(not isinstance(p, str) for p in prompts):
+        raise ConfigError("token-id prompts need --endpoint completions")
+    rates = sorted(args.sweep or [args.request_rate])  # low load first; inf last
+    if args.compare:
+        return _compare(args, prompts, rates, extra)
+
+    runs = asyncio.run(_sweep(args.base_url, prompts, rates, args, extra, args.model))
+    for r in runs:
+        print(report.run_table(r))
+    if len(runs) > 1:
+        print(report.sweep_table(runs))
+    if args.result_json:
+        from speculum.bench.compare import write_json
+        write_json(args.result_json, {"base_url": args.base_url, "num_prompts": len(prompts), "runs": runs})
+        print(f"wrote {args.result_json}")
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+async def _sweep(base_url: str, prompts, rates, args, extra, model) -> list[dict]:
+    from speculum.bench.runner import run_benchmark
+
+    common = dict(endpoint=args.endpoint, model=model, max_tokens=args.max_tokens, temperature=args.temperature,
+                  ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency, api_key=args.api_key,
+                  extra_body=extra, seed=args.seed, timeout_s=args.timeout)
+    if args.warmup:
+        await run_benchmark(base_url, prompts[: args.warmup], **{**common, "max_tokens": min(args.max_tokens, 8)})
+    runs = []
+    for rate in rates:
+        print(f"bench: {len(prompts)} prompts at rate {rate} to {base_url}", file=sys.stderr, flush=True)
+        runs.append(await run_benchmark(base_url, prompts, request_rate=rate, **common))
+    return runs
+
+
+def _compare(args, prompts, rates, extra) -> int:
+    import asyncio
+
+    from speculum.bench import report
+    from speculum.bench.compare import plot, served, write_json
+    from speculum.config import SpeculativeConfig
+    from speculum.errors import ConfigError
+
+    if SpeculativeConfig.from_cli(args.speculative_config) is None:
+        raise ConfigError("--compare needs --speculative-config (it compares speculation against none)")
+    name = args.model or "default"
+    log_dir = Path(args.server_log_dir) if args.server_log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for label, spec in (("baseline", None), ("speculative", args.speculative_config)):
+        print(f"bench: starting the {label} server", file=sys.stderr, flush=True)
+        with served(args.model, spec, served_name=name, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                    device=args.device, log_path=log_dir / f"{label}.log" if log_dir else None) as url:
+            results[label] = asyncio.run(_sweep(url, prompts, rates, args, extra, name))
+    base, spec_runs = results["baseline"], results["speculative"]
+    print("== baseline")
+    print(report.sweep_table(base))
+    print("== speculation")
+    print(report.sweep_table(spec_runs))
+    rows = report.compare_rows(base, spec_runs)
+    print("== what to look for (ratio > 1: speculation is better)")
+    print(report.compare_table(rows))
+    plot_dir = Path(args.plot_dir) if args.plot_dir else (Path(args.result_json).parent if args.result_json else Path("."))
+    paths = plot(base, spec_runs, plot_dir, title=Path(args.model).name if args.model else "default model")
+    print("plots: " + ", ".join(str(p) for p in paths))
+    if args.result_json:
+        write_json(args.result_json, {"model": args.model, "speculative_config": json.loads(args.speculative_config),
+                                      "num_prompts": len(prompts), "baseline": {"runs": base},
+                                      "speculative": {"runs": spec_runs}, "comparison": rows})
+        print(f"wrote {args.result_json}")
+    return 0

@@ -1,0 +1,66 @@
+"""``speculum bench scaling``: the same greedy requests one at a time and all together.
+
+Checks that continuous batching changes nothing in the outputs, and reports aggregate
+tokens/s at each batch size relative to batch 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("scaling", help="throughput at batch 1 vs N concurrent requests, same outputs")
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--speculative-config", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default="results/bench_scaling.json")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from speculum.engine import LLM
+    from speculum.sampling import SamplingParams
+    from speculum.testing import mt_bench_prompts
+
+    rows = mt_bench_prompts()
+    prompts = [[{"role": "user", "content": rows[i % len(rows)]["turns"][i // len(rows) % len(rows[i % len(rows)]["turns"])]}]
+               for i in range(args.num_requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    llm = LLM(model=args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
+              max_num_seqs=max(sizes))
+    llm.generate(prompts[: max(sizes)], SamplingParams(temperature=0, max_tokens=8))  # warm up / capture
+    results, ref = [], None
+    for bs in sizes:
+        llm.max_num_seqs = bs
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        ntok = sum(len(o.token_ids) for o in outs)
+        same = None if ref is None else sum(a.token_ids == b.token_ids for a, b in zip(ref, outs))
+        ref = ref or outs
+        results.append({"batch": bs, "tokens": ntok, "seconds": dt, "tokens_per_s": ntok / dt, "identical": same})
+    base = results[0]["tokens_per_s"]
+    print(f"{'batch':>6} {'tok/s':>10} {'x batch1':>9} {'identical':>10}")
+    for r in results:
+        r["x_batch1"] = r["tokens_per_s"] / base
+        ident = "-" if r["identical"] is None else f"{r['identical']}/{args.num_requests}"
+        print(f"{r['batch']:>6} {r['tokens_per_s']:>10.1f} {r['x_batch1']:>9.2f} {ident:>10}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"device": str(llm.backend.device), "dtype": str(llm.backend.dtype),
+                                           "num_requests": args.num_requests, "results": results}, indent=2))
+    print(f"wrote {args.json}")
+    return 0

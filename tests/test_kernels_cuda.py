@@ -1,0 +1,50 @@
+"""The fused Triton kernels agree with their torch twins (runs only where CUDA exists).
+
+CI has no GPU: there the torch twins are what the native model runs, and every other
+test exercises them. This file is run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculum.backends.torch.native import kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None,
+                                reason="needs CUDA and Triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm_matches_torch(dtype, with_residual):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(7, 3, 576, device="cuda", generator=g).to(dtype)
+    r = torch.randn(7, 3, 576, device="cuda", generator=g).to(dtype) if with_residual else None
+    w = torch.randn(576, device="cuda", generator=g).to(dtype)
+    out, h = kernels.add_rmsnorm(x, r, w, 1e-5)
+    ref_out, ref_h = kernels.add_rmsnorm_torch(x, r, w, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(h.float(), ref_h.float(), atol=tol, rtol=tol)
+    assert torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_matches_torch(dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, t, nq, nkv, d, slots = 3, 4, 9, 3, 64, 64
+    qkv = torch.randn(B, t, (nq + 2 * nkv) * d, device="cuda", generator=g).to(dtype)
+    ang = torch.randn(B, t, 1, d // 2, device="cuda", generator=g)
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    wsl = torch.randperm(slots, device="cuda", generator=g)[: B * t].view(B, t)
+    k1, v1 = (torch.zeros(slots, nkv, d, device="cuda", dtype=dtype) for _ in range(2))
+    k2, v2 = (torch.zeros(slots, nkv, d, device="cuda", dtype=dtype) for _ in range(2))
+    q1 = kernels.rope_write_kv(qkv, nq, nkv, d, cos, sin, wsl, k1, v1)
+    qh, kh, vh = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+    q2 = kernels.rope_write_kv_torch(qh.reshape(B, t, nq, d), kh.reshape(B, t, nkv, d), vh.reshape(B, t, nkv, d),
+                                     cos, sin, wsl, k2, v2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(q1.float(), q2.float(), atol=tol, rtol=tol)
+    assert torch.allclose(k1.float(), k2.float(), atol=tol, rtol=tol)
+    assert torch.equal(v1, v2)

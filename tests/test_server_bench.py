@@ -1,0 +1,74 @@
+"""``speculum bench serve`` against a real server: JSON keys, acceptance from /metrics, --compare."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speculum import LLM
+from speculum.cli import main
+from speculum.server.app import create_app
+from speculum.server.runner import ServerThread
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+RUN_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "output_throughput", "request_rate", "max_concurrency", "spec_decode",
+            *(f"{s}_{m}_ms" for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el"))}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "prompts.jsonl"
+    rows = [{"prompt": [5, 6, 7, 8, 5, 6, 7]}, {"prompt": [100, 200, 300, 100, 200]}, {"prompt": list(range(10, 30))}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _bench_args(dataset, out, *extra):
+    return ["bench", "serve", "--endpoint", "completions", "--dataset", str(dataset), "--num-prompts", "6",
+            "--max-tokens", "16", "--ignore-eos", "--extra-body", '{"return_token_ids": true}', "--warmup", "1",
+            "--result-json", str(out), *extra]
+
+
+def test_bench_serve_writes_results_with_acceptance(tiny_llama, dataset, tmp_path, capsys):
+    llm = LLM(str(tiny_llama), speculative_config=NGRAM, dtype="float32", device="cpu", max_num_seqs=8)
+    app = create_app(llm, model_names=["tiny"], log_interval_s=0)
+    out = tmp_path / "result.json"
+    with ServerThread(app) as server:
+        rc = main(_bench_args(dataset, out, "--base-url", server.url, "--sweep", "inf,50", "--max-concurrency", "4"))
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 6 and len(result["runs"]) == 2
+    for run in result["runs"]:
+        assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
+        assert run["completed"] == 6 and run["failed"] == 0
+        assert run["total_output_tokens"] == 6 * 16
+        assert run["mean_ttft_ms"] > 0 and run["mean_tpot_ms"] > 0 and run["mean_itl_ms"] > 0
+        sd = run["spec_decode"]
+        assert sd["requests"] == 6 and sd["generation_tokens"] == 6 * 16
+        assert sd["num_draft_tokens"] > 0 and 0 <= sd["acceptance_rate"] <= 1
+        assert sd["mean_acceptance_length"] >= 1
+    assert [r["request_rate"] for r in result["runs"]] == [50.0, "inf"]
+    printed = capsys.readouterr().out
+    assert "Serving Benchmark Result" in printed and "Mean TPOT (ms)" in printed and "Draft acceptance rate" in printed
+
+
+def test_bench_serve_compare_starts_both_servers_and_plots(tiny_llama, dataset, tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    rc = main(_bench_args(dataset, out, "--compare", "--model", str(tiny_llama), "--speculative-config", NGRAM,
+                          "--sweep", "inf,100", "--max-num-seqs", "4", "--dtype", "float32", "--device", "cpu",
+                          "--server-log-dir", str(tmp_path / "logs")))
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert len(result["baseline"]["runs"]) == len(result["speculative"]["runs"]) == 2
+    assert result["baseline"]["runs"][0]["spec_decode"]["num_draft_tokens"] == 0
+    assert result["speculative"]["runs"][0]["spec_decode"]["num_draft_tokens"] > 0
+    metrics = [row["metric"] for row in result["comparison"]]
+    assert metrics[:2] == ["TPOT (low load, rate 100.0)", "TPOT (high load, rate inf)"]
+    assert "Acceptance rate" in metrics
+    for name in ("throughput_vs_tpot", "ttft_vs_rate", "tpot_vs_rate", "baseline_vs_speculation"):
+        png = tmp_path / f"{name}.png"
+        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "With speculation" in printed and "What it means" in printed
