@@ -42,6 +42,7 @@ class LLM:
     def __init__(self, model: str | None = None, speculative_config: Any = None, *,
                  dtype: str | torch.dtype = "auto", device: str | None = "auto", seed: int = 0,
                  backend: str = "torch", max_num_seqs: int = 32, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None,
                  **backend_options: Any):
         if tensor_parallel_size != 1:
@@ -62,6 +63,10 @@ class LLM:
             self.tokenizer = Tokenizer(self.tokenizer.hf, eos)
         self.max_model_len = int(self.target.max_model_len or max_model_len or 2048)
         self.max_num_seqs = max_num_seqs
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        #: prompt tokens admitted (prefilled) per step at most; the first request always fits
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.speculative_config = spec_cfg
         proposer, hidden_layers = None, ()
         k = 0
@@ -231,8 +236,15 @@ class LLM:
                 log.warning("KV cache full: preempted request %s (will recompute)", victim.request_id)
         new = []
         budget = alloc.num_free_blocks - sum(self._blocks_needed(s, lookahead) for s in self._running) if paged else 0
+        prefill_tokens = 0
         while self._waiting and len(self._running) + len(new) < self.max_num_seqs:
             s = self._waiting[0]
+            # first come, first served: a long prompt at the head waits for room rather
+            # than being overtaken, so long requests are never starved
+            if (self.max_num_batched_tokens is not None and new
+                    and prefill_tokens + len(s.token_ids) > self.max_num_batched_tokens):
+                break
+            prefill_tokens += len(s.token_ids)
             if paged:
                 need = self._blocks_needed(s, lookahead)
                 if need > budget:

@@ -91,3 +91,27 @@ def test_runner_choice_is_logged(tiny_llama, caplog):
         LLM(str(tiny_llama))
     assert any("native llama runner" in r.message for r in caplog.records)
     assert any("memory plan" in r.message for r in caplog.records)
+
+
+def test_max_num_batched_tokens_bounds_admission_and_keeps_outputs(tiny_llama):
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (30, 5, 30, 8, 12)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = LLM(str(tiny_llama), max_num_seqs=5).generate(prompts, sp)
+    llm = LLM(str(tiny_llama), max_num_seqs=5, max_num_batched_tokens=32)
+    for i, p in enumerate(prompts):
+        llm.add_request(str(i), p, sp)
+    outs = {}
+
+    def step():
+        for o in llm.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+
+    step()
+    assert llm.num_running == 1 and llm.num_waiting == 4  # 30 + 5 > 32: only the head fits
+    step()
+    assert llm.num_running == 2  # the 5-token prompt joins next; FIFO order is kept
+    while llm.has_unfinished_requests():
+        step()
+    assert [outs[str(i)] for i in range(len(prompts))] == [r.token_ids for r in ref]
