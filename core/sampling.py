@@ -116,14 +116,23 @@ class SamplingBatch:
     def __len__(self) -> int:
         return self.temperature.shape[0] if self._t is not None else len(self.params)
 
+    def flags(self, vocab_size: int) -> tuple[bool, bool, bool] | None:
+        """(any top-k filter, any top-p filter, any greedy row) from the host-side params."""
+        if not self.params:
+            return None
+        return (any(0 < p.top_k < vocab_size for p in self.params), any(p.top_p < 1 for p in self.params),
+                any(p.temperature == 0 for p in self.params))
+
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
+                    top_p: torch.Tensor, flags: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
     """Turn logits into the distribution a request samples from.
 
     ``logits``: [B, T, V]; ``temperature``, ``top_k``, ``top_p``: [B]. Returns float32
     probabilities [B, T, V]. Greedy rows (temperature 0) get a one-hot at the argmax.
     The same function serves target and draft, so both see identical filtering.
+    ``flags`` = (any top-k, any top-p, any greedy row), known on the host from the
+    requests' parameters (:meth:`SamplingBatch.flags`), spares three device syncs.
     """
     logits = logits.float()
     B, T, V = logits.shape
@@ -131,8 +140,9 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     t = torch.where(greedy, torch.ones_like(temperature), temperature).view(B, 1, 1)
     scaled = logits / t
     k = top_k.view(B, 1, 1)
-    need_k = bool(((top_k > 0) & (top_k < V)).any())
-    need_p = bool((top_p < 1).any())
+    if flags is None:
+        flags = (bool(((top_k > 0) & (top_k < V)).any()), bool((top_p < 1).any()), bool(greedy.any()))
+    need_k, need_p, any_greedy = flags
     if need_k or need_p:
         sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -149,7 +159,7 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_logits)
     probs = scaled.softmax(dim=-1)
-    if bool(greedy.any()):
+    if any_greedy:
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy.view(B, 1, 1), onehot, probs)
     return probs

@@ -46,7 +46,8 @@ def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: i
         last = out.logits[:, -1] if max(counts) == min(counts) else \
             out.logits[torch.arange(B, device=out.logits.device), torch.tensor(counts, device=out.logits.device) - 1]
         if sample:
-            p = processed_probs(last.unsqueeze(1), sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
+            p = processed_probs(last.unsqueeze(1), sampling.temperature, sampling.top_k, sampling.top_p,
+                                sampling.flags(last.shape[-1]))[:, 0]
             tok = sample_rows(p, gens)
             probs.append(p)
         else:

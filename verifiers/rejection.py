@@ -60,7 +60,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.T
     p_i = p.gather(1, num_accepted.view(B, 1, 1).expand(B, 1, V)).squeeze(1)
     rejected = num_accepted < n_draft
     dist = p_i
-    if k > 0 and residual != "p" and bool(rejected.any()):
+    if k > 0 and residual != "p":  # computed for every row: branching would cost a sync
         at = num_accepted.clamp_max(k - 1)
         if q is not None:
             q_i = q.gather(1, at.view(B, 1, 1).expand(B, 1, V)).squeeze(1)
@@ -94,12 +94,13 @@ class RejectionSampler:
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
         if sampling.all_greedy:
             return greedy_verify(target_logits, draft.token_ids)
-        p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        flags = sampling.flags(target_logits.shape[-1])
+        p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
         ids = draft.token_ids.to(p.device)
         probs = draft.probs.to(p.device) if draft.probs is not None else None
         verdict = rejection_sample(p, probs, ids, sampling.generators)
         greedy_rows = sampling.temperature == 0
-        if bool(greedy_rows.any()):
+        if flags[2] if flags is not None else bool(greedy_rows.any()):
             g = greedy_verify(target_logits, ids)
             gr = greedy_rows.view(-1, 1)
             verdict.token_ids = torch.where(gr, g.token_ids.to(p.device), verdict.token_ids)
