@@ -38,13 +38,7 @@ GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in 
 BATCH_SIZES = [2, len(PROMPTS)]  # requests join mid-flight / all at once
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run far faster on one thread (and the CI box is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 #: fp32 on CPU; a small KV budget (the paged runner allocates all of it up front)

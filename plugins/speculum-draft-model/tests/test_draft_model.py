@@ -15,12 +15,7 @@ from speculum_draft_model import DraftModelOptions, DraftModelProposer
 PROMPTS = [{"prompt_token_ids": p} for p in ([5], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
