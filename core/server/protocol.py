@@ -176,70 +176,58 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(request_id: str, model: str, choices: list[dict], usage_: dict,
-                        metrics: dict | None = None, created: int | None = None) -> dict:
-    out = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
-           "model": model, "choices": choices, "usage": usage_, "system_fingerprint": None}
+def _envelope(obj: str, request_id: str, model: str, created: int | None, choices: list[dict],
+              usage_: dict | None, metrics: dict | None) -> dict:
+    """The fields every response and stream chunk share."""
+    out = {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model,
+           "choices": choices, "system_fingerprint": None}
+    if usage_ is not None:
+        out["usage"] = usage_
     if metrics is not None:
         out["metrics"] = metrics
     return out
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-                      prompt_token_ids: list[int] | None = None) -> dict:
-    c: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _choice(index: int, body: dict, finish_reason: str | None, token_ids: list[int] | None,
+            prompt_token_ids: list[int] | None = None) -> dict:
+    c: dict[str, Any] = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = token_ids
     if prompt_token_ids is not None:
         c["prompt_token_ids"] = prompt_token_ids
     return c
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], usage_: dict,
+                        metrics: dict | None = None, created: int | None = None) -> dict:
+    return _envelope("text_completion", request_id, model, created, choices, usage_, metrics)
 
 
 def chat_response(request_id: str, model: str, choices: list[dict], usage_: dict,
                   metrics: dict | None = None, created: int | None = None) -> dict:
-    out = {"id": request_id, "object": "chat.completion", "created": created or int(time.time()),
-           "model": model, "choices": choices, "usage": usage_, "system_fingerprint": None}
-    if metrics is not None:
-        out["metrics"] = metrics
-    return out
-
-
-def chat_choice(index: int, content: str, finish_reason: str | None, token_ids: list[int] | None = None,
-                prompt_token_ids: list[int] | None = None) -> dict:
-    c: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": content},
-                         "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        c["token_ids"] = token_ids
-    if prompt_token_ids is not None:
-        c["prompt_token_ids"] = prompt_token_ids
-    return c
+    return _envelope("chat.completion", request_id, model, created, choices, usage_, metrics)
 
 
 def completion_chunk(request_id: str, model: str, created: int, choices: list[dict],
                      usage_: dict | None = None, metrics: dict | None = None) -> dict:
-    out = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-           "choices": choices, "system_fingerprint": None}
-    if usage_ is not None:
-        out["usage"] = usage_
-    if metrics is not None:
-        out["metrics"] = metrics
-    return out
+    return _envelope("text_completion", request_id, model, created, choices, usage_, metrics)
 
 
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict],
                usage_: dict | None = None, metrics: dict | None = None) -> dict:
-    out = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": choices, "system_fingerprint": None}
-    if usage_ is not None:
-        out["usage"] = usage_
-    if metrics is not None:
-        out["metrics"] = metrics
-    return out
+    return _envelope("chat.completion.chunk", request_id, model, created, choices, usage_, metrics)
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
+                      prompt_token_ids: list[int] | None = None) -> dict:
+    return _choice(index, {"text": text}, finish_reason, token_ids, prompt_token_ids)
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None, token_ids: list[int] | None = None,
+                prompt_token_ids: list[int] | None = None) -> dict:
+    return _choice(index, {"message": {"role": "assistant", "content": content}}, finish_reason, token_ids,
+                   prompt_token_ids)
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-    c: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        c["token_ids"] = token_ids
-    return c
-
+    return _choice(index, {"delta": delta}, finish_reason, token_ids)
