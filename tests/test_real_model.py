@@ -56,3 +56,28 @@ def test_default_model_answers_chat_and_text(baseline):
     assert all(o.text.strip() for o in baseline)
     assert len(baseline[0].text.split()) > 20  # the writing prompt gets prose
     assert baseline[0].prompt_token_ids[:1] == [1]  # SmolLM2 chat template starts with <|im_start|>
+
+
+def test_native_logits_match_transformers_on_default_model():
+    """The native runner computes the default model's logits as transformers does (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speculum.backends.torch.backend import TorchBackend
+    from speculum.model_source import resolve_model_path
+
+    path = resolve_model_path(None)
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198, 1, 4093, 198, 19556, 28, 638, 357, 30]
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    be = TorchBackend(device="cpu", dtype="float32", runner="native", kv_cache_memory=64 << 20)
+    runner = be.load_model(path, "target", max_model_len=256)
+    be.plan_memory(256)
+    runner.add(0, ids[:12])
+    got = torch.cat([runner.forward([0], torch.tensor([ids[12:17]]), [5]).logits[0]] +
+                    [runner.forward([0], torch.tensor([[t]]), [1]).logits[0] for t in ids[17:]])
+    diff = (got - want[12:]).abs().max().item()
+    print(f"max abs logit diff native vs transformers: {diff:.2e}")
+    assert diff < 1e-3, f"max abs diff {diff} (logits are O(10); fp32 rounding is ~1e-5)"
+    assert torch.equal(got.argmax(-1), want[12:].argmax(-1))
