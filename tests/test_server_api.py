@@ -171,14 +171,18 @@ BAD = [  # (body, status, words the message must contain, param)
 ]
 
 
+ROUNDS = 6  # 6 x 19 kinds = 114 malformed requests, each followed by a good one
+
+
 def test_bad_requests_get_clear_openai_errors_and_good_ones_still_succeed(served):
     server, _llm_, offline = served
+    cases = BAD * ROUNDS
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
             good = {"prompt": PROMPTS[0], "return_token_ids": True, **GREEDY}
             jobs = []
-            for body, *_ in BAD:  # interleave: bad, good, bad, good...
+            for body, *_ in cases:  # interleave: bad, good, bad, good...
                 jobs.append(c.post("/v1/completions", content=body, headers={"content-type": "application/json"}))
                 jobs.append(c.post("/v1/completions", json=good))
             jobs.append(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}))
@@ -187,8 +191,9 @@ def test_bad_requests_get_clear_openai_errors_and_good_ones_still_succeed(served
             return await asyncio.gather(*jobs)
 
     rs = asyncio.run(main())
-    bad, good, chat = rs[0:2 * len(BAD):2], rs[1:2 * len(BAD):2], rs[2 * len(BAD):]
-    for (body, status, words, param), r in zip(BAD, bad):
+    bad, good, chat = rs[0:2 * len(cases):2], rs[1:2 * len(cases):2], rs[2 * len(cases):]
+    assert len(bad) == len(good) == len(cases) >= 100
+    for (body, status, words, param), r in zip(cases, bad):
         assert r.status_code == status, (body[:60], r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
