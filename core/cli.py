@@ -1,4 +1,4 @@
-"""The ``speculum`` command line: ``generate``, ``plugins``, ``serve`` and ``bench``."""
+"""The ``speculum`` command line: ``generate``, ``plugins``, ``serve``, ``bench`` and ``train``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,32 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=1,
                    help="sequences decoded together (default 1: latency, where speculation helps)")
     p.add_argument("--max-model-len", type=int, default=None)
+    add_backend_args(p)
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    """Scheduler and torch-backend flags shared by generate, serve and the benchmarks."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens admitted per step at most (default: no limit)")
+    g.add_argument("--runner", default=None, choices=("auto", "native", "hf"),
+                   help="auto (default): native Llama-family runner when supported, transformers otherwise")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV cache budget in bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of GPU memory the engine may use (default 0.9)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+
+
+def engine_options(args) -> dict:
+    """LLM keyword arguments from the flags of :func:`add_backend_args` (unset ones left out)."""
+    opts = {"max_num_batched_tokens": args.max_num_batched_tokens, "runner": args.runner,
+            "kv_cache_memory": args.kv_cache_memory, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "block_size": args.block_size}
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if args.enforce_eager:
+        opts["cuda_graphs"] = False
+    return opts
 
 
 def _load_prompts(args) -> list[dict]:
@@ -78,7 +104,7 @@ def cmd_generate(args) -> int:
                             max_tokens=args.max_tokens, seed=args.seed if args.temperature > 0 else None,
                             ignore_eos=args.ignore_eos)
     common = dict(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **engine_options(args))
     report: dict = {"prompts": len(rows), "max_tokens": args.max_tokens, "temperature": args.temperature}
     base = None
     if args.compare:
@@ -187,8 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from speculum.bench.cli import add_parser as add_bench_parser
     from speculum.server.cli import add_parser as add_serve_parser
+    from speculum.train.cli import add_parser as add_train_parser
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

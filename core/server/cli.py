@@ -36,6 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
                    help="seconds between stats log lines (0: off)")
     p.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    from speculum.cli import add_backend_args
+    add_backend_args(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -64,8 +66,9 @@ def cmd_serve(args) -> int:
     from speculum.server.app import create_app
     from speculum.server.runner import serve_forever
 
+    from speculum.cli import engine_options
     llm = LLM(model, spec, dtype=args.dtype, device=args.device, seed=args.seed,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **engine_options(args))
     names = args.served_model_name or [model or DEFAULT_MODEL]
     app = create_app(llm, model_names=names, api_key=api_key, spec_metrics_level=level,
                      log_interval_s=args.log_interval)
