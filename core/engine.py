@@ -189,26 +189,29 @@ class LLM:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, include_running: bool = True) -> list[RequestOutput]:
         """Admit waiting requests and run one draft-verify step.
 
         Returns an output for every request that advanced: ``finished=False`` while it
-        runs (for streaming), ``finished=True`` once, at the end.
+        runs (for streaming; left out with ``include_running=False``), ``finished=True``
+        once, at the end.
         """
         self._schedule()
         if not self._running:
             return []
-        before = [len(s.output_token_ids) for s in self._running]
+        before = [s.num_output_tokens for s in self._running]
         self.loop.step(self._running)
         outputs = []
         for s, b in zip(list(self._running), before):
-            self.num_generated_tokens += len(s.output_token_ids) - b
+            self.num_generated_tokens += s.num_output_tokens - b
             if s.finished:
                 self._running.remove(s)
                 self.loop.finish(s)
                 self.stats.merge(s.metrics)
                 del self._by_request[s.request_id]
-            outputs.append(self._output(s))
+                outputs.append(self._output(s))
+            elif include_running:
+                outputs.append(self._output(s))
         return outputs
 
     def _blocks_needed(self, seq: Sequence, extra: int) -> int:
@@ -227,6 +230,11 @@ class LLM:
         alloc = self.target.allocator
         paged = hasattr(alloc, "num_free_blocks")
         lookahead = self.k + 1
+        if paged and not self._waiting:
+            # each running sequence needs at most this many new blocks this step
+            worst = len(self._running) * (-(-lookahead // alloc.block_size) + 1)
+            if alloc.num_free_blocks >= worst:
+                return
         if paged:
             while self._running and sum(self._blocks_needed(s, lookahead) for s in self._running) > alloc.num_free_blocks:
                 victim = self._running.pop()
@@ -296,7 +304,7 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(prompts), desc="generating", unit="req")
         while len(results) < len(ids):
-            for out in self.step():
+            for out in self.step(include_running=False):
                 if out.finished:
                     results[out.request_id] = out
                     if bar is not None:

@@ -43,13 +43,16 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def room(self) -> int:
         """How many more tokens this sequence may emit."""
-        return min(self.params.max_tokens - len(self.output_token_ids),
-                   self.max_model_len - len(self.token_ids))
+        return min(self.params.max_tokens - self.num_output_tokens, self.max_model_len - len(self.token_ids))
 
     def view(self) -> SequenceView:
         return SequenceView(self.seq_id, self.token_ids, self.num_prompt_tokens, self.generator)
