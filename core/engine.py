@@ -90,7 +90,7 @@ class LLM:
                 plan(self.max_model_len, self.max_num_seqs)
             except KVCacheFull as exc:
                 raise ConfigError(str(exc)) from exc
-        self._capture_graphs(k)
+        self._capture_graphs(k, hidden_layers)
         self.verifier_spec = self.registry.verifier(verifier_name)
         self.verifier = self.verifier_spec.factory()
         self.proposer = proposer
@@ -107,14 +107,15 @@ class LLM:
         log.info("engine ready: model=%s method=%s k=%d verifier=%s", self.model_path.name,
                  spec_cfg.method if spec_cfg else None, k, verifier_name)
 
-    def _capture_graphs(self, k: int) -> None:
-        """Capture CUDA graphs for the common decode/verify shapes up front (others lazily)."""
+    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = ()) -> None:
+        """Capture CUDA graphs for the common decode/verify shapes up front (others lazily),
+        returning the hidden states the proposer asked for, as the loop will request them."""
         capture = getattr(self.target, "capture", None)
         if capture is None or not getattr(self.target, "cuda_graphs", False):
             return
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs] + [self.max_num_seqs]
         t0 = time.perf_counter()
-        n = capture(sizes, sorted({1, k + 1}), max_block_buckets=1)
+        n = capture(sizes, sorted({1, k + 1}), max_block_buckets=1, hidden_layers=hidden_layers)
         log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
     # -- requests -----------------------------------------------------------------------

@@ -100,8 +100,13 @@ class Proposer(Protocol):
 class StatefulProposer(Proposer, Protocol):
     """A proposer with per-request state (its own KV cache, for example)."""
 
-    def add_request(self, seq: SequenceView) -> None:
-        """Called once when a sequence starts running (prefill the draft state)."""
+    def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
+        """Called once when a sequence starts running (prefill the draft state).
+
+        Proposers that declare ``hidden_layers`` receive ``hidden_states``: the target's
+        prefill hidden states, ``{layer: [len(seq.token_ids) - 1, H]}`` (every position but
+        the last token's, which is the input of the first verify step). Others get none.
+        """
 
     def remove_request(self, seq_id: int) -> None:
         """Called when a sequence finishes or is aborted; free its state."""
@@ -156,8 +161,16 @@ class ModelRunner(Protocol):
     vocab_size: int
     device: torch.device
 
-    def add(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        """Start a sequence: run the prefill over ``token_ids`` (may be empty)."""
+    def add(self, seq_id: int, token_ids: Sequence[int], hidden_layers: Sequence[int] = ()) -> Any:
+        """Start a sequence: run the prefill over ``token_ids`` (may be empty).
+
+        Returns ``{layer: [len(token_ids), H]}``, the requested hidden states of every
+        prefilled position (see :meth:`forward` for the layer numbering).
+        """
+
+    def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                 hidden_layers: Sequence[int] = ()) -> Any:
+        """Prefill several sequences together; returns ``{seq_id: {layer: [len, H]}}``."""
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
                 hidden_layers: Sequence[int] = ()) -> Any:
@@ -165,6 +178,8 @@ class ModelRunner(Protocol):
 
         ``token_ids``: [B, q] (padding past ``num_tokens[b]`` is ignored and not kept).
         Returns a :class:`ForwardOutput`: logits [B, q, V] and requested hidden states.
+        Hidden layer ``i >= 0`` is the output stream of decoder layer ``i``; ``-1`` is the
+        final normed state (the LM head's input).
         """
 
     def truncate(self, seq_id: int, length: int) -> None:

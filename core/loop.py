@@ -33,14 +33,26 @@ class DraftVerifyLoop:
         self.hidden_layers = tuple(hidden_layers)
 
     def start(self, seqs: list[Sequence]) -> None:
-        """Prefill new sequences: everything but the last token goes into the KV cache."""
+        """Prefill new sequences: everything but the last token goes into the KV cache.
+
+        A proposer that declared ``hidden_layers`` gets the prefill's hidden states too:
+        ``add_request(view, hidden_states={layer: [len - 1, H]})``.
+        """
         if not seqs:
             return
-        self.target.add_many([s.seq_id for s in seqs], [s.token_ids[:-1] for s in seqs])
+        ids, prompts = [s.seq_id for s in seqs], [s.token_ids[:-1] for s in seqs]
+        hidden = None
+        if self.hidden_layers:  # {seq_id: {layer: [len - 1, H]}} for proposers that asked
+            hidden = self.target.add_many(ids, prompts, hidden_layers=self.hidden_layers)
+        else:
+            self.target.add_many(ids, prompts)
         add = getattr(self.proposer, "add_request", None)
         if add is not None:
             for s in seqs:
-                add(s.view())
+                if hidden is None:
+                    add(s.view())
+                else:
+                    add(s.view(), hidden_states=hidden[s.seq_id])
 
     def finish(self, seq: Sequence) -> None:
         """Free a sequence's KV and proposer state."""

@@ -57,3 +57,113 @@ def shared_dir() -> Path:
 def mt_bench_prompts(n: int | None = None) -> list[dict]:
     rows = [json.loads(l) for l in (shared_dir() / "data" / "mt_bench.jsonl").read_text().splitlines() if l.strip()]
     return rows[:n] if n else rows
+
+
+def token_prompts_file(path: Path, n: int = 80, vocab_size: int = TINY_VOCAB, seed: int = 0) -> Path:
+    """A JSONL of random token-id prompts (2..19 tokens) for training on tiny models."""
+    import random
+    rng = random.Random(seed)
+    rows = [{"source": "tiny", "prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(rng.randrange(2, 20))]}
+            for _ in range(n)]
+    path = Path(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def train_tiny(method: str, target: Path, workdir: Path, steps: int = 120, num_prompts: int = 64,
+               max_tokens: int = 40, extra: tuple[str, ...] = ()) -> Path:
+    """Train ``method`` (``speculum train``) on a tiny target in-process; returns the output dir.
+
+    Seconds on a CPU: random token prompts, short answers, a few hundred steps. Plugin
+    tests use it to get heads that agree with the target often, but not always.
+    """
+    from speculum.cli import main
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    prompts = token_prompts_file(workdir / "prompts.jsonl")
+    out = workdir / method
+    argv = ["train", method, "--model", str(target), "--prompts", str(prompts), "--num-prompts", str(num_prompts),
+            "--max-tokens", str(max_tokens), "--steps", str(steps), "--batch-size", "8", "--device", "cpu",
+            "--cache-dir", str(workdir / "distill"), "--out", str(out), "--eval-every", "0", "--save-every",
+            str(steps), "--warmup", "10", *extra]
+    if main(argv) != 0:
+        raise RuntimeError(f"speculum {' '.join(argv)} failed")
+    return out
+
+
+def record_drafts(llm) -> list:
+    """Wrap ``llm.proposer.propose``; returns the list it appends (token rows, draft ids) to."""
+    seen = []
+    inner = llm.proposer.propose
+
+    def propose(batch):
+        d = inner(batch)
+        # copies: the loop masks drafts past a request's room in place
+        seen.append(([list(s.token_ids) for s in batch.seqs], d.token_ids.clone()))
+        return d
+
+    llm.proposer.propose = propose
+    return seen
+
+
+class PrefillHidden:
+    """Target hidden states of whole sequences from a fresh prefill (for rollback tests)."""
+
+    def __init__(self, target: Path, layers, runner: str = "native"):
+        from speculum.backends.torch.backend import TorchBackend
+        backend = TorchBackend(device="cpu", dtype="float32", runner=runner, kv_cache_memory=4 << 20)
+        self.runner = backend.load_model(Path(target), role="target")
+        backend.plan_memory(256)
+        self.layers = tuple(layers)
+        self._ids = iter(range(1_000_000, 2_000_000))
+
+    def __call__(self, tokens: list[int]) -> dict:
+        """{layer: [len(tokens), H]}"""
+        sid = next(self._ids)
+        out = self.runner.add(sid, tokens, hidden_layers=self.layers)
+        self.runner.remove(sid)
+        return out
+
+
+def mt_bench_chat_prompts(n: int) -> list[list[dict]]:
+    """The first turn of one MT-bench question per category (first ``n`` categories), as chat."""
+    rows, seen = [], set()
+    for r in mt_bench_prompts():
+        if r["category"] not in seen:
+            seen.add(r["category"])
+            rows.append([{"role": "user", "content": r["turns"][0]}])
+    return rows[:n]
+
+
+def check_shipped_heads(root: Path, max_bytes: int = 25 << 20, shared_shape: tuple[int, int] = (49152, 576)) -> int:
+    """Assert every head shipped under ``root`` is small and stores no copy of the target's
+    embedding / LM head (``shared_shape``); returns how many heads were checked."""
+    from safetensors import safe_open
+    n = 0
+    for cfg in sorted(Path(root).glob("*/config.json")):
+        meta = json.loads(cfg.read_text()).get("speculum", {})
+        assert meta.get("method") and meta.get("target", {}).get("embed_abs_mean"), f"{cfg}: no speculum metadata"
+        assert meta.get("training", {}).get("command", "").startswith("speculum train"), f"{cfg}: no training command"
+        for f in cfg.parent.glob("*.safetensors"):
+            assert f.stat().st_size < max_bytes, f"{f} is {f.stat().st_size / 2**20:.1f} MiB"
+            with safe_open(str(f), "pt") as h:
+                for k in h.keys():
+                    assert tuple(h.get_slice(k).get_shape()) != shared_shape, f"{f}: {k} copies the target's matrix"
+        n += 1
+    return n
+
+
+_BASELINES: dict = {}
+
+
+def default_model_baseline(num_prompts: int, max_tokens: int) -> list:
+    """Greedy outputs of the default model (fp32, CPU, no speculation) on
+    :func:`mt_bench_chat_prompts`; computed once per process and shared by test modules."""
+    key = (num_prompts, max_tokens)
+    if key not in _BASELINES:
+        from speculum.engine import LLM
+        from speculum.sampling import SamplingParams
+        llm = LLM(dtype="float32", device="cpu", max_num_seqs=num_prompts)
+        _BASELINES[key] = llm.generate(mt_bench_chat_prompts(num_prompts),
+                                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return _BASELINES[key]

@@ -86,11 +86,17 @@ class HFRunner:
     def length(self, seq_id: int) -> int:
         return self.allocator.length(seq_id)
 
-    def add(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        self.add_many([seq_id], [list(token_ids)])
+    def add(self, seq_id: int, token_ids: Sequence[int], hidden_layers: Sequence[int] = ()) -> dict:
+        return self.add_many([seq_id], [list(token_ids)], hidden_layers)[seq_id]
 
-    def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Prefill several new sequences in one batched forward (right padded)."""
+    def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                 hidden_layers: Sequence[int] = ()) -> dict[int, dict[int, torch.Tensor]]:
+        """Prefill several new sequences in one batched forward (right padded).
+
+        Returns ``{seq_id: {layer: [len(prompt), H]}}`` for the requested hidden layers.
+        """
+        hidden_layers = tuple(hidden_layers)
+        hidden = {sid: {} for sid in seq_ids}
         for sid, toks in zip(seq_ids, prompts):
             if sid in self.rows:
                 raise ValueError(f"sequence {sid} already in the {self.name} runner")
@@ -99,6 +105,8 @@ class HFRunner:
         n = len(seq_ids)
         if P == 0:
             new_kv, new_pos = None, torch.full((n, 0), -1, dtype=torch.int64, device=self.device)
+            empty = torch.empty(0, self.hidden_size, dtype=self.model.dtype, device=self.device)
+            hidden = {sid: {layer: empty for layer in hidden_layers} for sid in seq_ids}
         else:
             ids = torch.zeros(n, P, dtype=torch.int64, device=self.device)
             pos = torch.arange(P, device=self.device).expand(n, P).clone()
@@ -108,8 +116,27 @@ class HFRunner:
                     ids[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
             new_pos = torch.where(pos < lens.view(n, 1), pos, torch.full_like(pos, -1))
             empty = torch.full((n, 0), -1, dtype=torch.int64, device=self.device)
-            _, new_kv, new_pos = self._run(ids, pos, new_pos, None, empty, logits_to_keep=1)
+            out, new_kv, new_pos = self._run(ids, pos, new_pos, None, empty, hidden_layers, logits_to_keep=1)
+            for layer in hidden_layers:
+                h = self._hidden(out, layer)
+                for i, (sid, t) in enumerate(zip(seq_ids, prompts)):
+                    hidden[sid][layer] = h[i, : len(t)]
         self._append_rows(list(seq_ids), new_kv, new_pos)
+        return hidden
+
+    def _hidden(self, out, layer: int) -> torch.Tensor:
+        """Hidden state ``layer`` in the native runner's numbering from transformers' tuple.
+
+        transformers returns (embeddings, output of layer 0, ..., output of layer L-2,
+        final normed state): layer ``i`` is entry ``i + 1`` and ``-1`` the last entry.
+        """
+        last = len(out.hidden_states) - 2  # the layer whose pre-norm output is not returned
+        if layer == -1:
+            return out.hidden_states[-1]
+        if not 0 <= layer < last:
+            raise ValueError(f"{self.name} runner (transformers) returns hidden layers 0..{last - 1} "
+                             f"and -1 (final normed state), not {layer}")
+        return out.hidden_states[layer + 1]
 
     def _append_rows(self, seq_ids, new_kv, new_pos) -> None:
         """Stack new rows under the running ones, padding the shorter time axis."""
@@ -161,7 +188,7 @@ class HFRunner:
         hidden = {}
         if hidden_layers:
             for layer in hidden_layers:
-                hidden[layer] = out.hidden_states[layer][idx]
+                hidden[layer] = self._hidden(out, layer)[idx]
         self._maybe_compact()
         return ForwardOutput(logits=logits, hidden_states=hidden)
 

@@ -91,32 +91,38 @@ class NativeRunner:
     def _host_meta(self, seq_ids: Sequence[int], num_tokens: Sequence[int], q: int, B: int, nb: int):
         """Positions, write slots and block tables ([B, q], [B, q], [B, nb]) on the host."""
         bs = self.block_size
-        pos = np.zeros((B, q), dtype=np.int64)
-        wsl = np.zeros((B, q), dtype=np.int64)
+        n = len(seq_ids)
         blk = np.zeros((B, nb), dtype=np.int64)
-        ar = np.arange(q, dtype=np.int64)
-        for b, (sid, n) in enumerate(zip(seq_ids, num_tokens)):
+        ends = np.zeros(B, dtype=np.int64)
+        for b, sid in enumerate(seq_ids):
             table = self.allocator.block_table(sid)
-            end = self.allocator.length(sid)
-            p = ar + (end - n)
-            pos[b] = p
             blk[b, : len(table)] = table
-            # rows past the valid tokens write into scratch block 0
-            wsl[b] = np.where(p < end, blk[b, np.minimum(p // bs, nb - 1)] * bs + p % bs, p % bs)
+            ends[b] = self.allocator.length(sid)
+        starts = ends.copy()
+        starts[:n] -= np.asarray(num_tokens, dtype=np.int64)
+        pos = starts[:, None] + np.arange(q, dtype=np.int64)[None, :]
+        slot = np.take_along_axis(blk, np.minimum(pos // bs, nb - 1), axis=1) * bs + pos % bs
+        # positions past a row's valid tokens (and padding rows) write into scratch block 0
+        wsl = np.where(pos < ends[:, None], slot, pos % bs)
         return torch.from_numpy(pos), torch.from_numpy(wsl), torch.from_numpy(blk)
 
     # -- ModelRunner ----------------------------------------------------------------------
     def length(self, seq_id: int) -> int:
         return self.allocator.length(seq_id)
 
-    def add(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        self.add_many([seq_id], [token_ids])
+    def add(self, seq_id: int, token_ids: Sequence[int], hidden_layers: Sequence[int] = ()) -> dict:
+        return self.add_many([seq_id], [token_ids], hidden_layers)[seq_id]
 
-    def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+    def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                 hidden_layers: Sequence[int] = ()) -> dict[int, dict[int, torch.Tensor]]:
         """Prefill new sequences together, in chunks of ``prefill_chunk`` tokens (eager).
 
         Rows are right padded to the longest chunk; padding writes to the scratch block.
+        Returns ``{seq_id: {layer: [len(prompt), H]}}``: the requested hidden states of
+        every prefilled position (empty dicts when no layers are asked for).
         """
+        hidden_layers = tuple(hidden_layers)
+        parts: dict[int, dict[int, list[torch.Tensor]]] = {sid: {l: [] for l in hidden_layers} for sid in seq_ids}
         prompts = [list(p) for p in prompts]
         for sid in seq_ids:
             if self.allocator.length(sid) or self.allocator.block_table(sid):
@@ -135,7 +141,13 @@ class NativeRunner:
                 for r, (sid, toks) in enumerate(part):
                     ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
                     self.allocator.allocate(sid, len(toks))
-                self._eager([sid for sid, _ in part], ids, [len(t) for _, t in part], (), compute_logits=False)
+                out = self._eager([sid for sid, _ in part], ids, [len(t) for _, t in part], hidden_layers,
+                                  compute_logits=False)
+                for layer, h in out.hidden_states.items():  # [rows, q, H]
+                    for r, (sid, toks) in enumerate(part):
+                        parts[sid][layer].append(h[r, : len(toks)])
+        empty = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        return {sid: {l: torch.cat(hs) if hs else empty for l, hs in d.items()} for sid, d in parts.items()}
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:
@@ -227,7 +239,7 @@ class NativeRunner:
         return entry
 
     def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
-                max_block_buckets: int | None = None) -> int:
+                max_block_buckets: int | None = None, hidden_layers: Sequence[int] = ()) -> int:
         """Capture graphs ahead of time; returns how many were made. Other shapes are
         captured the first time they occur."""
         if not self.cuda_graphs:
@@ -236,7 +248,7 @@ class NativeRunner:
         for B in batch_sizes:
             for q in query_lens:
                 for nb in self._block_buckets[:max_block_buckets]:
-                    key = (_bucket(B, BATCH_BUCKETS), q, nb, ())
+                    key = (_bucket(B, BATCH_BUCKETS), q, nb, tuple(hidden_layers))
                     if key not in self._graphs:
                         self._capture(key)
                         n += 1

@@ -1,0 +1,166 @@
+"""The trainer contract (one per method) and the losses the methods share.
+
+A trainer is found through the entry point group ``speculum.train`` (plugins register
+theirs in their ``pyproject.toml``; ``draft`` is built in). The generic loop in
+:mod:`speculum.train.loop` owns data, optimiser, checkpoints and validation; a trainer
+only says what it needs, builds the module, computes the loss and writes its format.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speculum.proposers.hidden_head import TargetParts
+from speculum.train.data import Batch, DistillData
+
+
+class Trainer:
+    """Base class of method trainers (subclass and override)."""
+
+    #: method name (``speculum train <name>``)
+    name = ""
+    description = ""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Method-specific options."""
+
+    def data_layers(self, args: argparse.Namespace, num_target_layers: int) -> tuple[int, ...]:
+        """Target hidden layers the data must hold (``-1`` = final normed state)."""
+        return (-1,)
+
+    def positions(self, args: argparse.Namespace) -> int:
+        """Draft positions trained and reported (validation accuracy per position)."""
+        return int(getattr(args, "num_positions", 1))
+
+    def build(self, args: argparse.Namespace, target: TargetParts, target_state: dict[str, torch.Tensor],
+              data: DistillData, train_ids: list[int]) -> nn.Module:
+        """The module to train, initialised (``target_state``: the target's weights)."""
+        raise NotImplementedError
+
+    def loss(self, module: nn.Module, batch: Batch, target: TargetParts,
+             args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scalar loss, correct [K], counted [K]): top-1 agreement with the target per position."""
+        raise NotImplementedError
+
+    def export(self, module: nn.Module, out: Path, target: TargetParts, args: argparse.Namespace,
+               meta: dict[str, Any]) -> None:
+        """Write the trained module in its public checkpoint format."""
+        raise NotImplementedError
+
+
+def soft_ce(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` [N, V] against target probabilities [N, V] (mean over N)."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    return -(probs * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1).mean()
+
+
+class TargetDist:
+    """The target's next-token distribution at every training position of a batch, once.
+
+    Position ``s`` (``batch.target_mask(0)``) holds the target's distribution of
+    ``x_{s+1}``, from its final normed state and LM head. With ``vocab`` (sorted target
+    ids) the probabilities are over that sub-vocabulary: EAGLE-3's draft vocabulary, or
+    the frequent tokens a full-vocabulary head is trained on to save compute. ``argmax``
+    is the target's top token (target ids): over the whole vocabulary when ``full``
+    (validation), else within ``vocab``.
+    """
+
+    def __init__(self, batch: Batch, lm_head: torch.Tensor, loss_on: str = "answer",
+                 vocab: torch.Tensor | None = None, full: bool = False):
+        need = batch.target_mask(0, loss_on)
+        self.index = torch.full(need.shape, -1, dtype=torch.int64, device=need.device)
+        self.index[need] = torch.arange(int(need.sum()), device=need.device)
+        feats = batch.hidden[-1][need]
+        logits = target_logits(feats, lm_head if vocab is None else lm_head[vocab])  # [N, V or Vs]
+        self.probs = logits.softmax(dim=-1)
+        top = logits.argmax(dim=-1)
+        self.argmax = top if vocab is None else vocab[top]
+        if full and vocab is not None:
+            self.argmax = target_logits(feats, lm_head).argmax(dim=-1)
+
+    def rows(self, shift: int, anchors: torch.Tensor) -> torch.Tensor:
+        """Rows of the positions ``t + shift`` for the anchors ``t`` selected by ``anchors``."""
+        return self.index[:, shift:][anchors]
+
+
+def target_logits(feats: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its final normed states [N, H] (no gradient)."""
+    with torch.no_grad():
+        return F.linear(feats.to(lm_head.dtype), lm_head).float()
+
+
+def agreement(pred: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows where the predicted token ids equal the target's, rows), on the CPU."""
+    return (pred == want).float().sum().detach().cpu(), torch.tensor(float(pred.shape[0]))
+
+
+def chain_unroll(head, batch: Batch, steps: int):
+    """Run a chain head ``steps`` times over every anchor of a batch (training-time test).
+
+    Step 0 reads the true features ``f_t`` and tokens ``x_{t+1}`` at position ``t``; step
+    ``j`` reads the head's own output of step ``j - 1`` and ``x_{t+j+1}`` at position
+    ``t + j``, attending as it would at inference. Yields ``(j, out [B, T, H])``; the
+    output of step ``j`` at anchor ``t`` predicts ``x_{t+j+2}``.
+    """
+    from speculum.proposers.head_layers import TrainContext
+    from speculum.train.data import shifted
+    B, T = batch.tokens.shape
+    ctx = TrainContext()
+    pos = torch.arange(T, device=batch.tokens.device).expand(B, T)
+    feat = head.features(batch.hidden)
+    for j in range(steps):
+        ctx.next_step()
+        out = head(feat, shifted(batch.tokens, j + 1), pos + j, ctx)
+        yield j, out
+        feat = out
+
+
+def layer_from_target(layer, target_state: dict[str, torch.Tensor], index: int) -> None:
+    """Initialise a head's decoder layer from target layer ``index`` (same shapes).
+
+    A wider attention input (EAGLE-3's [embedding; feature]) gets the target's weights on
+    the feature half and zeros on the embedding half.
+    """
+    from speculum.proposers.head_layers import load_layer
+    prefix = f"model.layers.{index}."
+    qkv = layer.attn.qkv
+    width = layer.mlp_norm.weight.shape[0]
+    if qkv.in_features == width:
+        load_layer(layer, target_state, prefix, "target")
+        return
+    with torch.no_grad():
+        w = torch.cat([target_state[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        qkv.weight.zero_()
+        qkv.weight[:, qkv.in_features - width:] = w.to(qkv.weight.dtype)
+        layer.attn.o.weight.copy_(target_state[prefix + "self_attn.o_proj.weight"])
+        layer.mlp.gate_up.weight.copy_(torch.cat([target_state[prefix + "mlp.gate_proj.weight"],
+                                                  target_state[prefix + "mlp.up_proj.weight"]]))
+        layer.mlp.down.weight.copy_(target_state[prefix + "mlp.down_proj.weight"])
+        layer.mlp_norm.weight.copy_(target_state[prefix + "post_attention_layernorm.weight"])
+        if layer.input_norm is not None:
+            layer.input_norm.weight.copy_(target_state[prefix + "input_layernorm.weight"])
+
+
+def frequent_tokens(data: DistillData, ids: list[int], n: int, vocab_size: int) -> torch.Tensor:
+    """The ``n`` most frequent answer tokens of sequences ``ids`` (then the most frequent of
+    all tokens, then the lowest ids), as ascending target ids."""
+    n = min(n, vocab_size)
+    counts = torch.bincount(data.answer_tokens(ids), minlength=vocab_size).double() * 1e6
+    counts += torch.bincount(data.tokens, minlength=vocab_size).double()[:vocab_size]
+    counts += torch.linspace(1e-3, 0, vocab_size, dtype=torch.float64)  # deterministic ties
+    return counts.topk(n).indices.sort().values
+
+
+def loss_vocab(module, target: TargetParts, args) -> torch.Tensor | None:
+    """The sub-vocabulary the loss uses in training (None: the whole vocabulary, and always
+    in validation, so reported accuracy is exact)."""
+    if not module.training or not getattr(args, "loss_vocab", 0):
+        return None
+    return module.loss_vocab

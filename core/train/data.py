@@ -1,0 +1,130 @@
+"""Distillation data in memory, its train/validation split, and padded training batches.
+
+Positions: sequence ``i`` has tokens ``x_0..x_{n-1}`` (prompt of ``P`` tokens, then the
+target's answer) and the target's hidden state ``h_t`` at every position but the last.
+``h_t`` is what the target had when it predicted ``x_{t+1}``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Sequence
+
+import attrs
+import torch
+
+
+@attrs.define(eq=False)
+class Batch:
+    """Right-padded sequences of one training step (everything on the training device)."""
+
+    # [B, T] token ids (0 padded)
+    tokens: torch.Tensor
+    # layer -> [B, T, H] float32 target hidden states (zeros where there is none)
+    hidden: dict[int, torch.Tensor]
+    # [B, T] position t has a hidden state (t < n - 1)
+    valid: torch.Tensor
+    # [B, T] the token after position t belongs to the answer (t + 1 >= P)
+    answer_next: torch.Tensor
+
+    def target_mask(self, shift: int, loss_on: str = "answer") -> torch.Tensor:
+        """[B, T - shift] anchors ``t`` whose position ``t + shift`` is a training target.
+
+        Position ``s = t + shift`` must have a hidden state (it gives the target's
+        distribution of ``x_{s+1}``) and, for ``loss_on="answer"``, ``x_{s+1}`` must be
+        part of the answer.
+        """
+        m = self.valid[:, shift:]
+        if loss_on == "answer":
+            m = m & self.answer_next[:, shift:]
+        return m
+
+
+def shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x[:, shift:]`` padded back to ``T`` with zeros at the end (dim 1)."""
+    if shift == 0:
+        return x
+    pad = x.new_zeros((x.shape[0], shift, *x.shape[2:]))
+    return torch.cat([x[:, shift:], pad], dim=1)
+
+
+@attrs.define(eq=False)
+class DistillData:
+    tokens: torch.Tensor        # [N] int64
+    offsets: torch.Tensor       # [S + 1]
+    prompt_lens: torch.Tensor   # [S]
+    prompt_index: torch.Tensor  # [S] row of the prompt file
+    hidden: dict[int, torch.Tensor]  # layer -> [N, H] bfloat16
+
+    @classmethod
+    def load(cls, path: Path, layers: Sequence[int] | None = None, shards: Sequence[str] | None = None) -> "DistillData":
+        """Read ``shards`` (default: every shard in ``meta.json``), keeping only ``layers``."""
+        from safetensors.torch import load_file
+        if shards is None:
+            shards = json.loads((Path(path) / "meta.json").read_text())["shards"]
+        toks, offs, plens, pidx, hid = [], [0], [], [], {}
+        for name in shards:
+            d = load_file(str(Path(path) / name))
+            base = offs[-1]
+            toks.append(d["tokens"].long())
+            offs += (d["offsets"][1:] + base).tolist()
+            plens.append(d["prompt_lens"].long())
+            pidx.append(d["prompt_index"].long())
+            for k, v in d.items():
+                if k.startswith("hidden."):
+                    layer = int(k.split(".", 1)[1])
+                    if layers is None or layer in layers:
+                        hid.setdefault(layer, []).append(v)
+        if not toks:
+            raise ValueError(f"no distillation shards in {path}")
+        return cls(torch.cat(toks), torch.tensor(offs), torch.cat(plens), torch.cat(pidx),
+                   {k: torch.cat(v) for k, v in hid.items()})
+
+    def __len__(self) -> int:
+        return self.prompt_lens.shape[0]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.hidden))
+
+    def split(self, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+        """Disjoint train / validation sequence ids (by prompt; at least one of each)."""
+        ids = list(range(len(self)))
+        random.Random(seed + 1).shuffle(ids)
+        n_val = min(max(1, round(len(ids) * val_fraction)), len(ids) - 1) if val_fraction > 0 else 0
+        return sorted(ids[n_val:]), sorted(ids[:n_val])
+
+    def answer_tokens(self, ids: Sequence[int]) -> torch.Tensor:
+        """All answer tokens of the sequences ``ids`` (for vocabulary statistics)."""
+        parts = [self.tokens[self.offsets[i] + self.prompt_lens[i]: self.offsets[i + 1]] for i in ids]
+        return torch.cat(parts) if parts else self.tokens[:0]
+
+    def num_tokens(self, ids: Sequence[int]) -> int:
+        return int(sum(int(self.offsets[i + 1] - self.offsets[i]) for i in ids))
+
+    def batch(self, ids: Sequence[int], max_len: int, device="cpu", prompt_context: int = 0) -> Batch:
+        """Pad the sequences ``ids`` into a Batch: at most ``max_len`` tokens of each, and at
+        most ``prompt_context`` prompt tokens before the answer (0: no limit); what is cut
+        is the start of the prompt."""
+        rows = []
+        for i in ids:
+            s, e, P = int(self.offsets[i]), int(self.offsets[i + 1]), int(self.prompt_lens[i])
+            start = max(s, e - max_len, s + P - prompt_context if prompt_context else s)
+            rows.append((start, e, s + P))
+        B, T = len(rows), max(e - s for s, e, _ in rows)
+        tokens = torch.zeros(B, T, dtype=torch.int64)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        answer_next = torch.zeros(B, T, dtype=torch.bool)
+        hidden = {l: torch.zeros(B, T, h.shape[1], dtype=torch.float32) for l, h in self.hidden.items()}
+        for b, (s, e, a) in enumerate(rows):
+            n = e - s
+            tokens[b, :n] = self.tokens[s:e]
+            valid[b, : n - 1] = True
+            # token t + 1 is an answer token iff s + t + 1 >= a
+            answer_next[b, :n] = torch.arange(s + 1, e + 1) >= a
+            for l, h in self.hidden.items():
+                hidden[l][b, :n] = h[s:e].float()
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next & valid))

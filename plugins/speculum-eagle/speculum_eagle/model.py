@@ -1,0 +1,121 @@
+"""EAGLE-1 and EAGLE-3 draft heads (Li et al. 2024, 2025) as :class:`ChainHead` modules.
+
+EAGLE-1: ``h = fc([embed(x_{t+1}); f_t])`` (2H -> H, with bias), then Llama decoder
+layer(s) whose first has no input norm; the output is a predicted *normed* target
+feature, so the target's own LM head turns it into logits. Feature ``f_t`` is the
+target's final normed hidden state (layer ``-1``).
+
+EAGLE-3: the feature fuses three target layers, ``g_t = fc([h_low; h_mid; h_high])``
+(3H -> H, no bias). The decoder layer attends over ``[input_norm(embed(x_{t+1}));
+hidden_norm(g_t)]`` (2H wide) with ``g_t`` as the residual; ``lm_head(norm(out))`` gives
+logits over a reduced draft vocabulary, mapped to target ids by ``d2t`` (target id =
+draft id + d2t[draft id]). While drafting, the output (pre-norm) is the next feature.
+
+The embedding (and EAGLE-1's LM head) are the target's tensors, shared, not copied,
+unless a checkpoint brings its own ``embed_tokens.weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speculum.backends.torch.native.arch import LlamaArch
+from speculum.proposers.head_layers import HeadDecoderLayer, RMSNorm, Rope
+
+
+class Eagle1Head(nn.Module):
+    """EAGLE-1: fc over [embedding; feature] -> decoder layer(s); shared LM head."""
+
+    def __init__(self, arch: LlamaArch, embed: torch.Tensor, lm_head: torch.Tensor, fc_bias: bool = True):
+        super().__init__()
+        H = arch.hidden_size
+        self.arch = arch
+        self.fc = nn.Linear(2 * H, H, bias=fc_bias)
+        self.layers = nn.ModuleList(HeadDecoderLayer(arch, index=i, input_norm=i > 0, bias=arch.qkv_bias)
+                                    for i in range(arch.num_layers))
+        self.rope = Rope(arch)
+        # shared with the target: plain attributes, so not parameters, never saved or cast
+        self.embed_weight = embed
+        self.lm_head_weight = lm_head
+        self.num_layers, self.num_kv_heads, self.head_dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
+
+    def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        return hidden[-1]
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        e = F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
+        h = self.fc(torch.cat([e, feats.to(e.dtype)], dim=-1))
+        cos, sin = self.rope(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return h
+
+    def logits(self, out: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits through the target's LM head (only the rows ``vocab`` if given)."""
+        w = self.lm_head_weight if vocab is None else self.lm_head_weight[vocab]
+        return F.linear(out.to(w.dtype), w).float()
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3: fused low/mid/high features, 2H-wide attention input, own draft vocabulary."""
+
+    def __init__(self, arch: LlamaArch, embed: torch.Tensor, target_hidden: int, draft_vocab: int,
+                 feature_layers: Sequence[int]):
+        super().__init__()
+        H = arch.hidden_size
+        self.arch = arch
+        self.feature_layers = tuple(feature_layers)  # target hidden layers (our numbering)
+        self.fc = nn.Linear(len(self.feature_layers) * target_hidden, H, bias=False)
+        self.layer = HeadDecoderLayer(arch, index=0, in_dim=2 * H, input_norm=True, bias=arch.qkv_bias)
+        self.hidden_norm = RMSNorm(H, arch.rms_eps)
+        self.norm = RMSNorm(H, arch.rms_eps)
+        self.lm_head = nn.Linear(H, draft_vocab, bias=False)
+        self.rope = Rope(arch)
+        self.vocab_size = arch.vocab_size
+        # target id = draft id + d2t[draft id]; t2d marks target ids in the draft vocabulary
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(arch.vocab_size, dtype=torch.bool))
+        self.embed_weight = embed
+        self.num_layers, self.num_kv_heads, self.head_dim = 1, arch.num_kv_heads, arch.head_dim
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] target id of each draft id."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Use the target ids ``draft_ids`` (ascending) as the draft vocabulary."""
+        ids = draft_ids.to(self.d2t.device, torch.int64)
+        self.d2t.copy_(ids - torch.arange(ids.shape[0], device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        x = torch.cat([hidden[i] for i in self.feature_layers], dim=-1)
+        return self.fc(x.to(self.fc.weight.dtype))
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        g = feats.to(self.fc.weight.dtype)
+        e = F.embedding(tokens, self.embed_weight).to(g.dtype)
+        cos, sin = self.rope(positions, g.dtype)
+        attn_in = torch.cat([self.layer.input_norm(e), self.hidden_norm(g)], dim=-1)
+        return self.layer(g, cos, sin, ctx, attn_in=attn_in)
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] logits over the draft vocabulary."""
+        return self.lm_head(self.norm(out)).float()
+
+    def greedy(self, out: torch.Tensor) -> torch.Tensor:
+        """Argmax target ids without the full-vocabulary scatter (``draft_to_target`` is
+        ascending, so ties break as in :meth:`logits`)."""
+        return self.draft_to_target[self.draft_logits(out).argmax(dim=-1)]
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        d = self.draft_logits(out)
+        full = d.new_full((*d.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_to_target] = d
+        return full

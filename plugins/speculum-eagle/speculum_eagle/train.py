@@ -1,0 +1,150 @@
+"""``speculum train eagle`` / ``speculum train eagle3``: EAGLE heads by self-distillation.
+
+Both unroll the head over ``--num-positions`` draft steps per anchor (the training-time
+test of EAGLE-3: from step 2 on the head reads its own output, as when drafting).
+
+- EAGLE-1 (paper's loss): SmoothL1 regression of the predicted feature onto the target's
+  next final normed state, plus ``--ce-weight`` x cross-entropy of the logits (through the
+  target's LM head) against the target's next-token distribution.
+- EAGLE-3: cross-entropy against the target's distribution restricted to the draft
+  vocabulary (``--draft-vocab`` most frequent answer tokens); in validation a target
+  token outside that vocabulary counts as a miss.
+
+Step ``j`` is weighted ``--step-decay ** j``. EAGLE-3's decoder layer starts as a copy of
+a target layer (``--init-layer``, default the last), EAGLE-1's at random (its layer has
+no input norm and lives in the scale of the normed final state).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from speculum.proposers.head_layers import arch_from_config
+from speculum.train.base import (TargetDist, Trainer, agreement, chain_unroll, frequent_tokens, layer_from_target,
+                                 loss_vocab, soft_ce)
+from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, save_eagle1, save_eagle3
+from speculum_eagle.model import Eagle1Head, Eagle3Head
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _common(p, positions: int = 4, init_layer: int = -1) -> None:
+    g = p.add_argument_group("EAGLE")
+    g.add_argument("--num-positions", type=int, default=positions, help="draft steps unrolled in training")
+    g.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j is decay**j")
+    g.add_argument("--init-layer", type=int, default=init_layer, help="target layer copied into the head "
+                   "(-1: the last; -2: random init)")
+    g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+
+
+def _init_layer(layer, target, state, index: int) -> None:
+    from speculum.proposers.head_layers import init_layer
+    if index == -2:
+        init_layer(layer)
+    else:
+        layer_from_target(layer, state, index if index >= 0 else target.num_layers - 1)
+
+
+class EagleTrainer(Trainer):
+    name = "eagle"
+    description = "EAGLE-1 head: feature regression + token cross-entropy, unrolled over the draft chain"
+
+    def add_arguments(self, p) -> None:
+        # random init: EAGLE-1's layer has no input norm and works in the scale of the
+        # target's normed final state, not in a target layer's residual stream
+        _common(p, init_layer=-2)
+        p.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token loss (paper: 0.1)")
+        p.add_argument("--reg-weight", type=float, default=1.0, help="weight of the feature regression")
+        p.set_defaults(lr=1e-3)
+
+    def build(self, args, target, state, data, train_ids):
+        arch = arch_from_config(target.config, num_layers=1)
+        head = Eagle1Head(arch, target.embed, target.lm_head, fc_bias=True)
+        H = arch.hidden_size
+        with torch.no_grad():  # fc starts by passing the feature through
+            head.fc.weight.normal_(0, 0.01)
+            head.fc.weight[:, H:] += torch.eye(H)
+            head.fc.bias.zero_()
+        _init_layer(head.layers[0], target, state, args.init_layer)
+        return head
+
+    def loss(self, head, batch, target, args):
+        K = args.num_positions
+        vocab = loss_vocab(head, target, args)
+        td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
+        T = batch.tokens.shape[1]
+        total = torch.zeros((), device=batch.tokens.device)
+        correct, count = torch.zeros(K), torch.zeros(K)
+        for j, out in chain_unroll(head, batch, K):
+            m = batch.target_mask(j + 1, args.loss_on)
+            rows = td.rows(j + 1, m)
+            o = out[:, : T - j - 1][m]
+            logits = head.logits(o, vocab)
+            want = batch.hidden[-1][:, j + 1:][m]  # the target's next feature
+            step = args.ce_weight * soft_ce(logits, td.probs[rows]) + args.reg_weight * F.smooth_l1_loss(o, want)
+            total = total + args.step_decay ** j * step
+            pred = logits.argmax(-1)
+            correct[j], count[j] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
+        return total, correct, count
+
+    def export(self, head, out, target, args, meta):
+        save_eagle1(head, out, meta=meta, dtype=DTYPES[args.save_dtype])
+
+
+class Eagle3Trainer(Trainer):
+    name = "eagle3"
+    description = "EAGLE-3 head: fused low/mid/high features, reduced vocabulary, training-time test"
+
+    def add_arguments(self, p) -> None:
+        _common(p)
+        p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+        p.set_defaults(loss_vocab=0)  # the draft vocabulary is the loss vocabulary
+        p.add_argument("--aux-layers", default=None,
+                       help="comma separated aux layer ids (inputs of target layers, as vLLM); default 2,L/2,L-3")
+        p.set_defaults(lr=1e-3)
+
+    def _layers(self, args, L: int) -> tuple[int, ...]:
+        ids = [int(x) for x in args.aux_layers.split(",")] if getattr(args, "aux_layers", None) else default_aux_ids(L)
+        return aux_ids_to_layers(ids, L)
+
+    def data_layers(self, args, num_target_layers):
+        return tuple(sorted(set(self._layers(args, num_target_layers)) | {-1}))
+
+    def build(self, args, target, state, data, train_ids):
+        arch = arch_from_config(target.config, num_layers=1)
+        V, Vd = target.vocab_size, min(args.draft_vocab, target.vocab_size)
+        layers = self._layers(args, target.num_layers)
+        head = Eagle3Head(arch, target.embed, target.hidden_size, Vd, layers)
+        ids = frequent_tokens(data, train_ids, Vd, V)  # the most frequent answer tokens
+        head.set_vocab(ids)
+        H = arch.hidden_size
+        with torch.no_grad():
+            head.fc.weight.normal_(0, 0.01)
+            head.fc.weight[:, -H:] += torch.eye(H)  # start from the highest fused layer
+            head.lm_head.weight.copy_(target.lm_head[ids].float())
+            norm = state.get("model.norm.weight")
+            if norm is not None:
+                head.norm.weight.copy_(norm)
+        _init_layer(head.layer, target, state, args.init_layer)
+        return head
+
+    def loss(self, head, batch, target, args):
+        K = args.num_positions
+        vocab = head.draft_to_target
+        # the target's distribution over the draft vocabulary; validation compares with its
+        # argmax over the whole vocabulary (a token outside the draft vocabulary is a miss)
+        td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
+        T = batch.tokens.shape[1]
+        total = torch.zeros((), device=batch.tokens.device)
+        correct, count = torch.zeros(K), torch.zeros(K)
+        for j, out in chain_unroll(head, batch, K):
+            m = batch.target_mask(j + 1, args.loss_on)
+            rows = td.rows(j + 1, m)
+            logits = head.draft_logits(out[:, : T - j - 1][m])  # [N, Vd]
+            total = total + args.step_decay ** j * soft_ce(logits, td.probs[rows])
+            correct[j], count[j] = agreement(vocab[logits.argmax(-1)], td.argmax[rows])
+        return total, correct, count
+
+    def export(self, head, out, target, args, meta):
+        save_eagle3(head, out, meta=meta, dtype=DTYPES[args.save_dtype])

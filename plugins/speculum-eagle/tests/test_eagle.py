@@ -1,0 +1,250 @@
+"""Tests of the EAGLE plugin on tiny models: formats, detection, errors, losslessness, rollback.
+
+Heads are trained for a few seconds on a tiny random target (``speculum.testing.train_tiny``),
+so they agree with the target often but not always: drafts are accepted and rejected,
+which is what the rollback and losslessness checks need.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculum import LLM, SamplingParams
+from speculum.errors import ConfigError
+from speculum.interfaces import ProposeBatch, SequenceView
+from speculum.proposers.head_checkpoint import read_weights
+from speculum.proposers.head_layers import arch_from_config, init_layer
+from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts
+from speculum.sampling import SamplingBatch
+from speculum.testing import PrefillHidden, record_drafts, tiny_model_dir, train_tiny
+from speculum_eagle.formats import (default_aux_ids, detect, eagle1_state, eagle3_state, load_eagle1, load_eagle3,
+                                    save_eagle1, save_eagle3)
+from speculum_eagle.model import Eagle1Head, Eagle3Head
+
+PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+RUNNERS = ["native", "hf"]
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    # 4 layers: EAGLE-3's default aux layers (2, L//2, L-3) exist and avoid the last one
+    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0, num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def parts(target):
+    return TargetParts.from_checkpoint(target)
+
+
+@pytest.fixture(scope="module")
+def trained(target, tmp_path_factory):
+    work = tmp_path_factory.mktemp("train")
+    return {"eagle": train_tiny("eagle", target, work), "eagle3": train_tiny("eagle3", target, work,
+                                                                           extra=("--draft-vocab", "384"))}
+
+
+def make_llm(target, spec=None, **kw) -> LLM:
+    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
+
+
+def random_eagle1(parts, seed=0) -> Eagle1Head:
+    torch.manual_seed(seed)
+    head = Eagle1Head(arch_from_config(parts.config, num_layers=1), parts.embed, parts.lm_head)
+    init_layer(head.layers[0], 0.1)
+    torch.nn.init.normal_(head.fc.weight, std=0.1)
+    torch.nn.init.normal_(head.fc.bias, std=0.1)
+    return head
+
+
+def random_eagle3(parts, seed=0, draft_vocab=200) -> Eagle3Head:
+    torch.manual_seed(seed)
+    layers = (1, 1, 0)  # aux ids (2, 2, 1) of a 4-layer target
+    head = Eagle3Head(arch_from_config(parts.config, num_layers=1), parts.embed, parts.hidden_size, draft_vocab, layers)
+    init_layer(head.layer, 0.1)
+    for p in (head.fc.weight, head.lm_head.weight, head.norm.weight, head.hidden_norm.weight):
+        torch.nn.init.normal_(p, std=0.1)
+    head.set_vocab(torch.arange(0, 2 * draft_vocab, 2))
+    return head
+
+
+def same_state(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k].float(), b[k].float()), k
+
+
+# ------------------------------------------------------------------ formats
+def test_eagle1_round_trip_in_the_eagle_layout(parts, tmp_path):
+    head = random_eagle1(parts)
+    save_eagle1(head, tmp_path / "e1")
+    names = set(read_weights(tmp_path / "e1"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
+            "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} == names  # no input norm, no embedding, no LM head
+    cfg = json.loads((tmp_path / "e1" / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleLlamaForCausalLM"] and cfg["hidden_size"] == 64
+    same_state(eagle1_state(load_eagle1(tmp_path / "e1", parts)), eagle1_state(head))
+
+
+def test_eagle1_reads_pytorch_model_bin(parts, tmp_path):
+    head = random_eagle1(parts, seed=3)
+    save_eagle1(head, tmp_path / "st")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
+    torch.save({k: v.clone() for k, v in eagle1_state(head).items()}, tmp_path / "bin" / "pytorch_model.bin")
+    same_state(eagle1_state(load_eagle1(tmp_path / "bin", parts)), eagle1_state(head))
+
+
+def test_eagle3_round_trip_with_vocabulary_maps(parts, tmp_path):
+    head = random_eagle3(parts)
+    save_eagle3(head, tmp_path / "e3")
+    sd = read_weights(tmp_path / "e3")
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight"} <= set(sd)
+    assert sd["fc.weight"].shape == (64, 3 * 64) and sd["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 64
+    assert sd["t2d"].dtype == torch.bool and int(sd["t2d"].sum()) == 200
+    assert torch.equal(torch.arange(200) + sd["d2t"], torch.arange(0, 400, 2))  # target id = draft id + d2t
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 200
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    loaded = load_eagle3(tmp_path / "e3", parts)
+    assert loaded.feature_layers == (1, 1, 0)
+    same_state(eagle3_state(loaded), eagle3_state(head))
+    # logits live on the draft vocabulary only
+    logits = loaded.logits(torch.randn(3, 64))
+    assert torch.isfinite(logits[:, :400:2]).all() and torch.isinf(logits[:, 1::2]).all()
+    assert torch.isinf(logits[:, 400:]).all()
+
+
+def test_default_aux_layers_follow_vllm():
+    assert default_aux_ids(30) == (2, 15, 27)
+
+
+# ------------------------------------------------------------------ detection
+def test_detection_from_config_and_from_weights(parts, tmp_path):
+    assert detect("x", {"architectures": ["EagleLlamaForCausalLM"]}) == "eagle"
+    assert detect("x", {"architectures": ["LlamaForCausalLMEagle3"]}) == "eagle3"
+    assert detect("x", {"architectures": ["LlamaForCausalLM"]}) is None
+    save_eagle1(random_eagle1(parts), tmp_path / "e1")
+    save_eagle3(random_eagle3(parts), tmp_path / "e3")
+    for d in ("e1", "e3"):  # configs without architectures: the weight names decide
+        cfg = json.loads((tmp_path / d / "config.json").read_text())
+        cfg.pop("architectures")
+        (tmp_path / d / "config.json").write_text(json.dumps(cfg))
+    assert detect(str(tmp_path / "e1"), {}) == "eagle"
+    assert detect(str(tmp_path / "e3"), {}) == "eagle3"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_engine_detects_the_method_from_the_checkpoint(target, trained, method):
+    llm = make_llm(target, {"model": str(trained[method]), "num_speculative_tokens": 2})
+    assert llm.speculative_config.method == method
+    assert isinstance(llm.proposer, ChainHeadProposer)
+
+
+# ------------------------------------------------------------------ errors
+def test_mismatched_head_is_a_config_error(target, parts, tmp_path):
+    other = TargetParts.from_checkpoint(tiny_model_dir(tmp_path / "wide", "llama", hidden=32, num_layers=4))
+    save_eagle1(random_eagle1(other), tmp_path / "narrow1")
+    save_eagle3(random_eagle3(other), tmp_path / "narrow3")
+    with pytest.raises(ConfigError, match="hidden size 32, but the target's is 64"):
+        make_llm(target, {"model": str(tmp_path / "narrow1"), "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="hidden size 32, but the target's is 64"):
+        make_llm(target, {"model": str(tmp_path / "narrow3"), "num_speculative_tokens": 2})
+    small = TargetParts.from_checkpoint(tiny_model_dir(tmp_path / "small", "llama", vocab_size=256, num_layers=4))
+    save_eagle1(random_eagle1(small), tmp_path / "smallvocab")
+    with pytest.raises(ConfigError, match="vocabulary size 256 differs from the target's 512"):
+        make_llm(target, {"model": str(tmp_path / "smallvocab"), "num_speculative_tokens": 2})
+    save_eagle3(random_eagle3(parts), tmp_path / "ok3")
+    with pytest.raises(ConfigError, match=r"aux hidden-state layer ids \[0, 1, 2\] must be in 1..4"):
+        make_llm(target, {"method": "eagle3", "model": str(tmp_path / "ok3"), "num_speculative_tokens": 2,
+                          "options": {"aux_hidden_state_layer_ids": [0, 1, 2]}})
+
+
+def test_no_shipped_head_for_another_target_is_a_config_error(target):
+    with pytest.raises(ConfigError, match="needs 'model'.*ships heads only for"):
+        make_llm(target, {"method": "eagle", "num_speculative_tokens": 2})
+
+
+# ------------------------------------------------------------------ losslessness
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_greedy_output_is_identical_to_no_speculation(target, trained, runner, method):
+    base = make_llm(target, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
+    llm = make_llm(target, {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3},
+                   runner=runner, max_num_seqs=2)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    m = llm.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens  # accepted and rejected drafts: rollbacks happened
+    # the head's cache joined the memory plan and is empty again
+    cache = llm.proposer.cache
+    assert cache in llm.backend.runners and cache.allocator.num_free_blocks == cache.allocator.num_blocks - 1
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_rolled_back_head_cache_drafts_like_a_fresh_prefill(target, trained, method):
+    """After many accept/reject rounds the head proposes what a fresh one would, given the
+    whole sequence at once: its KV cache kept exactly the accepted positions."""
+    llm = make_llm(target, {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3},
+                   max_num_seqs=4)
+    drafts = record_drafts(llm)
+    llm.generate(PROMPTS, GREEDY)
+    assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+    proposer = llm.proposer
+    prefill = PrefillHidden(target, proposer.hidden_layers)
+    fresh = ChainHeadProposer(proposer.head, proposer.hidden_layers, type(proposer.cache)(
+        "fresh", proposer.head.num_layers, proposer.head.num_kv_heads, proposer.head.head_dim, torch.float32,
+        "cpu", 256))
+    sid = 10_000
+    for rows, live in drafts:
+        views = []
+        for toks in rows:
+            sid += 1
+            views.append(SequenceView(sid, toks, 1))
+            fresh.add_request(views[-1], hidden_states=prefill(toks[:-1]))
+        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
+        d = fresh.propose(ProposeBatch(views, 3, sampling))
+        assert d.token_ids.tolist() == live.tolist()
+        for v in views:
+            fresh.remove_request(v.seq_id)
+
+
+def test_cache_is_truncated_to_the_accepted_positions(target, trained):
+    llm = make_llm(target, {"method": "eagle", "model": str(trained["eagle"]), "num_speculative_tokens": 3})
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(f"r{i}", p, GREEDY)
+    while llm.has_unfinished_requests():
+        llm.step()
+        for s in llm._running:
+            # true-feature positions only: everything but the last accepted run + new token
+            assert llm.proposer.cache.length(s.seq_id) + llm.proposer.pending[s.seq_id].shape[0] == len(s.token_ids) - 1
+
+
+# ------------------------------------------------------------------ sampling
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_sampled_drafts_come_with_their_distribution(target, trained, method):
+    llm = make_llm(target, {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3})
+    seen = []
+    inner = llm.proposer.propose
+    llm.proposer.propose = lambda b: seen.append(inner(b)) or seen[-1]
+    outs = llm.generate(PROMPTS[1:3], SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    for d in seen:
+        rows = d.token_ids[:, 0] >= 0
+        assert d.probs.shape == (*d.token_ids.shape, 512)
+        p = d.probs[rows]
+        assert torch.allclose(p.sum(-1), torch.ones(p.shape[:2]), atol=1e-5)
+        ids = d.token_ids[rows]  # the loop masks drafts past max_tokens with -1
+        assert bool((p.gather(-1, ids.clamp_min(0).unsqueeze(-1)).squeeze(-1)[ids >= 0] > 0).all())
+        if method == "eagle3":  # no mass outside the draft vocabulary
+            t2d = llm.proposer.head.t2d
+            assert float(p[..., ~t2d].sum()) == 0.0

@@ -1,0 +1,76 @@
+"""Medusa-1 checkpoints as the Medusa repository (FasterDecoding/Medusa) writes them.
+
+``config.json`` with ``medusa_num_heads``, ``medusa_num_layers`` and
+``base_model_name_or_path``; weights in ``medusa_lm_head.safetensors`` or
+``medusa_lm_head.pt`` (a ``torch.save`` state dict), keyed ``{i}.{j}.linear.weight`` /
+``{i}.{j}.linear.bias`` for residual block ``j`` of head ``i`` and ``{i}.{L}.weight`` for its
+LM head (``L = medusa_num_layers``). Heads saved without LM heads (``{i}.{L}.weight``
+absent; speculum writes ``"medusa_shared_lm_head": true``) use the target's LM head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from speculum.errors import ConfigError
+from speculum.proposers.head_checkpoint import read_config, read_weights, write_checkpoint
+from speculum.proposers.head_layers import copy_weight
+from speculum.proposers.hidden_head import TargetParts
+from speculum_medusa.model import MedusaHeads
+
+WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+def detect(model_path: str, config: Mapping[str, Any]) -> str | None:
+    return "medusa" if config.get("medusa_num_heads") else None
+
+
+def load_medusa(path: Path, target: TargetParts) -> MedusaHeads:
+    cfg = read_config(path)
+    where = f"Medusa heads {path}"
+    sd = {k.removeprefix("medusa_head."): v for k, v in read_weights(path, WEIGHT_FILES).items()}
+    n_heads = int(cfg.get("medusa_num_heads") or len({k.split(".")[0] for k in sd}))
+    n_layers = int(cfg.get("medusa_num_layers", 1))
+    if "0.0.linear.weight" not in sd:
+        raise ConfigError(f"{where}: no '0.0.linear.weight'; is this a Medusa-1 checkpoint?")
+    target.check(where, int(sd["0.0.linear.weight"].shape[0]), cfg.get("vocab_size"))
+    own = f"0.{n_layers}.weight" in sd
+    if own:
+        target.check(f"{where} (LM head)", None, int(sd[f"0.{n_layers}.weight"].shape[0]))
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers,
+                        lm_head=None if own else target.lm_head)
+    for i in range(n_heads):
+        for j in range(n_layers):
+            for p in ("weight", "bias"):
+                name = f"{i}.{j}.linear.{p}"
+                if name not in sd:
+                    raise ConfigError(f"{where}: checkpoint lacks {name!r} ({n_heads} heads x {n_layers} layers)")
+                copy_weight(getattr(heads.blocks[i][j].linear, p), sd[name], name, where)
+        if own:
+            copy_weight(heads.heads[i].weight, sd[f"{i}.{n_layers}.weight"], f"{i}.{n_layers}.weight", where)
+    return heads
+
+
+def medusa_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+    sd = {}
+    for i in range(heads.num_heads):
+        for j in range(heads.num_layers):
+            lin = heads.blocks[i][j].linear
+            sd[f"{i}.{j}.linear.weight"] = lin.weight.detach()
+            sd[f"{i}.{j}.linear.bias"] = lin.bias.detach()
+        if heads.heads is not None:
+            sd[f"{i}.{heads.num_layers}.weight"] = heads.heads[i].weight.detach()
+    return sd
+
+
+def save_medusa(heads: MedusaHeads, path: Path, base_model: str = "", meta: dict | None = None,
+                dtype: torch.dtype | None = None) -> Path:
+    cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+           "base_model_name_or_path": base_model, "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
+           "medusa_shared_lm_head": heads.heads is None}
+    if meta:
+        cfg["speculum"] = meta
+    return write_checkpoint(path, cfg, medusa_state(heads), filename=WEIGHT_FILES[0], dtype=dtype)

@@ -1,0 +1,87 @@
+"""The ``medusa`` proposer: k drafts at once from one target state, no draft loop.
+
+Per sequence it keeps the target's final normed state at the position that produced the
+sequence's last token: after the prefill the last prefilled position, after a verify step
+the last accepted one. Head ``i`` turns it into draft ``i + 1``. Drafts are the heads'
+argmax, or (for sampled requests) samples from each head's processed distribution,
+reported as ``probs``; the heads' drafts are independent, which the verifier allows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from speculum.errors import ConfigError
+from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
+from speculum.proposers.hidden_head import TargetParts, head_checkpoint_path, pick_tokens
+from speculum_medusa.formats import load_medusa
+
+log = logging.getLogger(__name__)
+
+HEADS = Path(__file__).resolve().parent / "heads"
+
+
+class MedusaProposer:
+    hidden_layers = (-1,)
+
+    def __init__(self, heads, sample: bool = True):
+        self.heads = heads
+        self.sample = sample
+        p = next(heads.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.last: dict[int, torch.Tensor | None] = {}
+
+    @classmethod
+    def from_context(cls, ctx) -> "MedusaProposer":
+        path = head_checkpoint_path(ctx, "medusa", HEADS)
+        target = TargetParts.from_runner(ctx.target)
+        heads = load_medusa(path, target)
+        k = ctx.config.num_speculative_tokens
+        if k > heads.num_heads:
+            raise ConfigError(f"num_speculative_tokens={k} but {path} has {heads.num_heads} Medusa heads; "
+                              f"use num_speculative_tokens <= {heads.num_heads}")
+        heads = heads.to(device=target.embed.device, dtype=target.embed.dtype).eval().requires_grad_(False)
+        log.info("Medusa heads %s: %d heads x %d layers%s", path, heads.num_heads, heads.num_layers,
+                 " (shared LM head)" if heads.heads is None else "")
+        return cls(heads, sample=ctx.config.draft_sample_method == "sample")
+
+    def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
+        h = hidden_states[-1]  # [len - 1, H]
+        self.last[seq.seq_id] = h[-1].clone() if h.shape[0] else None
+
+    def remove_request(self, seq_id: int) -> None:
+        self.last.pop(seq_id, None)
+
+    def propose(self, batch: ProposeBatch) -> Draft:
+        seqs, k = batch.seqs, batch.num_speculative_tokens
+        B = len(seqs)
+        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
+        rows = [b for b, s in enumerate(seqs) if self.last.get(s.seq_id) is not None]
+        if not rows:
+            return Draft(token_ids=token_ids, lengths=[0] * B)
+        x = torch.stack([self.last[seqs[b].seq_id] for b in rows])  # [R, H]
+        sample = self.sample and not batch.sampling.all_greedy
+        drafts, probs = [], []
+        with torch.inference_mode():
+            for i in range(k):
+                tok, p = pick_tokens(self.heads.logits(i, x), rows, batch.sampling, sample)
+                drafts.append(tok)
+                probs.append(p)
+        idx = torch.tensor(rows, device=self.device)
+        token_ids[idx] = torch.stack(drafts, dim=1)
+        q = None
+        if sample:
+            q = torch.zeros(B, k, probs[0].shape[-1], dtype=probs[0].dtype, device=self.device)
+            q[idx] = torch.stack(probs, dim=1)
+        lengths = [k if b in set(rows) else 0 for b in range(B)]
+        return Draft(token_ids=token_ids, probs=q, lengths=lengths)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        h = feedback.hidden_states[-1]  # [B, k+1, H]
+        acc = torch.tensor(feedback.num_accepted, device=h.device)
+        last = h[torch.arange(h.shape[0], device=h.device), acc].clone()  # the state that made the new token
+        for b, sid in enumerate(feedback.seq_ids):
+            self.last[sid] = last[b]

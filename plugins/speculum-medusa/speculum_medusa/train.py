@@ -1,0 +1,64 @@
+"""``speculum train medusa``: Medusa-1 heads by self-distillation.
+
+Head ``i`` at position ``t`` reads the target's final normed state ``h_t`` and learns the
+target's distribution of ``x_{t+i+2}`` (soft cross-entropy against the target's own
+next-token distribution at ``t + i + 1``), weighted ``--head-decay ** i`` as in Medusa.
+Blocks start as the identity (zero weights) so each head starts as the target's head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculum.train.base import TargetDist, Trainer, agreement, loss_vocab, soft_ce
+from speculum_medusa.formats import save_medusa
+from speculum_medusa.model import MedusaHeads
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class MedusaTrainer(Trainer):
+    name = "medusa"
+    description = "Medusa-1 heads (ResBlocks + shared or own LM head), one per draft position"
+
+    def add_arguments(self, p) -> None:
+        g = p.add_argument_group("Medusa")
+        g.add_argument("--num-heads", type=int, default=4)
+        g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
+        g.add_argument("--own-lm-head", action="store_true",
+                       help="give each head its own LM head (a V x H copy each; default: share the target's)")
+        g.add_argument("--head-decay", type=float, default=0.8)
+        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+        p.set_defaults(lr=1e-3)
+
+    def positions(self, args) -> int:
+        return args.num_heads
+
+    def build(self, args, target, state, data, train_ids):
+        heads = MedusaHeads(target.hidden_size, target.vocab_size, args.num_heads, args.num_layers,
+                            lm_head=None if args.own_lm_head else target.lm_head)
+        if heads.heads is not None:
+            with torch.no_grad():
+                for h in heads.heads:
+                    h.weight.copy_(target.lm_head)
+        return heads
+
+    def loss(self, heads, batch, target, args):
+        K = args.num_heads
+        vocab = loss_vocab(heads, target, args)
+        td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not heads.training)
+        x = batch.hidden[-1]
+        T = x.shape[1]
+        total = torch.zeros((), device=x.device)
+        correct, count = torch.zeros(K), torch.zeros(K)
+        for i in range(K):
+            m = batch.target_mask(i + 1, args.loss_on)
+            rows = td.rows(i + 1, m)
+            logits = heads.logits(i, x[:, : T - i - 1][m], vocab)
+            total = total + args.head_decay ** i * soft_ce(logits, td.probs[rows])
+            pred = logits.argmax(-1)
+            correct[i], count[i] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
+        return total, correct, count
+
+    def export(self, heads, out, target, args, meta):
+        save_medusa(heads, out, base_model=target.name or "", meta=meta, dtype=DTYPES[args.save_dtype])

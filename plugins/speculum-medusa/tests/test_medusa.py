@@ -1,0 +1,152 @@
+"""Tests of the Medusa plugin on tiny models: format, detection, errors, losslessness, state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculum import LLM, SamplingParams
+from speculum.errors import ConfigError
+from speculum.interfaces import ProposeBatch, SequenceView, StepFeedback
+from speculum.proposers.head_checkpoint import read_weights
+from speculum.proposers.hidden_head import TargetParts
+from speculum.sampling import SamplingBatch
+from speculum.testing import PrefillHidden, record_drafts, tiny_model_dir, train_tiny
+from speculum_medusa import MedusaHeads, MedusaProposer
+from speculum_medusa.formats import detect, load_medusa, medusa_state, save_medusa
+
+PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def parts(target):
+    return TargetParts.from_checkpoint(target)
+
+
+@pytest.fixture(scope="module")
+def trained(target, tmp_path_factory):
+    return train_tiny("medusa", target, tmp_path_factory.mktemp("train"), extra=("--num-heads", "3"))
+
+
+def make_llm(target, spec=None, **kw) -> LLM:
+    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
+
+
+def random_heads(parts, own: bool, seed=0, num_heads=3, num_layers=2) -> MedusaHeads:
+    torch.manual_seed(seed)
+    heads = MedusaHeads(parts.hidden_size, parts.vocab_size, num_heads, num_layers,
+                        lm_head=None if own else parts.lm_head)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return heads
+
+
+# ------------------------------------------------------------------ format
+@pytest.mark.parametrize("own", [False, True], ids=["shared-lm-head", "own-lm-head"])
+def test_round_trip_in_the_medusa_layout(parts, tmp_path, own):
+    heads = random_heads(parts, own)
+    save_medusa(heads, tmp_path / "m", base_model="tiny")
+    sd = read_weights(tmp_path / "m")
+    assert (tmp_path / "m" / "medusa_lm_head.safetensors").exists()
+    want = {f"{i}.{j}.linear.{p}" for i in range(3) for j in range(2) for p in ("weight", "bias")}
+    if own:
+        want |= {f"{i}.2.weight" for i in range(3)}
+    assert set(sd) == want
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"], cfg["medusa_shared_lm_head"]) == (3, 2, not own)
+    loaded = load_medusa(tmp_path / "m", parts)
+    assert (loaded.heads is None) == (not own)
+    a, b = medusa_state(loaded), medusa_state(heads)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reads_the_original_medusa_lm_head_pt(parts, tmp_path):
+    heads = random_heads(parts, own=True, num_layers=1)
+    (tmp_path / "m").mkdir()
+    # what FasterDecoding/Medusa writes: torch.save(medusa_head.state_dict()) + a bare config
+    torch.save({k: v.clone() for k, v in medusa_state(heads).items()}, tmp_path / "m" / "medusa_lm_head.pt")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"medusa_num_heads": 3, "medusa_num_layers": 1, "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}))
+    loaded = load_medusa(tmp_path / "m", parts)
+    assert loaded.num_heads == 3 and loaded.heads is not None
+    x = torch.randn(2, 64)
+    assert torch.allclose(loaded.logits(1, x), heads.logits(1, x))
+
+
+def test_detection(target, trained):
+    assert detect("x", {"medusa_num_heads": 5}) == "medusa"
+    assert detect("x", {"architectures": ["LlamaForCausalLM"]}) is None
+    llm = make_llm(target, {"model": str(trained), "num_speculative_tokens": 3})
+    assert llm.speculative_config.method == "medusa" and isinstance(llm.proposer, MedusaProposer)
+
+
+# ------------------------------------------------------------------ errors
+def test_mismatches_are_config_errors(target, parts, trained, tmp_path):
+    other = TargetParts.from_checkpoint(tiny_model_dir(tmp_path / "narrow", "llama", hidden=32))
+    save_medusa(random_heads(other, own=False), tmp_path / "narrow_heads")
+    with pytest.raises(ConfigError, match="hidden size 32, but the target's is 64"):
+        make_llm(target, {"model": str(tmp_path / "narrow_heads"), "num_speculative_tokens": 2})
+    small = TargetParts.from_checkpoint(tiny_model_dir(tmp_path / "small", "llama", vocab_size=256))
+    save_medusa(random_heads(small, own=True), tmp_path / "small_heads")
+    with pytest.raises(ConfigError, match="vocabulary size 256 differs from the target's 512"):
+        make_llm(target, {"model": str(tmp_path / "small_heads"), "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="num_speculative_tokens=4 but .* has 3 Medusa heads"):
+        make_llm(target, {"model": str(trained), "num_speculative_tokens": 4})
+
+
+# ------------------------------------------------------------------ losslessness and state
+@pytest.mark.parametrize("runner", ["native", "hf"])
+def test_greedy_output_is_identical_to_no_speculation(target, trained, runner):
+    base = make_llm(target, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
+    llm = make_llm(target, {"method": "medusa", "model": str(trained), "num_speculative_tokens": 3},
+                   runner=runner, max_num_seqs=2)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+
+
+def test_drafts_come_from_the_state_of_the_last_accepted_position(target, trained):
+    """The heads read the target state that produced the last token: after any number of
+    steps the drafts equal those made from a fresh prefill of the whole sequence."""
+    llm = make_llm(target, {"method": "medusa", "model": str(trained), "num_speculative_tokens": 3}, max_num_seqs=4)
+    drafts = record_drafts(llm)
+    llm.generate(PROMPTS, GREEDY)
+    prefill = PrefillHidden(target, (-1,))
+    fresh = MedusaProposer(llm.proposer.heads)
+    for n, (rows, live) in enumerate(drafts):
+        views = [SequenceView(10_000 + 10 * n + i, toks, 1) for i, toks in enumerate(rows)]
+        for v in views:
+            fresh.add_request(v, hidden_states=prefill(v.token_ids[:-1]))
+        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
+        assert fresh.propose(ProposeBatch(views, 3, sampling)).token_ids.tolist() == live.tolist()
+
+
+def test_observe_keeps_the_state_at_the_last_accepted_position(trained, parts):
+    from speculum_medusa.formats import load_medusa
+    p = MedusaProposer(load_medusa(trained, parts))
+    h = torch.randn(2, 4, 64)
+    p.observe(StepFeedback(seq_ids=[7, 8], num_accepted=[0, 2], new_lengths=[5, 9], hidden_states={-1: h}))
+    assert torch.equal(p.last[7], h[0, 0]) and torch.equal(p.last[8], h[1, 2])
+
+
+def test_sampled_drafts_come_with_their_distribution(target, trained):
+    llm = make_llm(target, {"method": "medusa", "model": str(trained), "num_speculative_tokens": 3})
+    seen = []
+    inner = llm.proposer.propose
+    llm.proposer.propose = lambda b: seen.append(inner(b)) or seen[-1]
+    outs = llm.generate(PROMPTS[1:3], SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    for d in seen:
+        assert d.probs.shape == (*d.token_ids.shape, 512)
+        assert torch.allclose(d.probs.sum(-1), torch.ones(d.token_ids.shape), atol=1e-5)

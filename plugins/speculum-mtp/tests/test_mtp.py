@@ -1,0 +1,167 @@
+"""Tests of the MTP plugin on tiny models: DeepSeek-V3 layout, MTP inside a target checkpoint,
+concatenation order, detection, errors, losslessness and KV rollback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculum import LLM, SamplingParams
+from speculum.errors import ConfigError
+from speculum.interfaces import ProposeBatch, SequenceView
+from speculum.proposers.head_checkpoint import read_weights
+from speculum.proposers.head_layers import arch_from_config, init_layer
+from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts
+from speculum.sampling import SamplingBatch
+from speculum.testing import PrefillHidden, record_drafts, tiny_model_dir, train_tiny
+from speculum_mtp import MTPHead
+from speculum_mtp.formats import detect, load_mtp, mtp_state, save_mtp
+
+PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def parts(target):
+    return TargetParts.from_checkpoint(target)
+
+
+@pytest.fixture(scope="module")
+def trained(target, tmp_path_factory):
+    return train_tiny("mtp", target, tmp_path_factory.mktemp("train"))
+
+
+def make_llm(target, spec=None, **kw) -> LLM:
+    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
+
+
+def random_mtp(parts, order="embed_hidden", own_head=False, seed=0) -> MTPHead:
+    torch.manual_seed(seed)
+    head = MTPHead(arch_from_config(parts.config, num_layers=1), parts.embed, None if own_head else parts.lm_head,
+                   order)
+    init_layer(head.layer, 0.1)
+    for p in (head.eh_proj.weight, head.enorm.weight, head.hnorm.weight, head.head_norm.weight):
+        torch.nn.init.normal_(p, std=0.1)
+    return head
+
+
+# ------------------------------------------------------------------ format
+def test_round_trip_in_the_deepseek_v3_layout(parts, tmp_path):
+    head = random_mtp(parts, "hidden_embed")
+    save_mtp(head, tmp_path / "m", parts.config)
+    sd = read_weights(tmp_path / "m")
+    pre = "model.layers.2."  # after the target's 2 layers
+    assert {pre + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                              "input_layernorm.weight", "self_attn.q_proj.weight", "mlp.down_proj.weight",
+                              "post_attention_layernorm.weight")} <= set(sd)
+    assert not any("shared_head.head" in n or "embed_tokens" in n for n in sd)  # shared with the target
+    assert sd[pre + "eh_proj.weight"].shape == (64, 128)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["speculum_mtp_concat_order"] == "hidden_embed"
+    loaded = load_mtp(tmp_path / "m", parts)
+    assert loaded.concat_order == "hidden_embed"
+    a, b = mtp_state(loaded, 2), mtp_state(head, 2)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_own_shared_head_is_loaded(parts, tmp_path):
+    head = random_mtp(parts, own_head=True)
+    torch.nn.init.normal_(head.own_head.weight, std=0.1)
+    save_mtp(head, tmp_path / "m", parts.config)
+    loaded = load_mtp(tmp_path / "m", parts)
+    assert loaded.own_head is not None and torch.equal(loaded.own_head.weight, head.own_head.weight)
+
+
+def test_concat_order_option_changes_the_module(parts, tmp_path):
+    head = random_mtp(parts, "embed_hidden")
+    save_mtp(head, tmp_path / "m", parts.config)
+    a = load_mtp(tmp_path / "m", parts)
+    b = load_mtp(tmp_path / "m", parts, concat_order="hidden_embed")
+    assert (a.concat_order, b.concat_order) == ("embed_hidden", "hidden_embed")
+    feats, toks, pos = torch.randn(1, 3, 64), torch.tensor([[5, 6, 7]]), torch.arange(3).view(1, 3)
+    from speculum.proposers.head_layers import TrainContext
+    ca, cb = TrainContext(), TrainContext()
+    ca.next_step(), cb.next_step()
+    assert not torch.allclose(a(feats, toks, pos, ca), b(feats, toks, pos, cb))
+
+
+@pytest.fixture(scope="module")
+def target_with_mtp(target, trained, tmp_path_factory):
+    """The tiny target with the trained MTP layer stored inside its own checkpoint."""
+    d = tmp_path_factory.mktemp("target_mtp")
+    sd = load_file(str(target / "model.safetensors"))
+    sd.update(load_file(str(trained / "model.safetensors")))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_detection(target, trained):
+    assert detect("x", {"num_nextn_predict_layers": 1}) == "mtp"
+    assert detect("x", {"num_nextn_predict_layers": 0}) is None
+    llm = make_llm(target, {"model": str(trained), "num_speculative_tokens": 2})
+    assert llm.speculative_config.method == "mtp"
+
+
+@pytest.mark.parametrize("runner", ["native", "hf"])
+def test_mtp_layers_inside_the_target_checkpoint(target_with_mtp, runner):
+    base = make_llm(target_with_mtp, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
+    llm = make_llm(target_with_mtp, {"method": "mtp", "num_speculative_tokens": 3}, runner=runner, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+
+
+# ------------------------------------------------------------------ errors
+def test_mismatches_are_config_errors(target, tmp_path):
+    other = TargetParts.from_checkpoint(tiny_model_dir(tmp_path / "narrow", "llama", hidden=32))
+    save_mtp(random_mtp(other), tmp_path / "narrow_mtp", other.config)
+    with pytest.raises(ConfigError, match="hidden size 32, but the target's is 64"):
+        make_llm(target, {"model": str(tmp_path / "narrow_mtp"), "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="needs 'model'"):
+        make_llm(target, {"method": "mtp", "num_speculative_tokens": 2})  # no MTP in the target, none shipped
+    with pytest.raises(ConfigError, match="invalid options for method 'mtp'"):
+        make_llm(target, {"method": "mtp", "model": str(tmp_path / "narrow_mtp"), "num_speculative_tokens": 2,
+                          "options": {"concat_order": "sideways"}})
+
+
+# ------------------------------------------------------------------ losslessness and rollback
+@pytest.mark.parametrize("runner", ["native", "hf"])
+def test_greedy_output_is_identical_to_no_speculation(target, trained, runner):
+    base = make_llm(target, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
+    llm = make_llm(target, {"method": "mtp", "model": str(trained), "num_speculative_tokens": 4},
+                   runner=runner, max_num_seqs=2)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+
+
+def test_rolled_back_cache_drafts_like_a_fresh_prefill(target, trained):
+    llm = make_llm(target, {"method": "mtp", "model": str(trained), "num_speculative_tokens": 3}, max_num_seqs=4)
+    drafts = record_drafts(llm)
+    llm.generate(PROMPTS, GREEDY)
+    p = llm.proposer
+    prefill = PrefillHidden(target, p.hidden_layers)
+    fresh = ChainHeadProposer(p.head, p.hidden_layers, type(p.cache)("fresh", 1, p.head.num_kv_heads,
+                                                                     p.head.head_dim, torch.float32, "cpu", 256))
+    for n, (rows, live) in enumerate(drafts):
+        views = [SequenceView(10_000 + 10 * n + i, toks, 1) for i, toks in enumerate(rows)]
+        for v in views:
+            fresh.add_request(v, hidden_states=prefill(v.token_ids[:-1]))
+        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
+        assert fresh.propose(ProposeBatch(views, 3, sampling)).token_ids.tolist() == live.tolist()
+        for v in views:
+            fresh.remove_request(v.seq_id)

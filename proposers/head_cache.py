@@ -1,0 +1,127 @@
+"""The paged KV cache of a draft head, one more cache group in the backend's memory plan.
+
+A head's cache behaves like a small model runner's: sequences grow by appending
+positions and roll back by length (:meth:`HeadKVCache.truncate`), rejected slots are
+overwritten by the next step. The cache exposes what :meth:`TorchBackend.plan_memory`
+reads (``name``, ``kv_bytes_per_token``, ``weight_bytes``, ``max_model_len``,
+``attach_cache``), so joining ``backend.runners`` gives it as many blocks as the target.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speculum.kv import PagedKVAllocator
+
+log = logging.getLogger(__name__)
+
+
+class PagedContext:
+    """Attention of one head forward over the paged cache (see ``HeadAttention``)."""
+
+    def __init__(self, pools, write_slots: torch.Tensor, read_slots: torch.Tensor, mask: torch.Tensor):
+        self.pools = pools              # per layer (k_pool, v_pool): [slots, Hkv, D]
+        self.write_slots = write_slots  # [B, q]
+        self.read_slots = read_slots    # [B, Lc]
+        self.mask = mask                # [B, 1, q, Lc]
+
+    def attend(self, index: int, q, k, v, scale: float) -> torch.Tensor:
+        k_pool, v_pool = self.pools[index]
+        B, t, nkv, d = k.shape
+        k_pool.index_copy_(0, self.write_slots.reshape(-1), k.reshape(B * t, nkv, d).to(k_pool.dtype))
+        v_pool.index_copy_(0, self.write_slots.reshape(-1), v.reshape(B * t, nkv, d).to(v_pool.dtype))
+        kc = k_pool[self.read_slots].transpose(1, 2)  # [B, Hkv, Lc, D]
+        vc = v_pool[self.read_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=self.mask, scale=scale,
+                                             enable_gqa=q.shape[2] != nkv)
+        return out.transpose(1, 2)
+
+
+class HeadKVCache:
+    """K/V pools for ``num_layers`` head layers over a :class:`PagedKVAllocator`."""
+
+    def __init__(self, name: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int, weight_bytes: int = 0):
+        self.name = name
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.max_model_len = max_model_len
+        self.weight_bytes = weight_bytes
+        self.allocator: PagedKVAllocator | None = None
+        self.pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def join_memory_plan(self, backend) -> None:
+        """Be planned with the backend's other paged caches (same number of blocks)."""
+        runners = getattr(backend, "runners", None)
+        if isinstance(runners, list) and hasattr(backend, "plan_memory"):
+            runners.append(self)
+
+    def attach_cache(self, allocator: PagedKVAllocator) -> None:
+        """Allocate pools for ``allocator``'s blocks (called by the memory plan)."""
+        self.allocator = allocator
+        slots = allocator.num_blocks * allocator.block_size
+        self.pools = [(torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device),
+                       torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device))
+                      for _ in range(self.num_layers)]
+
+    def _ensure(self) -> None:
+        if self.allocator is None:  # a backend without a memory plan: room for 8 full sequences
+            blocks = 8 * -(-self.max_model_len // 16) + 2
+            log.info("%s: no memory plan; own KV cache of %d blocks", self.name, blocks)
+            self.attach_cache(PagedKVAllocator(group=self.name, num_blocks=blocks, block_size=16,
+                                               max_model_len=self.max_model_len))
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def add(self, seq_id: int) -> None:
+        self._ensure()
+        if self.allocator.length(seq_id) or self.allocator.block_table(seq_id):
+            raise ValueError(f"sequence {seq_id} already in the {self.name} cache")
+        self.allocator.allocate(seq_id, 0)
+
+    def length(self, seq_id: int) -> int:
+        return self.allocator.length(seq_id)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self.allocator.truncate(seq_id, length)
+
+    def remove(self, seq_id: int) -> None:
+        if self.allocator is not None:
+            self.allocator.free(seq_id)
+
+    # -- one forward ----------------------------------------------------------------------
+    def prepare(self, seq_ids: Sequence[int], num_tokens: Sequence[int], q: int) -> tuple[torch.Tensor, PagedContext]:
+        """Append ``num_tokens[b]`` positions per row; returns positions [B, q] and the context.
+
+        Rows are right padded to ``q``; padded positions write into the scratch block 0.
+        """
+        alloc, bs = self.allocator, self.allocator.block_size
+        for sid, n in zip(seq_ids, num_tokens):
+            alloc.allocate(sid, int(n))
+        B = len(seq_ids)
+        nb = max(1, max(len(alloc.block_table(s)) for s in seq_ids))
+        pos = np.zeros((B, q), dtype=np.int64)
+        wsl = np.zeros((B, q), dtype=np.int64)
+        blk = np.zeros((B, nb), dtype=np.int64)
+        ar = np.arange(q, dtype=np.int64)
+        for b, (sid, n) in enumerate(zip(seq_ids, num_tokens)):
+            table = alloc.block_table(sid)
+            end = alloc.length(sid)
+            p = ar + (end - int(n))
+            pos[b] = p
+            blk[b, : len(table)] = table
+            wsl[b] = np.where(p < end, blk[b, np.minimum(p // bs, nb - 1)] * bs + p % bs, p % bs)
+        dev = self.device
+        pos_t, wsl_t, blk_t = (torch.from_numpy(a).to(dev) for a in (pos, wsl, blk))
+        read = (blk_t.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(B, -1)
+        Lc = read.shape[1]
+        mask = torch.arange(Lc, device=dev).view(1, 1, 1, Lc) <= pos_t.unsqueeze(1).unsqueeze(-1)
+        return pos_t, PagedContext(self.pools, wsl_t, read, mask)

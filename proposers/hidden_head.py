@@ -1,0 +1,252 @@
+"""Hidden-state draft heads: the shared proposer for EAGLE, EAGLE-3 and MTP-style heads.
+
+Such a head reads the target's hidden states instead of running a second model. At
+position ``t`` it takes a *feature* ``f_t`` (made from the target's hidden states at ``t``)
+and the embedding of the next token ``x_{t+1}``, runs its decoder layer(s) over its own KV
+cache and predicts ``x_{t+2}``; its output hidden state is the feature of the next draft
+step, so one head drafts a chain of ``k`` tokens.
+
+Per sequence the proposer keeps *pending* features: true target features the head has
+not consumed yet (the prefill's, then those of the accepted verify positions). Each step
+
+1. catches up: runs the head over the pending ``(f_t, x_{t+1})`` pairs; the output at
+   the last one gives draft 1;
+2. feeds its own output back ``k - 1`` times (draft 2..k), with the drafts as tokens;
+3. after verification (:meth:`ChainHeadProposer.observe`) truncates its KV cache to the
+   positions made from true features, and keeps the target's states of the accepted
+   positions as the next pending features. Rejected work is overwritten, never copied.
+
+Heads implement :class:`ChainHead`. Drafts are the head's argmax, or samples from its
+processed distribution (returned as ``probs``) for sampled requests, so the rejection
+sampler keeps output lossless either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import attrs
+import torch
+
+from speculum.errors import ConfigError
+from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
+from speculum.proposers.head_cache import HeadKVCache
+from speculum.proposers.head_checkpoint import find_shipped_head, shipped_names, target_fingerprint
+from speculum.sampling import SamplingBatch, processed_probs, sample_rows
+
+log = logging.getLogger(__name__)
+
+
+class ChainHead(Protocol):
+    """What :class:`ChainHeadProposer` needs from a head module."""
+
+    #: cache geometry of the head's decoder layers
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Target hidden states {layer: [..., Ht]} -> true features [..., H]."""
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """feats [B, q, H], tokens [B, q] (x_{t+1}), positions [B, q] -> output hidden [B, q, H]."""
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Output hidden [..., H] -> logits over the target vocabulary [..., V]."""
+
+
+def target_weights(runner) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], LM head [V, H]) of a target runner, shared, not copied."""
+    model = getattr(runner, "model", None)
+    if model is not None and hasattr(model, "embed") and hasattr(model, "lm_head"):  # native runner
+        return model.embed.weight, model.lm_head.weight
+    if model is not None and hasattr(model, "get_input_embeddings"):  # transformers runner
+        return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    raise ConfigError(f"hidden-state heads need the target's embedding and LM head; the {type(runner).__name__} "
+                      "runner exposes neither (use the torch backend)")
+
+
+@attrs.define(eq=False)
+class TargetParts:
+    """What a head shares with or checks against its target."""
+
+    # [V, H] input embedding and LM head (shared tensors, same device and dtype as the target)
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    num_layers: int
+    name: str | None = None
+    #: the target's config.json (when read from a checkpoint)
+    config: dict = attrs.field(factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    @classmethod
+    def from_runner(cls, runner) -> "TargetParts":
+        embed, head = target_weights(runner)
+        return cls(embed, head, int(getattr(runner, "num_layers", 0) or 0))
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu") -> "TargetParts":
+        """Embedding and LM head read from a transformers checkpoint (for training)."""
+        from speculum.backends.torch.native.weights import read_state_dict
+        from speculum.proposers.head_checkpoint import read_config
+        cfg = read_config(path)
+        sd = read_state_dict(path)
+        embed = sd["model.embed_tokens.weight"].to(device, dtype)
+        tied = cfg.get("tie_word_embeddings") or "lm_head.weight" not in sd
+        head = embed if tied else sd["lm_head.weight"].to(device, dtype)
+        return cls(embed, head, int(cfg.get("num_hidden_layers", 0)), Path(path).name, cfg)
+
+    def fingerprint(self) -> dict:
+        return target_fingerprint(self.embed, self.name, self.num_layers)
+
+    def check(self, what: str, hidden_size: int | None = None, vocab_size: int | None = None) -> None:
+        """ConfigError when a head's hidden size or vocabulary does not fit this target."""
+        if hidden_size is not None and hidden_size != self.hidden_size:
+            raise ConfigError(f"{what} has hidden size {hidden_size}, but the target's is {self.hidden_size}; "
+                              "the head was made for another model. Use a head trained for this target.")
+        if vocab_size is not None and vocab_size != self.vocab_size:
+            raise ConfigError(f"{what} vocabulary size {vocab_size} differs from the target's {self.vocab_size}; "
+                              "the head was made for another model. Use a head trained for this target.")
+
+
+def head_checkpoint_path(ctx, method: str, shipped_root: Path) -> Path:
+    """``model`` of the speculative config, or the shipped head made for this target."""
+    if ctx.config.model:
+        return ctx.resolve_draft_path()
+    fp = TargetParts.from_runner(ctx.target).fingerprint()
+    found = find_shipped_head(shipped_root, method, fp)
+    if found is None:
+        have = shipped_names(shipped_root, method)
+        raise ConfigError(
+            f"method {method!r} needs 'model': the path of a {method} checkpoint for this target. "
+            f"The plugin ships heads only for: {', '.join(have) or '(none)'}; train one with "
+            f"`speculum train {method} --model <target>`."
+        )
+    log.info("%s: using the shipped head %s", method, found.name)
+    return found
+
+
+def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBatch,
+                sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row from logits [R, V] (rows index the step's batch).
+
+    Greedy requests (or ``sample=False``) take the argmax and no probabilities; sampled
+    ones draw from the processed distribution and return it ([R, V]).
+    """
+    if not sample or sampling.all_greedy:
+        return logits.argmax(dim=-1), None
+    idx = torch.tensor(list(rows), device=sampling.temperature.device)
+    p = processed_probs(logits.unsqueeze(1), sampling.temperature[idx], sampling.top_k[idx],
+                        sampling.top_p[idx])[:, 0]
+    gens = sampling.generators
+    gens = [gens] * len(rows) if isinstance(gens, torch.Generator) or gens is None else [gens[b] for b in rows]
+    return sample_rows(p, gens), p
+
+
+class ChainHeadProposer:
+    """Chain drafting with a :class:`ChainHead` over its own paged KV cache."""
+
+    def __init__(self, head, hidden_layers: Sequence[int], cache: HeadKVCache, sample: bool = True):
+        self.head = head
+        #: target layers whose hidden states the engine hands over
+        self.hidden_layers = tuple(hidden_layers)
+        self.cache = cache
+        self.sample = sample
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.pending: dict[int, torch.Tensor | None] = {}
+
+    @classmethod
+    def for_head(cls, ctx, head, hidden_layers: Sequence[int], name: str) -> "ChainHeadProposer":
+        """Build the proposer and its cache, planned with the target's (``ctx`` of the engine)."""
+        p = next(head.parameters())
+        # the head's own weights: tensors shared with the target (embedding, LM head) count once, there
+        shared = {t.data_ptr() for t in ctx.target.model.parameters()} if hasattr(ctx.target, "model") else set()
+        weight_bytes = sum(t.numel() * t.element_size() for t in head.parameters() if t.data_ptr() not in shared)
+        cache = HeadKVCache(name, head.num_layers, head.num_kv_heads, head.head_dim, p.dtype, p.device,
+                            max_model_len=ctx.max_model_len + ctx.config.num_speculative_tokens,
+                            weight_bytes=weight_bytes)
+        cache.join_memory_plan(ctx.backend)
+        return cls(head, hidden_layers, cache, sample=ctx.config.draft_sample_method == "sample")
+
+    # -- per-request state ------------------------------------------------------------------
+    def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
+        if hidden_states is None:
+            raise RuntimeError(f"{type(self).__name__} needs the target's prefill hidden states; the engine "
+                               "passes them to proposers that declare hidden_layers")
+        self.cache.add(seq.seq_id)
+        with torch.inference_mode():
+            self.pending[seq.seq_id] = self.head.features(hidden_states)  # [len - 1, H]
+
+    def remove_request(self, seq_id: int) -> None:
+        self.cache.remove(seq_id)
+        self.pending.pop(seq_id, None)
+
+    # -- drafting ---------------------------------------------------------------------------
+    def _run(self, seq_ids, feats, tokens, counts) -> torch.Tensor:
+        positions, ctx = self.cache.prepare(seq_ids, counts, tokens.shape[1])
+        return self.head(feats, tokens, positions, ctx)
+
+    def propose(self, batch: ProposeBatch) -> Draft:
+        seqs, k = batch.seqs, batch.num_speculative_tokens
+        B = len(seqs)
+        rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
+                and self.pending[s.seq_id].shape[0] > 0]
+        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
+        if not rows:  # e.g. one-token prompts: no target state to start from yet
+            return Draft(token_ids=token_ids, lengths=[0] * B)
+        sids = [seqs[b].seq_id for b in rows]
+        feats = [self.pending[s] for s in sids]
+        counts = [f.shape[0] for f in feats]
+        R, P = len(rows), max(counts)
+        x = torch.zeros(R, P, feats[0].shape[-1], dtype=self.dtype, device=self.device)
+        toks = torch.zeros(R, P, dtype=torch.int64)
+        for i, (b, f, n) in enumerate(zip(rows, feats, counts)):
+            x[i, :n] = f
+            toks[i, :n] = torch.tensor(seqs[b].token_ids[-n:], dtype=torch.int64)  # x_{t+1} of each pending t
+        toks = toks.to(self.device)
+        sample = self.sample and not batch.sampling.all_greedy
+        drafts, probs = [], []
+        with torch.inference_mode():
+            out = self._run(sids, x, toks, counts)
+            last = out[torch.arange(R, device=self.device), torch.tensor(counts, device=self.device) - 1]
+            for i in range(k):
+                tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample)
+                drafts.append(tok)
+                probs.append(p)
+                if i + 1 < k:
+                    last = self._run(sids, last.unsqueeze(1), tok.view(R, 1), [1] * R)[:, 0]
+        for s in sids:
+            self.pending[s] = None  # consumed: the cache now holds them
+        idx = torch.tensor(rows, device=self.device)
+        token_ids[idx] = torch.stack(drafts, dim=1)
+        q = None
+        if sample:
+            V = probs[0].shape[-1]
+            q = torch.zeros(B, k, V, dtype=probs[0].dtype, device=self.device)
+            q[idx] = torch.stack(probs, dim=1)
+        lengths = [0] * B
+        for b in rows:
+            lengths[b] = k
+        return Draft(token_ids=token_ids, probs=q, lengths=lengths)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        hs = feedback.hidden_states
+        if hs is None:
+            raise RuntimeError(f"{type(self).__name__} got no hidden states from the verify step")
+        with torch.inference_mode():
+            feats = self.head.features(hs)  # [B, k+1, H]
+        for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
+            # keep KV of the positions made from true features: 0 .. old length - 2
+            self.cache.truncate(sid, new_len - a - 2)
+            # the target's states of the last token and the accepted drafts come next
+            self.pending[sid] = feats[b, : a + 1].clone()

@@ -1,0 +1,129 @@
+"""``speculum train``: self-distillation data, resumable training, validation, draft models.
+
+Everything runs on a tiny random target with token-id prompts (seconds on a CPU).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculum import LLM, SamplingParams
+from speculum.cli import main
+from speculum.errors import ConfigError
+from speculum.testing import PrefillHidden, token_prompts_file
+from speculum.train.data import DistillData
+from speculum.train.distill import DistillSpec, ensure_distill
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return token_prompts_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", n=40)
+
+
+def spec(target, prompts, n, layers=(-1, 0)) -> DistillSpec:
+    return DistillSpec(model=str(target), prompts=str(prompts), num_prompts=n, max_tokens=24, layers=layers)
+
+
+def test_distillation_records_the_targets_hidden_states(tiny_llama, prompts, tmp_path):
+    d, shards = ensure_distill(spec(tiny_llama, prompts, 12), tmp_path, max_num_seqs=5, device="cpu", shard_size=8)
+    assert shards == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    data = DistillData.load(d, shards=shards)
+    assert len(data) == 12 and data.layers == (-1, 0)
+    ref = PrefillHidden(tiny_llama, (-1, 0))
+    rows = [json.loads(l) for l in prompts.read_text().splitlines()]
+    for i in range(len(data)):
+        s, e, P = int(data.offsets[i]), int(data.offsets[i + 1]), int(data.prompt_lens[i])
+        tokens = data.tokens[s:e].tolist()
+        assert tokens[:P] == rows[int(data.prompt_index[i])]["prompt_token_ids"]
+        assert 1 <= e - s - P <= 24  # the answer (max_tokens, or up to an EOS)
+        want = ref(tokens[:-1])  # teacher-forced states of every position but the last
+        for layer in (-1, 0):
+            got = data.hidden[layer][s:e - 1].float()
+            torch.testing.assert_close(got, want[layer].float(), atol=0.05, rtol=0.02)  # stored in bf16
+            assert not data.hidden[layer][e - 1].any()  # the last token has no state
+
+
+def test_distillation_cache_is_reused_and_extended(tiny_llama, prompts, tmp_path):
+    d1, s1 = ensure_distill(spec(tiny_llama, prompts, 6), tmp_path, device="cpu", shard_size=8)
+    before = (d1 / "shard_00000.safetensors").read_bytes()
+    d2, s2 = ensure_distill(spec(tiny_llama, prompts, 14), tmp_path, device="cpu", shard_size=8)
+    assert d1 == d2 and s2 == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    meta = json.loads((d2 / "meta.json").read_text())
+    assert meta["sizes"] == {"shard_00000.safetensors": 8, "shard_00001.safetensors": 6}
+    assert (d1 / "shard_00000.safetensors").read_bytes() != before  # the cut first shard was completed
+    d3, s3 = ensure_distill(spec(tiny_llama, prompts, 8), tmp_path, device="cpu", shard_size=8)
+    assert s3 == ["shard_00000.safetensors"] and d3 == d1  # a prefix: nothing generated
+
+
+def train(args: list[str]) -> int:
+    return main(["train", *args])
+
+
+def test_train_resumes_validates_and_writes_the_public_format(tiny_llama, prompts, tmp_path):
+    common = ["mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "24",
+              "--max-tokens", "24", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--out",
+              str(tmp_path / "out"), "--batch-size", "4", "--save-every", "5", "--eval-every", "5",
+              "--num-positions", "3", "--warmup", "2"]
+    assert train(common + ["--steps", "5"]) == 0
+    state = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 5
+    assert train(common + ["--steps", "8", "--resume"]) == 0
+    state = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 8 and [h["step"] for h in state["history"]] == [5, 8]
+    report = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert len(report["val_accuracy_per_position"]) == 3
+    assert all(0 <= a <= 1 for a in report["val_accuracy_per_position"])
+    assert report["data"]["validation_sequences"] >= 1 and report["command"].startswith("speculum train mtp")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["speculum"]["method"] == "mtp"
+
+
+def test_train_refuses_mt_bench_and_unknown_methods(tiny_llama, tmp_path, capsys):
+    bench = tmp_path / "mt_bench.jsonl"
+    bench.write_text("")
+    assert train(["eagle", "--model", str(tiny_llama), "--prompts", str(bench)]) == 2
+    assert "MT-bench is for evaluation only" in capsys.readouterr().err
+    assert train(["nonsense"]) == 2
+    assert "no trainer for method 'nonsense'" in capsys.readouterr().err
+    assert train([]) == 0
+    out = capsys.readouterr().out
+    assert all(m in out for m in ("draft", "eagle", "eagle3", "medusa", "mtp"))
+
+
+def test_trained_draft_model_is_a_lossless_draft(tiny_llama, prompts, tmp_path):
+    out = tmp_path / "draft"
+    assert train(["draft", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "24",
+                  "--max-tokens", "24", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--out", str(out),
+                  "--steps", "30", "--batch-size", "4", "--num-layers", "1", "--eval-every", "0",
+                  "--save-dtype", "float32"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == 512
+    p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+    base = LLM(str(tiny_llama), **kw).generate(p, greedy)
+    llm = LLM(str(tiny_llama), {"model": str(out), "num_speculative_tokens": 3}, **kw)
+    assert llm.speculative_config.method == "draft_model"
+    assert [o.token_ids for o in llm.generate(p, greedy)] == [b.token_ids for b in base]
+    assert llm.metrics.num_accepted_tokens > 0
+
+
+def test_record_layers_skip_methods_that_cannot_train_on_the_target():
+    from speculum.train.base import Trainer
+    from speculum.train.loop import record_layers
+
+    class Picky(Trainer):
+        def data_layers(self, args, n):
+            raise ConfigError("too shallow")
+
+    class Plain(Trainer):
+        def data_layers(self, args, n):
+            return (-1, 3)
+
+    assert record_layers([Picky(), Plain()], None, 2) == (-1, 3)
