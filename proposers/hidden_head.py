@@ -56,6 +56,8 @@ class ChainHead(Protocol):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output hidden [..., H] -> logits over the target vocabulary [..., V]."""
 
+    # optional: ``greedy(out) -> [...]`` argmax target ids, when cheaper than logits().argmax
+
 
 def target_weights(runner) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding [V, H], LM head [V, H]) of a target runner, shared, not copied."""
@@ -155,7 +157,8 @@ def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBat
 class ChainHeadProposer:
     """Chain drafting with a :class:`ChainHead` over its own paged KV cache."""
 
-    def __init__(self, head, hidden_layers: Sequence[int], cache: HeadKVCache, sample: bool = True):
+    def __init__(self, head, hidden_layers: Sequence[int], cache: HeadKVCache, sample: bool = True,
+                 k: int | None = None, cuda_graphs: bool = False, static_draft: bool | None = None):
         self.head = head
         #: target layers whose hidden states the engine hands over
         self.hidden_layers = tuple(hidden_layers)
@@ -164,6 +167,13 @@ class ChainHeadProposer:
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.pending: dict[int, torch.Tensor | None] = {}
+        # greedy steps after a request's first run as one static function, replayed as a
+        # CUDA graph (``static_draft`` forces the static function on or off; tests run it
+        # eagerly on the CPU)
+        self.graphs = None
+        if k and (cuda_graphs if static_draft is None else static_draft):
+            from speculum.proposers.head_graph import HeadDraftGraphs
+            self.graphs = HeadDraftGraphs(head, cache, k, self.dtype, self.device, use_graphs=cuda_graphs)
 
     @classmethod
     def for_head(cls, ctx, head, hidden_layers: Sequence[int], name: str) -> "ChainHeadProposer":
@@ -176,7 +186,8 @@ class ChainHeadProposer:
                             max_model_len=ctx.max_model_len + ctx.config.num_speculative_tokens,
                             weight_bytes=weight_bytes)
         cache.join_memory_plan(ctx.backend)
-        return cls(head, hidden_layers, cache, sample=ctx.config.draft_sample_method == "sample")
+        return cls(head, hidden_layers, cache, sample=ctx.config.draft_sample_method == "sample",
+                   k=ctx.config.num_speculative_tokens, cuda_graphs=bool(getattr(ctx.target, "cuda_graphs", False)))
 
     # -- per-request state ------------------------------------------------------------------
     def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
@@ -213,8 +224,17 @@ class ChainHeadProposer:
         for i, (b, f, n) in enumerate(zip(rows, feats, counts)):
             x[i, :n] = f
             toks[i, :n] = torch.tensor(seqs[b].token_ids[-n:], dtype=torch.int64)  # x_{t+1} of each pending t
-        toks = toks.to(self.device)
         sample = self.sample and not batch.sampling.all_greedy
+        lengths = [0] * B
+        for b in rows:
+            lengths[b] = k
+        if self.graphs is not None and not sample and self.graphs.fits(counts):
+            out = self.graphs.run(sids, feats, [toks[i, :n].tolist() for i, n in enumerate(counts)], counts)
+            for s in sids:
+                self.pending[s] = None  # consumed: the cache now holds them
+            token_ids[torch.tensor(rows, device=self.device)] = out
+            return Draft(token_ids=token_ids, lengths=lengths)
+        toks = toks.to(self.device)
         drafts, probs = [], []
         with torch.inference_mode():
             out = self._run(sids, x, toks, counts)
@@ -234,9 +254,6 @@ class ChainHeadProposer:
             V = probs[0].shape[-1]
             q = torch.zeros(B, k, V, dtype=probs[0].dtype, device=self.device)
             q[idx] = torch.stack(probs, dim=1)
-        lengths = [0] * B
-        for b in rows:
-            lengths[b] = k
         return Draft(token_ids=token_ids, probs=q, lengths=lengths)
 
     def observe(self, feedback: StepFeedback) -> None:

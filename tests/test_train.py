@@ -127,3 +127,40 @@ def test_record_layers_skip_methods_that_cannot_train_on_the_target():
             return (-1, 3)
 
     assert record_layers([Picky(), Plain()], None, 2) == (-1, 3)
+
+
+def test_extra_sampled_answers_for_instruction_prompts_split_by_prompt(tiny_llama, tmp_path):
+    rows = [{"source": "t0/task" if i % 2 else "user_oriented", "prompt_token_ids": [5 + i, 6, 7 + i]}
+            for i in range(10)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = DistillSpec(model=str(tiny_llama), prompts=str(prompts), num_prompts=10, max_tokens=16, layers=(-1,),
+                    extra_answers=2, extra_temperature=1.0)
+    assert s.key() != spec(tiny_llama, prompts, 10, layers=(-1,)).key()
+    d, shards = ensure_distill(s, tmp_path, device="cpu", shard_size=7)
+    data = DistillData.load(d, shards=shards)
+    index = data.prompt_index.tolist()
+    # 5 instruction prompts x 3 answers (greedy + 2 sampled) + 5 T0 prompts x 1
+    assert len(data) == 20 and sorted(set(index)) == list(range(10))
+    for row in range(10):
+        seqs = [i for i, r in enumerate(index) if r == row]
+        assert len(seqs) == (3 if row % 2 == 0 else 1)
+        answers = {tuple(data.tokens[data.offsets[i] + data.prompt_lens[i]: data.offsets[i + 1]].tolist())
+                   for i in seqs}
+        if row % 2 == 0:
+            assert len(answers) > 1  # sampled answers differ from the greedy one
+    train, val = data.split(0.3, seed=0)
+    assert sorted(train + val) == list(range(20))
+    assert not {index[i] for i in train} & {index[i] for i in val}  # a prompt's answers stay on one side
+
+
+def test_defaults_keep_the_cache_key_of_earlier_versions(tiny_llama, prompts):
+    """Caches made before ``extra_answers`` existed are found again: the key formula of
+    that version (every field but num_prompts) still gives the same key."""
+    import hashlib
+    from pathlib import Path
+    s = spec(tiny_llama, prompts, 4)
+    old = {"model": s.model, "prompts": [Path(s.prompts).name, Path(s.prompts).stat().st_size],
+           "max_prompt_tokens": s.max_prompt_tokens, "max_tokens": s.max_tokens, "temperature": s.temperature,
+           "seed": s.seed, "layers": list(s.layers), "chat": s.chat}
+    assert s.key() == hashlib.sha1(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]

@@ -47,6 +47,9 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=192, help="skip longer prompts")
     g.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    g.add_argument("--extra-answers", type=int, default=0,
+                   help="sampled answers added per instruction-style prompt (sources other than t0/*)")
+    g.add_argument("--extra-temperature", type=float, default=0.8, help="temperature of the extra answers")
     g.add_argument("--data-seed", type=int, default=0)
     g.add_argument("--gen-batch", type=int, default=32, help="max_num_seqs while generating")
     g.add_argument("--gen-shard-size", type=int, default=64,

@@ -90,11 +90,16 @@ class DistillData:
         return tuple(sorted(self.hidden))
 
     def split(self, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
-        """Disjoint train / validation sequence ids (by prompt; at least one of each)."""
-        ids = list(range(len(self)))
-        random.Random(seed + 1).shuffle(ids)
-        n_val = min(max(1, round(len(ids) * val_fraction)), len(ids) - 1) if val_fraction > 0 else 0
-        return sorted(ids[n_val:]), sorted(ids[:n_val])
+        """Disjoint train / validation sequence ids, split by prompt (the answers of one
+        prompt stay on one side); at least one prompt on each side."""
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(self.prompt_index.tolist()):
+            groups.setdefault(row, []).append(i)
+        keys = list(groups)
+        random.Random(seed + 1).shuffle(keys)
+        n_val = min(max(1, round(len(keys) * val_fraction)), len(keys) - 1) if val_fraction > 0 else 0
+        pick = lambda ks: sorted(i for k in ks for i in groups[k])  # noqa: E731
+        return pick(keys[n_val:]), pick(keys[:n_val])
 
     def answer_tokens(self, ids: Sequence[int]) -> torch.Tensor:
         """All answer tokens of the sequences ``ids`` (for vocabulary statistics)."""

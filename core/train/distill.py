@@ -44,12 +44,18 @@ class DistillSpec:
     seed: int = 0
     layers: tuple[int, ...] = (-1,)
     chat: bool = True
+    #: extra sampled answers per instruction-style prompt (sources other than ``t0/...``)
+    extra_answers: int = 0
+    extra_temperature: float = 0.8
 
     def key(self) -> str:
         """Everything but ``num_prompts``: shards are a prefix-stable sequence, so a larger
         run extends a smaller one's cache and a smaller run reuses its first shards."""
         d = attrs.asdict(self)
         d.pop("num_prompts")
+        if not self.extra_answers:  # caches made before these fields existed stay valid
+            d.pop("extra_answers")
+            d.pop("extra_temperature")
         p = Path(self.prompts)
         d["prompts"] = [p.name, p.stat().st_size] if p.exists() else self.prompts
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
@@ -97,9 +103,15 @@ def _recorder_plugin(recorder: Recorder):
     return RecorderPlugin
 
 
+def is_instruction(row: dict) -> bool:
+    """An open-ended instruction (user-oriented or seed task), not a T0 template."""
+    return not str(row.get("source", "")).startswith("t0")
+
+
 def select_prompts(spec: DistillSpec, tokenizer) -> list[tuple[int, object]]:
     """(row, prompt) pairs: instruction-style sources first, then the others, all shuffled,
-    keeping prompts of at most ``max_prompt_tokens`` tokens, ``num_prompts`` in all.
+    keeping prompts of at most ``max_prompt_tokens`` tokens, ``num_prompts`` in all; an
+    instruction-style prompt is repeated ``extra_answers`` times after itself (sampled).
 
     Rows have ``prompt`` (text, sent through the chat template unless ``chat`` is off) or
     ``prompt_token_ids``."""
@@ -108,8 +120,8 @@ def select_prompts(spec: DistillSpec, tokenizer) -> list[tuple[int, object]]:
     order = list(range(len(rows)))
     rng.shuffle(order)
     # sources that look like MT-bench (user instructions, seed tasks) before T0 templates
-    order.sort(key=lambda i: str(rows[i].get("source", "")).startswith("t0"))
-    out = []
+    order.sort(key=lambda i: not is_instruction(rows[i]))
+    out, taken = [], 0
     for i in order:
         if "prompt_token_ids" in rows[i]:  # token ids (models without a tokenizer, tests)
             prompt = {"prompt_token_ids": [int(t) for t in rows[i]["prompt_token_ids"]]}
@@ -119,8 +131,12 @@ def select_prompts(spec: DistillSpec, tokenizer) -> list[tuple[int, object]]:
             prompt = [{"role": "user", "content": text}] if spec.chat else text
             n = len(tokenizer.apply_chat_template(prompt) if spec.chat else tokenizer.encode(text))
         if n <= spec.max_prompt_tokens:
+            taken += 1
             out.append((i, prompt))
-        if len(out) >= spec.num_prompts:
+            # open-ended prompts also get sampled answers: more of the long-form text that
+            # chat benchmarks ask for (the target's own distribution is the label either way)
+            out += [(i, prompt)] * (spec.extra_answers if is_instruction(rows[i]) else 0)
+        if taken >= spec.num_prompts:
             break
     return out
 
@@ -149,9 +165,17 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     from speculum.model_source import resolve_model_path
     from speculum.tokenizer import Tokenizer
     prompts = select_prompts(spec, Tokenizer.load(resolve_model_path(spec.model)))
-    shards = [prompts[i: i + shard_size] for i in range(0, len(prompts), shard_size)]
+    starts = list(range(0, len(prompts), shard_size))
+    shards = [prompts[i: i + shard_size] for i in starts]
     params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens,
                             seed=spec.seed if spec.temperature > 0 else None)
+
+    def item_params(pos: int) -> SamplingParams:
+        """The first answer of a prompt uses ``temperature``; repeats are sampled."""
+        if pos == 0 or prompts[pos - 1][0] != prompts[pos][0]:
+            return params
+        return SamplingParams(temperature=spec.extra_temperature, max_tokens=spec.max_tokens,
+                              seed=spec.seed * 1_000_003 + pos)
     names = [f"shard_{i:05d}.safetensors" for i in range(len(shards))]
     # a shard is done when it holds all its prompts (a smaller earlier run may have cut it)
     todo = [i for i, n in enumerate(names) if meta["sizes"].get(n) != len(shards[i])]
@@ -168,7 +192,8 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     for i in todo:
         shard, name = shards[i], names[i]
         recorder.done.clear()
-        outs = llm.generate([p for _, p in shard], params)  # continuous batching over the shard
+        shard_params = [item_params(starts[i] + j) for j in range(len(shard))]
+        outs = llm.generate([p for _, p in shard], shard_params)  # continuous batching over the shard
         if bar is not None:
             bar.update(len(shard))
         recs = [recorder.done[s] for s in sorted(recorder.done)]

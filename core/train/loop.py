@@ -129,7 +129,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     layers = record_layers(list(all_trainers) or [trainer], args, L)
     spec = DistillSpec(model=str(model_path), prompts=str(args.prompts), num_prompts=args.num_prompts,
                        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-                       temperature=args.temperature, seed=args.data_seed, layers=layers)
+                       temperature=args.temperature, seed=args.data_seed, layers=layers,
+                       extra_answers=args.extra_answers, extra_temperature=args.extra_temperature)
     data_dir, shards = ensure_distill(spec, args.cache_dir, max_num_seqs=args.gen_batch,
                                       device=args.gen_device or args.device, dtype=args.gen_dtype,
                                       shard_size=getattr(args, "gen_shard_size", 64))

@@ -1,0 +1,6 @@
+# device call 1: install the project and plugins, keep the first part of the GGUF
+set -e
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . plugins/speculum-* >/dev/null 2>&1
+cp .gguf_a/part /tmp/gguf_a
+PYTHONPATH=/tmp/site speculum plugins
