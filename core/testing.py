@@ -167,3 +167,47 @@ def default_model_baseline(num_prompts: int, max_tokens: int) -> list:
         _BASELINES[key] = llm.generate(mt_bench_chat_prompts(num_prompts),
                                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return _BASELINES[key]
+
+
+def assert_shipped_head_lossless(method: str, baseline: list, num_prompts: int, max_tokens: int, k: int = 4):
+    """Greedy output with ``method``'s shipped head on the default model (fp32, CPU) equals
+    ``baseline`` (:func:`default_model_baseline`), and the head's drafts are accepted."""
+    from speculum.engine import LLM
+    from speculum.sampling import SamplingParams
+    llm = LLM(speculative_config={"method": method, "num_speculative_tokens": k}, dtype="float32", device="cpu",
+              max_num_seqs=num_prompts)
+    outs = llm.generate(mt_bench_chat_prompts(num_prompts),
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in baseline]
+    m = llm.metrics
+    assert m.num_emitted_tokens == num_prompts * max_tokens
+    assert m.num_accepted_tokens > 0 and m.mean_acceptance_length > 1.05, m.as_dict()  # it drafts for this target
+
+
+def assert_static_draft_matches_eager(make_llm, spec: dict, prompts, params) -> None:
+    """A chain-head method's static-shape greedy draft (what a GPU replays as a CUDA graph)
+    proposes exactly the eager loop's drafts, step for step, and output equals plain
+    decoding. ``make_llm(spec)`` builds an engine on the CPU (``spec=None``: no speculation)."""
+    import torch
+
+    from speculum.proposers.head_graph import HeadDraftGraphs
+    k = spec["num_speculative_tokens"]
+    runs = []
+    for static in (False, True):
+        llm = make_llm(spec)
+        p = llm.proposer
+        calls = []
+        if static:
+            p.graphs = HeadDraftGraphs(p.head, p.cache, k, p.dtype, p.device, use_graphs=False)
+            inner = p.graphs.run
+            p.graphs.run = lambda *a: calls.append(1) or inner(*a)
+        seen = record_drafts(llm)
+        outs = llm.generate(prompts, params)
+        runs.append(([o.token_ids for o in outs], seen, len(calls)))
+    (eager_out, eager_drafts, _), (static_out, static_drafts, n_static) = runs
+    assert n_static > 10, n_static  # the static function drafted the steps after each request's first
+    assert static_out == eager_out == [o.token_ids for o in make_llm(None).generate(prompts, params)]
+    assert len(static_drafts) == len(eager_drafts)
+    for (rows_a, ids_a), (rows_b, ids_b) in zip(eager_drafts, static_drafts):
+        assert rows_a == rows_b
+        assert torch.equal(ids_a, ids_b)

@@ -16,7 +16,8 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.proposers.head_layers import arch_from_config, init_layer
 from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts
 from speculum.sampling import SamplingBatch
-from speculum.testing import PrefillHidden, record_drafts, tiny_model_dir, train_tiny
+from speculum.testing import (PrefillHidden, assert_static_draft_matches_eager, record_drafts, tiny_model_dir,
+                              train_tiny)
 from speculum_mtp import MTPHead
 from speculum_mtp.formats import detect, load_mtp, mtp_state, save_mtp
 
@@ -168,27 +169,8 @@ def test_rolled_back_cache_drafts_like_a_fresh_prefill(target, trained):
 
 
 def test_static_draft_function_drafts_like_the_eager_loop(target, trained):
-    """The static-shape greedy draft (what is replayed as a CUDA graph on a GPU) proposes
-    exactly the eager loop's drafts, step for step, in a batch whose rows accept different
-    numbers of tokens; output stays identical to no speculation."""
-    from speculum.proposers.head_graph import HeadDraftGraphs
-    spec = {"method": "mtp", "model": str(trained), "num_speculative_tokens": 3}
-    runs = []
-    for static in (False, True):
-        llm = make_llm(target, spec, max_num_seqs=4)
-        p = llm.proposer
-        calls = []
-        if static:
-            p.graphs = HeadDraftGraphs(p.head, p.cache, 3, p.dtype, p.device, use_graphs=False)
-            inner = p.graphs.run
-            p.graphs.run = lambda *a: calls.append(1) or inner(*a)
-        seen = record_drafts(llm)
-        outs = llm.generate(PROMPTS, GREEDY)
-        runs.append(([o.token_ids for o in outs], seen, len(calls)))
-    (eager_out, eager_drafts, _), (static_out, static_drafts, n_static) = runs
-    assert n_static > 10  # the static function drafted most steps (all but each request's first)
-    assert static_out == eager_out == [o.token_ids for o in make_llm(target).generate(PROMPTS, GREEDY)]
-    assert len(static_drafts) == len(eager_drafts)
-    for (rows_a, ids_a), (rows_b, ids_b) in zip(eager_drafts, static_drafts):
-        assert rows_a == rows_b
-        assert torch.equal(ids_a, ids_b)
+    """The static-shape greedy draft (replayed as a CUDA graph on a GPU) drafts exactly what
+    the eager loop drafts, in a batch whose rows accept different numbers of tokens."""
+    assert_static_draft_matches_eager(lambda spec: make_llm(target, spec, max_num_seqs=4),
+                                      {"method": "mtp", "model": str(trained), "num_speculative_tokens": 3},
+                                      PROMPTS, GREEDY)

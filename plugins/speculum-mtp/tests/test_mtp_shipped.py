@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from speculum import LLM, SamplingParams
-from speculum.testing import check_shipped_heads, default_model_baseline, mt_bench_chat_prompts
+from speculum.testing import assert_shipped_head_lossless, check_shipped_heads, default_model_baseline
 from speculum_mtp.proposer import HEADS
 
 NUM_PROMPTS, MAX_TOKENS = 3, 48
 pytestmark = pytest.mark.skipif(not any(HEADS.glob("*/config.json")),
                                 reason="no MTP module shipped in this checkout (train one with `speculum train`, see README)")
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def test_shipped_heads_are_small_and_share_the_embedding():
@@ -31,10 +29,4 @@ def baseline():
 @pytest.mark.real_model
 @pytest.mark.parametrize("method", ["mtp"])
 def test_shipped_head_is_lossless_on_the_default_model(baseline, method):
-    llm = LLM(speculative_config={"method": method, "num_speculative_tokens": 4}, dtype="float32", device="cpu",
-              max_num_seqs=NUM_PROMPTS)
-    outs = llm.generate(mt_bench_chat_prompts(NUM_PROMPTS), GREEDY)
-    assert [o.token_ids for o in outs] == [b.token_ids for b in baseline]
-    m = llm.metrics
-    assert m.num_emitted_tokens == NUM_PROMPTS * MAX_TOKENS
-    assert m.num_accepted_tokens > 0 and m.mean_acceptance_length > 1.05, m.as_dict()  # it drafts for this target
+    assert_shipped_head_lossless(method, baseline, NUM_PROMPTS, MAX_TOKENS)
