@@ -164,3 +164,39 @@ def test_defaults_keep_the_cache_key_of_earlier_versions(tiny_llama, prompts):
            "max_prompt_tokens": s.max_prompt_tokens, "max_tokens": s.max_tokens, "temperature": s.temperature,
            "seed": s.seed, "layers": list(s.layers), "chat": s.chat}
     assert s.key() == hashlib.sha1(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
+    """--time-limit stops early and still exports; --eval-prompts reports accuracy on another
+    prompt set, equal to evaluating the exported head on that set's cached answers."""
+    pytest.importorskip("speculum_mtp")
+    from speculum.proposers.hidden_head import TargetParts
+    from speculum.train.cli import common_arguments, trainers
+    from speculum.train.loop import evaluate
+    other = token_prompts_file(tmp_path / "other.jsonl", n=10, seed=7)
+    argv = ["mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "16",
+            "--max-tokens", "16", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--out",
+            str(tmp_path / "out"), "--batch-size", "4", "--eval-every", "0", "--num-positions", "2",
+            "--warmup", "2", "--steps", "100000", "--time-limit", "2", "--save-dtype", "float32",
+            "--eval-prompts", str(other), "--eval-num-prompts", "6"]
+    assert train(argv) == 0
+    report = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert 1 <= report["steps"] < 100000 and report["eval_sequences"] == 6
+    ev = report["eval_accuracy_per_position"]
+    assert len(ev) == 2 and report["eval_expected_acceptance_length"] >= 1.0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["speculum"]["training"]["eval_accuracy_per_position"] == ev
+    # the same figure from the exported module on the cached answers of the eval prompts
+    from speculum_mtp.formats import load_mtp
+    target = TargetParts.from_checkpoint(tiny_llama, torch.float32, "cpu")
+    trainer = trainers()["mtp"]
+    import argparse
+    p = argparse.ArgumentParser()
+    common_arguments(p)
+    trainer.add_arguments(p)
+    args = p.parse_args(["--num-positions", "2"])
+    edir = [d for d in (tmp_path / "c").iterdir() if d.is_dir()]
+    data = [DistillData.load(d, layers=(-1,)) for d in edir]
+    data = [d for d in data if len(d) == 6][0]
+    head = load_mtp(tmp_path / "out", target, None, 0).float()
+    assert evaluate(trainer, head, data, list(range(6)), target, args, "cpu") == ev

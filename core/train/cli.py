@@ -59,6 +59,10 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default=None, help="default: $SPECULUM_CACHE/distill")
     g.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation")
     g.add_argument("--val-max-seqs", type=int, default=64)
+    g.add_argument("--eval-prompts", default=None, metavar="JSONL",
+                   help="also report accuracy on the target's answers to these prompts (e.g. "
+                        "shared/data/mt_bench.jsonl: evaluation only, never trained on)")
+    g.add_argument("--eval-num-prompts", type=int, default=80)
     g.add_argument("--loss-on", choices=("answer", "all"), default="answer",
                    help="train on answer tokens only, or on every position")
     g.add_argument("--prompt-context", type=int, default=0,

@@ -137,6 +137,14 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     data = DistillData.load(data_dir, layers=trainer.data_layers(args, L), shards=shards)
     gen_s = time.perf_counter() - t0
     train_ids, val_ids = data.split(args.val_fraction, args.data_seed)
+    eval_data = None
+    if getattr(args, "eval_prompts", None):  # another prompt set, answered the same way, never trained on
+        espec = attrs.evolve(spec, prompts=str(args.eval_prompts), num_prompts=args.eval_num_prompts,
+                             max_prompt_tokens=max(args.max_prompt_tokens, 1024), extra_answers=0)
+        edir, eshards = ensure_distill(espec, args.cache_dir, max_num_seqs=args.gen_batch,
+                                       device=args.gen_device or args.device, dtype=args.gen_dtype,
+                                       shard_size=getattr(args, "gen_shard_size", 64))
+        eval_data = DistillData.load(edir, layers=trainer.data_layers(args, L), shards=eshards)
     log.info("data %s: %d sequences (%d train, %d validation), %d tokens", data_dir, len(data), len(train_ids),
              len(val_ids), data.num_tokens(range(len(data))))
 
@@ -192,6 +200,11 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
             history.append({"step": step + 1, "val_accuracy": val, "train_loss": round(ema_loss, 4)})
             bar.write(f"step {step + 1}: validation top-1 per position {val} (expected length "
                       f"{expected_length(val)})")
+            if eval_data is not None:
+                ev = evaluate(trainer, module, eval_data, list(range(len(eval_data))), target, args, device)
+                history[-1]["eval_accuracy"] = ev
+                bar.write(f"step {step + 1}: --eval-prompts top-1 per position {ev} (expected length "
+                          f"{expected_length(ev)})")
         if (step + 1) % args.save_every == 0 or last:
             elapsed = train_s + time.perf_counter() - t1
             torch.save({"module": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -204,19 +217,29 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
 
     # 4. validate and export
     val = evaluate(trainer, module, data, val_ids[: args.val_max_seqs], target, args, device) if val_ids else []
+    ev = evaluate(trainer, module, eval_data, list(range(len(eval_data))), target, args, device) \
+        if eval_data is not None else None
     report = {
         "method": trainer.name, "target": target.fingerprint(),
         "command": "speculum " + " ".join(args.argv) if getattr(args, "argv", None) else " ".join(sys.argv),
         "data": {**attrs.asdict(spec), "model": target.name, "sequences": len(data), "train_sequences": len(train_ids),
                  "validation_sequences": len(val_ids), "tokens": data.num_tokens(range(len(data))),
                  "seconds": round(gen_s, 1)},
-        "steps": step + 1 if args.steps > start else start, "batch_size": args.batch_size, "lr": args.lr, "train_seconds": round(train_s, 1),
+        "steps": step + 1 if args.steps > start else start, "batch_size": args.batch_size, "lr": args.lr,
+        "train_seconds": round(train_s, 1),
         "val_accuracy_per_position": val, "expected_acceptance_length": expected_length(val),
         "positions": K, "history": history,
     }
+    if ev is not None:
+        report.update({"eval_prompts": str(args.eval_prompts), "eval_sequences": len(eval_data),
+                       "eval_accuracy_per_position": ev, "eval_expected_acceptance_length": expected_length(ev)})
     meta = {"method": trainer.name, "target": target.fingerprint(),
-            "training": {k: report[k] for k in ("command", "steps", "val_accuracy_per_position", "train_seconds")}}
+            "training": {k: report[k] for k in ("command", "steps", "val_accuracy_per_position", "train_seconds",
+                                                "eval_prompts", "eval_accuracy_per_position") if k in report}}
     trainer.export(module, out, target, args, meta)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"{trainer.name}: validation top-1 agreement per position {val}; wrote {out}")
+    if ev is not None:
+        print(f"{trainer.name}: on {args.eval_prompts}: top-1 agreement per position {ev} (expected acceptance "
+              f"length {expected_length(ev)})")
     return report
