@@ -200,3 +200,32 @@ def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
     data = [d for d in data if len(d) == 6][0]
     head = load_mtp(tmp_path / "out", target, None, 0).float()
     assert evaluate(trainer, head, data, list(range(6)), target, args, "cpu") == ev
+
+
+def test_batches_gather_padded_rows_with_masks():
+    """DistillData.batch against a row-by-row reference: prompt cut, max_len cut, padding,
+    the last token's missing state, answer mask; same result from data moved with .to()."""
+    g = torch.Generator().manual_seed(0)
+    lens, plens = [7, 3, 12, 5], [4, 2, 3, 5]
+    offsets = torch.tensor([0] + lens).cumsum(0)
+    N = int(offsets[-1])
+    data = DistillData(tokens=torch.randint(1, 100, (N,), generator=g), offsets=offsets,
+                       prompt_lens=torch.tensor(plens), prompt_index=torch.arange(4),
+                       hidden={-1: torch.randn(N, 6, generator=g).bfloat16(), 2: torch.randn(N, 6, generator=g).bfloat16()})
+    for ids, max_len, ctx in (([0, 1, 2, 3], 100, 0), ([2, 0], 8, 0), ([3, 2, 1], 100, 1)):
+        b = data.batch(ids, max_len, "cpu", ctx)
+        rows = []
+        for i in ids:
+            s, e, P = int(offsets[i]), int(offsets[i + 1]), plens[i]
+            rows.append((max(s, e - max_len, s + P - ctx if ctx else s), e, s + P))
+        T = max(e - s for s, e, _ in rows)
+        assert b.tokens.shape == (len(ids), T)
+        for r, (s, e, a) in enumerate(rows):
+            n = e - s
+            assert b.tokens[r, :n].tolist() == data.tokens[s:e].tolist() and not b.tokens[r, n:].any()
+            assert b.valid[r].tolist() == [t < n - 1 for t in range(T)]
+            assert b.answer_next[r].tolist() == [t < n - 1 and s + t + 1 >= a for t in range(T)]
+            for l in (-1, 2):
+                assert torch.equal(b.hidden[l][r, :n], data.hidden[l][s:e].float()) and not b.hidden[l][r, n:].any()
+        b2 = data.to("cpu").batch(ids, max_len, "cpu", ctx)
+        assert torch.equal(b2.tokens, b.tokens) and torch.equal(b2.hidden[-1], b.hidden[-1])

@@ -152,8 +152,8 @@ def frequent_tokens(data: DistillData, ids: list[int], n: int, vocab_size: int) 
     """The ``n`` most frequent answer tokens of sequences ``ids`` (then the most frequent of
     all tokens, then the lowest ids), as ascending target ids."""
     n = min(n, vocab_size)
-    counts = torch.bincount(data.answer_tokens(ids), minlength=vocab_size).double() * 1e6
-    counts += torch.bincount(data.tokens, minlength=vocab_size).double()[:vocab_size]
+    counts = torch.bincount(data.answer_tokens(ids).cpu(), minlength=vocab_size).double() * 1e6
+    counts += torch.bincount(data.tokens.cpu(), minlength=vocab_size).double()[:vocab_size]
     counts += torch.linspace(1e-3, 0, vocab_size, dtype=torch.float64)  # deterministic ties
     return counts.topk(n).indices.sort().values
 

@@ -109,27 +109,32 @@ class DistillData:
     def num_tokens(self, ids: Sequence[int]) -> int:
         return int(sum(int(self.offsets[i + 1] - self.offsets[i]) for i in ids))
 
+    def to(self, device) -> "DistillData":
+        """The same data with tokens and hidden states on ``device`` (a GPU: batches are then
+        gathered there, with no per-step host copies)."""
+        return attrs.evolve(self, tokens=self.tokens.to(device), hidden={l: h.to(device) for l, h in self.hidden.items()})
+
     def batch(self, ids: Sequence[int], max_len: int, device="cpu", prompt_context: int = 0) -> Batch:
         """Pad the sequences ``ids`` into a Batch: at most ``max_len`` tokens of each, and at
         most ``prompt_context`` prompt tokens before the answer (0: no limit); what is cut
-        is the start of the prompt."""
+        is the start of the prompt. Gathered where the data lives, then moved to ``device``."""
         rows = []
         for i in ids:
             s, e, P = int(self.offsets[i]), int(self.offsets[i + 1]), int(self.prompt_lens[i])
             start = max(s, e - max_len, s + P - prompt_context if prompt_context else s)
             rows.append((start, e, s + P))
         B, T = len(rows), max(e - s for s, e, _ in rows)
-        tokens = torch.zeros(B, T, dtype=torch.int64)
-        valid = torch.zeros(B, T, dtype=torch.bool)
-        answer_next = torch.zeros(B, T, dtype=torch.bool)
-        hidden = {l: torch.zeros(B, T, h.shape[1], dtype=torch.float32) for l, h in self.hidden.items()}
-        for b, (s, e, a) in enumerate(rows):
-            n = e - s
-            tokens[b, :n] = self.tokens[s:e]
-            valid[b, : n - 1] = True
-            # token t + 1 is an answer token iff s + t + 1 >= a
-            answer_next[b, :n] = torch.arange(s + 1, e + 1) >= a
-            for l, h in self.hidden.items():
-                hidden[l][b, :n] = h[s:e].float()
+        starts = torch.tensor([r[0] for r in rows]).unsqueeze(1)
+        ends = torch.tensor([r[1] for r in rows]).unsqueeze(1)
+        answer = torch.tensor([r[2] for r in rows]).unsqueeze(1)
+        flat = starts + torch.arange(T).unsqueeze(0)  # [B, T] positions in the flat arrays
+        present = flat < ends
+        valid = flat < ends - 1                      # the last token has no hidden state
+        answer_next = (flat + 1 >= answer) & valid   # token t + 1 belongs to the answer
+        where = self.tokens.device
+        idx = torch.where(present, flat, 0).to(where)
+        keep = present.to(where)
+        tokens = torch.where(keep, self.tokens[idx], 0)
+        hidden = {l: h[idx].float() * keep.unsqueeze(-1) for l, h in self.hidden.items()}
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next & valid))
+        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next))

@@ -49,6 +49,19 @@ def model_name(model: str) -> str:
     return re.sub(r"(\.(q\d\w*|f16|f32|bf16))?\.gguf$", "", name, flags=re.IGNORECASE)
 
 
+def on_device(data: DistillData | None, device) -> DistillData | None:
+    """Data moved to a GPU when it takes at most a third of the free memory (batches are
+    then gathered there); left on the host otherwise."""
+    if data is None or torch.device(device).type != "cuda":
+        return data
+    size = data.tokens.numel() * 8 + sum(h.numel() * h.element_size() for h in data.hidden.values())
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    if size > free // 3:
+        log.info("distillation data (%.1f GiB) stays on the host", size / 2**30)
+        return data
+    return data.to(device)
+
+
 def _schedule(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -145,6 +158,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
                                        device=args.gen_device or args.device, dtype=args.gen_dtype,
                                        shard_size=getattr(args, "gen_shard_size", 64))
         eval_data = DistillData.load(edir, layers=trainer.data_layers(args, L), shards=eshards)
+    data, eval_data = on_device(data, device), on_device(eval_data, device)
     log.info("data %s: %d sequences (%d train, %d validation), %d tokens", data_dir, len(data), len(train_ids),
              len(val_ids), data.num_tokens(range(len(data))))
 
