@@ -56,17 +56,19 @@ class EagleTrainer(Trainer):
         _common(p, init_layer=-2)
         p.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token loss (paper: 0.1)")
         p.add_argument("--reg-weight", type=float, default=1.0, help="weight of the feature regression")
+        p.add_argument("--num-layers", type=int, default=1, help="decoder layers of the head (EAGLE: 1)")
         p.set_defaults(lr=1e-3)
 
     def build(self, args, target, state, data, train_ids):
-        arch = arch_from_config(target.config, num_layers=1)
+        arch = arch_from_config(target.config, num_layers=args.num_layers)
         head = Eagle1Head(arch, target.embed, target.lm_head, fc_bias=True)
         H = arch.hidden_size
         with torch.no_grad():  # fc starts by passing the feature through
             head.fc.weight.normal_(0, 0.01)
             head.fc.weight[:, H:] += torch.eye(H)
             head.fc.bias.zero_()
-        _init_layer(head.layers[0], target, state, args.init_layer)
+        for layer in head.layers:
+            _init_layer(layer, target, state, args.init_layer)
         return head
 
     def loss(self, head, batch, target, args):

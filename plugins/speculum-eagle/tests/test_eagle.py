@@ -258,3 +258,13 @@ def test_static_draft_function_drafts_like_the_eager_loop(target, trained, metho
     assert_static_draft_matches_eager(lambda spec: make_llm(target, spec, max_num_seqs=4),
                                       {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3},
                                       PROMPTS, GREEDY)
+
+
+def test_two_layer_eagle_head_trains_loads_and_is_lossless(target, tmp_path):
+    out = train_tiny("eagle", target, tmp_path, steps=20, num_prompts=16, max_tokens=16, extra=("--num-layers", "2"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    llm = make_llm(target, {"method": "eagle", "model": str(out), "num_speculative_tokens": 3})
+    assert llm.proposer.head.num_layers == 2
+    base = make_llm(target).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]
