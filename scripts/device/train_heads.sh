@@ -8,13 +8,15 @@ C="--model $M --num-prompts 4728 --max-tokens ${MAXTOK:-320} --extra-answers ${E
 T0=$(date +%s)
 speculum train medusa $C --steps 1 --eval-every 0 --out /tmp/tr/probe 2>&1 | grep -v -E "it/s|s/it|prompt/s" | tail -3
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
-for m in eagle eagle3 "medusa --num-heads 4 --num-layers 2" mtp "draft --num-layers 4"; do
-  n=${m%% *}
-  setsid nohup speculum train $m $C --out /tmp/tr/$n > /tmp/tr/$n.log 2>&1 < /dev/null &
+# name=method and options (the name is the output folder)
+for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
+         "eagle_2l=eagle --num-layers 2" "draft=draft --num-layers ${DRAFT_LAYERS:-4}"; do
+  n=${m%%=*}
+  setsid nohup speculum train ${m#*=} $C --out /tmp/tr/$n > /tmp/tr/$n.log 2>&1 < /dev/null &
 done
 sleep 20
 while pgrep -f "speculum train" > /dev/null; do sleep 10; done
 grep -h "top-1 agreement" /tmp/tr/*.log
 echo "total: $(( $(date +%s) - T0 )) s"
-cd /tmp/tr && tar cf $OUT/heads.tar --exclude=checkpoint.pt eagle eagle3 medusa mtp
+cd /tmp/tr && tar cf $OUT/heads.tar --exclude=checkpoint.pt eagle eagle3 medusa mtp eagle_2l
 cd $OUT && split -b 15M heads.tar heads.tar.part_ && rm heads.tar
