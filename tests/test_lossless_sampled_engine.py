@@ -1,0 +1,167 @@
+"""Sampled output through the whole engine follows the target's exact distribution.
+
+``tests/test_rejection_sampler.py`` proves the verifier exact for given p and q. This file
+checks the plumbing around it with real proposers: that a proposer's reported draft
+probabilities are the ones it sampled from, that rollback leaves the caches right for the
+next token, that per-request seeds are independent. Setting: one fixed prompt, N requests
+with seeds 0..N-1, temperature 1 and top-k 5, ``max_tokens=4``; the law of the first two
+tokens (25 possible pairs) is tested. With k = 3 both come out of the first verify step
+when its first draft is accepted, from two steps otherwise. The exact joint law of (x1, x2) is computed from
+the target alone with transformers (``p(x1) p(x2 | x1)``, top-k then softmax).
+
+Statistic: Pearson's chi-square of the 25 joint counts against N times the exact law,
+level ``ALPHA = 1e-4`` (false-alarm rate per test; runs are seeded, so reproducible).
+
+Power: with N = 6000, any output law at total variation TV from the exact one has
+noncentrality ``lambda >= 4 N TV^2`` (Cauchy-Schwarz), so ``TV >= 0.06`` is detected with
+probability > 0.99 (computed in ``test_power_of_the_joint_test``). The draft model's
+case also runs a broken proposer (reports probabilities at temperature 1/4 while
+sampling at temperature 1), computes the law it really produces for x1 analytically,
+checks that it is at TV >= 0.06 and that the test rejects it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from speculum import LLM, SamplingParams
+from speculum.testing import train_tiny
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ALPHA = 1e-4
+N = 6000
+TOP_K = 5
+SHARPEN = 4  # the broken proposer reports q ** SHARPEN (temperature 1 / SHARPEN)
+
+
+def topk_probs(logits: torch.Tensor, k: int = TOP_K, temperature: float = 1.0) -> torch.Tensor:
+    """Softmax over the k largest logits (the rest 0), in float64."""
+    logits = logits.double() / temperature
+    keep = logits.topk(k).indices
+    out = torch.zeros_like(logits)
+    out[keep] = logits[keep].softmax(-1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_llama):
+    """``[a, b, c, d, a, b]``: n-gram lookup drafts ``c, d, a``; ``c`` is chosen among 200
+    tokens as the one the target finds likeliest there, so n-gram drafts get accepted."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    cands = torch.arange(3, 203)
+    rows = torch.stack([torch.tensor([17, 4, int(c), 9, 17, 4]) for c in cands])
+    with torch.no_grad():
+        p = model(rows).logits[:, -1].softmax(-1)
+    best = int(p[torch.arange(len(cands)), cands].argmax())
+    return rows[best].tolist()
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_llama, prompt):
+    """{(x1, x2): probability} of the first two sampled tokens, from the target alone."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = topk_probs(model(torch.tensor([prompt])).logits[0, -1])
+        law = {}
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 = topk_probs(model(torch.tensor([prompt + [x1]])).logits[0, -1])
+            for x2 in p2.nonzero().flatten().tolist():
+                law[(x1, x2)] = float(p1[x1] * p2[x2])
+    return law
+
+
+def sample_pairs(llm: LLM, prompt: list[int]) -> list[tuple[int, int]]:
+    params = [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=4, seed=i, ignore_eos=True) for i in range(N)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, params)
+    return [tuple(o.token_ids[:2]) for o in outs]
+
+
+def joint_pvalue(pairs, law) -> float:
+    cells = sorted(law)
+    if any(pr not in law for pr in pairs):
+        return 0.0  # a continuation the target cannot produce
+    index = {c: i for i, c in enumerate(cells)}
+    obs = np.bincount([index[pr] for pr in pairs], minlength=len(cells)).astype(float)
+    exp = np.array([law[c] for c in cells]) * len(pairs)
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def power_at_tv(tv: float, cells: int, n: int = N) -> float:
+    """Lower bound on the power against any law at total variation ``tv``."""
+    df = cells - 1
+    return float(stats.ncx2.sf(stats.chi2.isf(ALPHA, df), df, 4 * n * tv ** 2))
+
+
+def test_power_of_the_joint_test(exact):
+    assert all(v * N >= 5 for v in exact.values()), "every cell needs an expected count >= 5"
+    assert power_at_tv(0.06, len(exact)) > 0.99
+
+
+METHODS = {
+    "ngram": lambda tgt, draft, tmp: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    # the target's first layer as the draft: top-5 sets overlap, drafts are accepted and rejected
+    "draft_model": lambda tgt, draft, tmp: {"method": "draft_model", "model": str(tgt),
+                                            "num_speculative_tokens": 3, "options": {"num_layers": 1}},
+    "eagle": lambda tgt, draft, tmp: {"method": "eagle", "model": str(train_tiny("eagle", tgt, tmp)),
+                                      "num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_sampled_output_follows_the_target_through_the_engine(tiny_llama, tiny_llama_draft, prompt, exact, method,
+                                                              tmp_path):
+    if method == "eagle" and importlib.util.find_spec("speculum_eagle") is None:
+        pytest.skip("speculum-eagle is not installed")
+    spec = METHODS[method](tiny_llama, tiny_llama_draft, tmp_path)
+    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
+    pairs = sample_pairs(llm, prompt)
+    m = llm.metrics
+    assert m.num_drafts > 0 and 0 < m.num_accepted_tokens < m.num_draft_tokens  # drafts accepted and rejected
+    pval = joint_pvalue(pairs, exact)
+    assert pval > ALPHA, f"{method}: sampled output differs from the target's law (p = {pval:.2e})"
+
+
+def test_a_proposer_reporting_wrong_probabilities_is_caught(tiny_llama, tiny_llama_draft, prompt, exact):
+    """Drafts sampled at temperature 1, probabilities reported at temperature 1 / SHARPEN."""
+    spec = METHODS["draft_model"](tiny_llama, tiny_llama_draft, None)
+    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
+    inner = llm.proposer.propose
+
+    def wrong(batch):
+        d = inner(batch)
+        if d.probs is not None:
+            sharp = d.probs.double() ** SHARPEN
+            d.probs = (sharp / sharp.sum(-1, keepdim=True)).to(d.probs.dtype)
+        return d
+
+    llm.proposer.propose = wrong
+    pairs = sample_pairs(llm, prompt)
+    # the law of x1 it really produces: x ~ q accepted with min(1, p / q'), else the residual of p - q'
+    from transformers import AutoModelForCausalLM
+    with torch.no_grad():
+        tl = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)(torch.tensor([prompt]))
+        draft = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32, num_hidden_layers=1)
+        dl = draft(torch.tensor([prompt]))
+    p, q = topk_probs(tl.logits[0, -1]), topk_probs(dl.logits[0, -1])
+    q2 = q ** SHARPEN / (q ** SHARPEN).sum()
+    ratio = torch.where(q2 > 0, p / q2.clamp_min(1e-300), torch.zeros_like(p)).clamp(max=1.0)
+    accepted = q * ratio
+    residual = (p - q2).clamp_min(0)
+    w = accepted + (1 - accepted.sum()) * residual / residual.sum()
+    tv = float(0.5 * (w - p).abs().sum())
+    assert tv >= 0.06, f"pick a case where the broken proposer differs enough (TV {tv:.3f})"
+    x1 = np.array([a for a, _ in pairs])
+    support = p.nonzero().flatten().tolist()
+    obs = np.array([(x1 == s).sum() for s in support], dtype=float)
+    exp = np.array([float(p[s]) for s in support]) * N
+    assert set(x1.tolist()) <= set(support)
+    assert stats.chisquare(obs, exp).pvalue < ALPHA  # the marginal of x1 alone already rejects it
+    assert joint_pvalue(pairs, exact) < ALPHA
