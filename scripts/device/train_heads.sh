@@ -10,7 +10,7 @@ speculum train medusa $C --steps 1 --eval-every 0 --out /tmp/tr/probe 2>&1 | gre
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
 # name=method and options (the name is the output folder)
 for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
-         "eagle_2l=eagle --num-layers 2" "draft=draft --num-layers ${DRAFT_LAYERS:-4}"; do
+         "eagle_2l=eagle --num-layers 2" "draft=draft --num-layers ${DRAFT_LAYERS:-2}"; do
   n=${m%%=*}
   setsid nohup speculum train ${m#*=} $C --out /tmp/tr/$n > /tmp/tr/$n.log 2>&1 < /dev/null &
 done
