@@ -122,6 +122,35 @@ def chain_unroll(head, batch: Batch, steps: int):
         feat = out
 
 
+def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tensor | None, score,
+               extra=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unrolled loss of a chain head (EAGLE, EAGLE-3, MTP) and its agreement per step.
+
+    At step ``j`` the output at anchor ``t`` is scored (``score(o) -> logits`` over
+    ``vocab``, None = the whole vocabulary) against the target's distribution of
+    ``x_{t+j+2}`` with soft cross-entropy; ``extra(ce, j, o, mask)`` may turn that into
+    the step's loss (EAGLE-1 adds its feature regression). Step ``j`` weighs
+    ``args.step_decay ** j``.
+    """
+    K = args.num_positions
+    td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
+    T = batch.tokens.shape[1]
+    total = torch.zeros((), device=batch.tokens.device)
+    correct, count = torch.zeros(K), torch.zeros(K)
+    for j, out in chain_unroll(head, batch, K):
+        m = batch.target_mask(j + 1, args.loss_on)
+        rows = td.rows(j + 1, m)
+        o = out[:, : T - j - 1][m]
+        logits = score(o)
+        step = soft_ce(logits, td.probs[rows])
+        if extra is not None:
+            step = extra(step, j, o, m)
+        total = total + args.step_decay ** j * step
+        pred = logits.argmax(-1)
+        correct[j], count[j] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
+    return total, correct, count
+
+
 def layer_from_target(layer, target_state: dict[str, torch.Tensor], index: int) -> None:
     """Initialise a head's decoder layer from target layer ``index`` (same shapes).
 

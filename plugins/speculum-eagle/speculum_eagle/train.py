@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from speculum.proposers.head_layers import arch_from_config
-from speculum.train.base import (TargetDist, Trainer, agreement, chain_unroll, frequent_tokens, layer_from_target,
-                                 loss_vocab, soft_ce)
+from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, loss_vocab
 from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, save_eagle1, save_eagle3
 from speculum_eagle.model import Eagle1Head, Eagle3Head
 
@@ -72,23 +71,13 @@ class EagleTrainer(Trainer):
         return head
 
     def loss(self, head, batch, target, args):
-        K = args.num_positions
         vocab = loss_vocab(head, target, args)
-        td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
-        T = batch.tokens.shape[1]
-        total = torch.zeros((), device=batch.tokens.device)
-        correct, count = torch.zeros(K), torch.zeros(K)
-        for j, out in chain_unroll(head, batch, K):
-            m = batch.target_mask(j + 1, args.loss_on)
-            rows = td.rows(j + 1, m)
-            o = out[:, : T - j - 1][m]
-            logits = head.logits(o, vocab)
+
+        def with_regression(ce, j, o, m):  # the paper's loss: feature regression + weighted CE
             want = batch.hidden[-1][:, j + 1:][m]  # the target's next feature
-            step = args.ce_weight * soft_ce(logits, td.probs[rows]) + args.reg_weight * F.smooth_l1_loss(o, want)
-            total = total + args.step_decay ** j * step
-            pred = logits.argmax(-1)
-            correct[j], count[j] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
-        return total, correct, count
+            return args.ce_weight * ce + args.reg_weight * F.smooth_l1_loss(o, want)
+
+        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab), with_regression)
 
     def export(self, head, out, target, args, meta):
         save_eagle1(head, out, meta=meta, dtype=DTYPES[args.save_dtype])
@@ -132,21 +121,9 @@ class Eagle3Trainer(Trainer):
         return head
 
     def loss(self, head, batch, target, args):
-        K = args.num_positions
-        vocab = head.draft_to_target
         # the target's distribution over the draft vocabulary; validation compares with its
         # argmax over the whole vocabulary (a token outside the draft vocabulary is a miss)
-        td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
-        T = batch.tokens.shape[1]
-        total = torch.zeros((), device=batch.tokens.device)
-        correct, count = torch.zeros(K), torch.zeros(K)
-        for j, out in chain_unroll(head, batch, K):
-            m = batch.target_mask(j + 1, args.loss_on)
-            rows = td.rows(j + 1, m)
-            logits = head.draft_logits(out[:, : T - j - 1][m])  # [N, Vd]
-            total = total + args.step_decay ** j * soft_ce(logits, td.probs[rows])
-            correct[j], count[j] = agreement(vocab[logits.argmax(-1)], td.argmax[rows])
-        return total, correct, count
+        return chain_loss(head, batch, target, args, head.draft_to_target, head.draft_logits)
 
     def export(self, head, out, target, args, meta):
         save_eagle3(head, out, meta=meta, dtype=DTYPES[args.save_dtype])

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from speculum.proposers.head_layers import arch_from_config, init_layer
-from speculum.train.base import (TargetDist, Trainer, agreement, chain_unroll, layer_from_target, loss_vocab,
-                                 soft_ce)
+from speculum.train.base import Trainer, chain_loss, layer_from_target, loss_vocab
 from speculum_mtp.formats import save_mtp
 from speculum_mtp.model import ORDERS, MTPHead
 
@@ -51,20 +50,8 @@ class MTPTrainer(Trainer):
         return head
 
     def loss(self, head, batch, target, args):
-        K = args.num_positions
         vocab = loss_vocab(head, target, args)
-        td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
-        T = batch.tokens.shape[1]
-        total = torch.zeros((), device=batch.tokens.device)
-        correct, count = torch.zeros(K), torch.zeros(K)
-        for j, out in chain_unroll(head, batch, K):
-            m = batch.target_mask(j + 1, args.loss_on)
-            rows = td.rows(j + 1, m)
-            logits = head.logits(out[:, : T - j - 1][m], vocab)
-            total = total + args.step_decay ** j * soft_ce(logits, td.probs[rows])
-            pred = logits.argmax(-1)
-            correct[j], count[j] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
-        return total, correct, count
+        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab))
 
     def export(self, head, out, target, args, meta):
         save_mtp(head, out, target.config, meta=meta, dtype=DTYPES[args.save_dtype])
