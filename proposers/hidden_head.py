@@ -60,12 +60,16 @@ class ChainHead(Protocol):
 
 
 def target_weights(runner) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embedding [V, H], LM head [V, H]) of a target runner, shared, not copied."""
+    """(input embedding [V, H], LM head [V, H]) of a target runner, shared, not copied.
+
+    Returned detached: plain tensors over the target's storage, so a head that keeps them
+    as attributes does not register them as its own parameters (nor count, move or save
+    them)."""
     model = getattr(runner, "model", None)
     if model is not None and hasattr(model, "embed") and hasattr(model, "lm_head"):  # native runner
-        return model.embed.weight, model.lm_head.weight
+        return model.embed.weight.detach(), model.lm_head.weight.detach()
     if model is not None and hasattr(model, "get_input_embeddings"):  # transformers runner
-        return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
     raise ConfigError(f"hidden-state heads need the target's embedding and LM head; the {type(runner).__name__} "
                       "runner exposes neither (use the torch backend)")
 
@@ -179,9 +183,8 @@ class ChainHeadProposer:
     def for_head(cls, ctx, head, hidden_layers: Sequence[int], name: str) -> "ChainHeadProposer":
         """Build the proposer and its cache, planned with the target's (``ctx`` of the engine)."""
         p = next(head.parameters())
-        # the head's own weights: tensors shared with the target (embedding, LM head) count once, there
-        shared = {t.data_ptr() for t in ctx.target.model.parameters()} if hasattr(ctx.target, "model") else set()
-        weight_bytes = sum(t.numel() * t.element_size() for t in head.parameters() if t.data_ptr() not in shared)
+        # the head's own weights (the target's embedding / LM head are not its parameters)
+        weight_bytes = sum(t.numel() * t.element_size() for t in head.parameters())
         cache = HeadKVCache(name, head.num_layers, head.num_kv_heads, head.head_dim, p.dtype, p.device,
                             max_model_len=ctx.max_model_len + ctx.config.num_speculative_tokens,
                             weight_bytes=weight_bytes)
