@@ -7,6 +7,7 @@ The paged, memory-planned allocator replaces it in the fast executor.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from speculum.interfaces import KVCacheFull
 
@@ -129,6 +130,28 @@ class PagedKVAllocator:
 
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
+
+    def step_slots(self, seq_ids, num_tokens, q: int, rows: int, num_blocks: int):
+        """Where the last ``num_tokens[b]`` positions of each sequence (already allocated) go.
+
+        Returns numpy int64 arrays: positions and write slots ``[rows, q]`` (right padded;
+        positions past a row's valid ones, and padding rows, write into scratch block 0)
+        and block tables ``[rows, num_blocks]`` (0-padded).
+        """
+        bs = self.block_size
+        n = len(seq_ids)
+        blk = np.zeros((rows, num_blocks), dtype=np.int64)
+        ends = np.zeros(rows, dtype=np.int64)
+        for b, sid in enumerate(seq_ids):
+            table = self.block_table(sid)
+            blk[b, : len(table)] = table
+            ends[b] = self.length(sid)
+        starts = ends.copy()
+        starts[:n] -= np.asarray(num_tokens, dtype=np.int64)
+        pos = starts[:, None] + np.arange(q, dtype=np.int64)[None, :]
+        slot = np.take_along_axis(blk, np.minimum(pos // bs, num_blocks - 1), axis=1) * bs + pos % bs
+        wsl = np.where(pos < ends[:, None], slot, pos % bs)
+        return pos, wsl, blk
 
     @property
     def num_free_blocks(self) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -108,17 +107,7 @@ class HeadKVCache:
             alloc.allocate(sid, int(n))
         B = len(seq_ids)
         nb = max(1, max(len(alloc.block_table(s)) for s in seq_ids))
-        pos = np.zeros((B, q), dtype=np.int64)
-        wsl = np.zeros((B, q), dtype=np.int64)
-        blk = np.zeros((B, nb), dtype=np.int64)
-        ar = np.arange(q, dtype=np.int64)
-        for b, (sid, n) in enumerate(zip(seq_ids, num_tokens)):
-            table = alloc.block_table(sid)
-            end = alloc.length(sid)
-            p = ar + (end - int(n))
-            pos[b] = p
-            blk[b, : len(table)] = table
-            wsl[b] = np.where(p < end, blk[b, np.minimum(p // bs, nb - 1)] * bs + p % bs, p % bs)
+        pos, wsl, blk = alloc.step_slots(seq_ids, [int(n) for n in num_tokens], q, B, nb)
         dev = self.device
         pos_t, wsl_t, blk_t = (torch.from_numpy(a).to(dev) for a in (pos, wsl, blk))
         read = (blk_t.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(B, -1)

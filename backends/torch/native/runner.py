@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from speculum.backends.torch.native.model import NativeLlama
@@ -90,20 +89,7 @@ class NativeRunner:
 
     def _host_meta(self, seq_ids: Sequence[int], num_tokens: Sequence[int], q: int, B: int, nb: int):
         """Positions, write slots and block tables ([B, q], [B, q], [B, nb]) on the host."""
-        bs = self.block_size
-        n = len(seq_ids)
-        blk = np.zeros((B, nb), dtype=np.int64)
-        ends = np.zeros(B, dtype=np.int64)
-        for b, sid in enumerate(seq_ids):
-            table = self.allocator.block_table(sid)
-            blk[b, : len(table)] = table
-            ends[b] = self.allocator.length(sid)
-        starts = ends.copy()
-        starts[:n] -= np.asarray(num_tokens, dtype=np.int64)
-        pos = starts[:, None] + np.arange(q, dtype=np.int64)[None, :]
-        slot = np.take_along_axis(blk, np.minimum(pos // bs, nb - 1), axis=1) * bs + pos % bs
-        # positions past a row's valid tokens (and padding rows) write into scratch block 0
-        wsl = np.where(pos < ends[:, None], slot, pos % bs)
+        pos, wsl, blk = self.allocator.step_slots(seq_ids, num_tokens, q, B, nb)
         return torch.from_numpy(pos), torch.from_numpy(wsl), torch.from_numpy(blk)
 
     # -- ModelRunner ----------------------------------------------------------------------
