@@ -110,19 +110,24 @@ def load_eagle1(path: Path, target: TargetParts) -> Eagle1Head:
     return head
 
 
-def eagle1_config(head: Eagle1Head, target_cfg: Mapping[str, Any] | None = None, meta: dict | None = None) -> dict:
-    a = head.arch
-    cfg = {"architectures": [EAGLE1_ARCH], "model_type": "llama", "hidden_size": a.hidden_size,
-           "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_heads,
-           "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "num_hidden_layers": a.num_layers,
-           "rms_norm_eps": a.rms_eps, "rope_theta": a.rope_theta, "max_position_embeddings": a.max_position_embeddings,
-           "vocab_size": a.vocab_size, "hidden_act": "silu", "attention_bias": a.qkv_bias,
-           "bias": head.fc.bias is not None, "tie_word_embeddings": False}
-    if a.rope_scaling:
-        cfg["rope_scaling"] = a.rope_scaling
+def _llama_config(arch, architecture: str, num_layers: int, meta: dict | None, **extra) -> dict:
+    """The Llama fields a head's config.json shares (EAGLE-1 and EAGLE-3), plus ``extra``."""
+    cfg = {"architectures": [architecture], "model_type": "llama", "hidden_size": arch.hidden_size,
+           "intermediate_size": arch.intermediate_size, "num_attention_heads": arch.num_heads,
+           "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "num_hidden_layers": num_layers,
+           "rms_norm_eps": arch.rms_eps, "rope_theta": arch.rope_theta,
+           "max_position_embeddings": arch.max_position_embeddings, "vocab_size": arch.vocab_size, **extra}
+    if arch.rope_scaling:
+        cfg["rope_scaling"] = arch.rope_scaling
     if meta:
         cfg["speculum"] = meta
     return cfg
+
+
+def eagle1_config(head: Eagle1Head, target_cfg: Mapping[str, Any] | None = None, meta: dict | None = None) -> dict:
+    a = head.arch
+    return _llama_config(a, EAGLE1_ARCH, a.num_layers, meta, hidden_act="silu", attention_bias=a.qkv_bias,
+                         bias=head.fc.bias is not None, tie_word_embeddings=False)
 
 
 def eagle1_state(head: Eagle1Head) -> dict[str, torch.Tensor]:
@@ -184,19 +189,10 @@ def load_eagle3(path: Path, target: TargetParts, aux_ids: Sequence[int] | None =
 
 def eagle3_config(head: Eagle3Head, meta: dict | None = None) -> dict:
     a = head.arch
-    cfg = {"architectures": [EAGLE3_ARCH], "model_type": "llama", "hidden_size": a.hidden_size,
-           "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_heads,
-           "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "num_hidden_layers": 1,
-           "rms_norm_eps": a.rms_eps, "rope_theta": a.rope_theta, "max_position_embeddings": a.max_position_embeddings,
-           "vocab_size": a.vocab_size, "draft_vocab_size": int(head.lm_head.weight.shape[0]),
-           "target_hidden_size": head.fc.weight.shape[1] // len(head.feature_layers), "hidden_act": "silu",
-           "attention_bias": a.qkv_bias, "tie_word_embeddings": False,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers_to_aux_ids(head.feature_layers)}}
-    if a.rope_scaling:
-        cfg["rope_scaling"] = a.rope_scaling
-    if meta:
-        cfg["speculum"] = meta
-    return cfg
+    return _llama_config(a, EAGLE3_ARCH, 1, meta, draft_vocab_size=int(head.lm_head.weight.shape[0]),
+                         target_hidden_size=head.fc.weight.shape[1] // len(head.feature_layers), hidden_act="silu",
+                         attention_bias=a.qkv_bias, tie_word_embeddings=False,
+                         eagle_config={"eagle_aux_hidden_state_layer_ids": layers_to_aux_ids(head.feature_layers)})
 
 
 def eagle3_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
