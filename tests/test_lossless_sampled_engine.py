@@ -7,7 +7,8 @@ next token, that per-request seeds are independent. Setting: one fixed prompt, N
 with seeds 0..N-1, temperature 1 and top-k 5, ``max_tokens=4``; the law of the first two
 tokens (25 possible pairs) is tested. With k = 3 both come out of the first verify step
 when its first draft is accepted, from two steps otherwise. The exact joint law of (x1, x2) is computed from
-the target alone with transformers (``p(x1) p(x2 | x1)``, top-k then softmax).
+the target alone with transformers (``p(x1) p(x2 | x1)``, top-k then softmax). The
+model-based proposers run with the rejection sampler and with block verification.
 
 Statistic: Pearson's chi-square of the 25 joint counts against N times the exact law,
 level ``ALPHA = 1e-4`` (false-alarm rate per test; runs are seeded, so reproducible).
@@ -115,18 +116,19 @@ METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method, verifier", [(m, "rejection_sampler") for m in sorted(METHODS)]
+                         + [("draft_model", "block"), ("eagle", "block")])
 def test_sampled_output_follows_the_target_through_the_engine(tiny_llama, tiny_llama_draft, prompt, exact, method,
-                                                              tmp_path):
+                                                              verifier, tmp_path):
     if method == "eagle" and importlib.util.find_spec("speculum_eagle") is None:
         pytest.skip("speculum-eagle is not installed")
-    spec = METHODS[method](tiny_llama, tiny_llama_draft, tmp_path)
+    spec = {**METHODS[method](tiny_llama, tiny_llama_draft, tmp_path), "acceptance_method": verifier}
     llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
     pairs = sample_pairs(llm, prompt)
     m = llm.metrics
     assert m.num_drafts > 0 and 0 < m.num_accepted_tokens < m.num_draft_tokens  # drafts accepted and rejected
     pval = joint_pvalue(pairs, exact)
-    assert pval > ALPHA, f"{method}: sampled output differs from the target's law (p = {pval:.2e})"
+    assert pval > ALPHA, f"{method} ({verifier}): sampled output differs from the target's law (p = {pval:.2e})"
 
 
 def test_a_proposer_reporting_wrong_probabilities_is_caught(tiny_llama, tiny_llama_draft, prompt, exact):

@@ -295,7 +295,7 @@ def test_third_party_verifier(tiny_llama, baseline):
     reg = llm.registry
     assert reg.verifiers["counting_greedy"].lossless and not reg.verifiers["sloppy"].lossless
     assert reg.verifiers["counting_greedy"].plugin.name == "VerifierPlugin"
-    with pytest.raises(ConfigError, match="installed verifiers: counting_greedy, greedy, rejection_sampler, sloppy"):
+    with pytest.raises(ConfigError, match="installed verifiers: block, counting_greedy, greedy, rejection_sampler, sloppy"):
         reg.verifier("nope")
 
 

@@ -1,15 +1,27 @@
-"""Built-in lossless verifiers, registered as a default plugin."""
+"""Built-in lossless verifiers, registered as a default plugin.
+
+Building blocks for verifier plugins: :func:`verify_sampled` (run a rule on the processed
+target distribution, greedy rows by argmax), :class:`RowNoise` (per-row acceptance and
+sampling noise), :func:`greedy_verify`, :func:`rejection_sample`, :func:`block_verify`.
+"""
 
 from speculum.hooks import hookimpl
+from speculum.verifiers.block import BlockVerifier, block_verify, block_weights
 from speculum.verifiers.greedy import GreedyVerifier, greedy_verify
+from speculum.verifiers.noise import RowNoise, race
 from speculum.verifiers.rejection import RejectionSampler, rejection_sample
+from speculum.verifiers.sampled import verify_sampled
 
-__all__ = ["GreedyVerifier", "RejectionSampler", "greedy_verify", "rejection_sample"]
+__all__ = ["BlockVerifier", "GreedyVerifier", "RejectionSampler", "RowNoise", "block_verify", "block_weights",
+           "greedy_verify", "race", "rejection_sample", "verify_sampled"]
 
 
 @hookimpl
 def speculum_register_verifiers(register):
     register("rejection_sampler", RejectionSampler, lossless=True,
-             description="exact rejection sampling; greedy rows use argmax matching")
+             description="exact rejection sampling, token by token; greedy rows use argmax matching")
+    register("block", BlockVerifier, lossless=True,
+             description="exact block verification (Sun et al. 2025): accepts the draft block jointly, "
+                         "never fewer tokens in expectation; one-hot drafts token-wise")
     register("greedy", GreedyVerifier, lossless=True,
              description="exact argmax matching; temperature 0 only")

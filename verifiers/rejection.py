@@ -9,36 +9,27 @@ the distribution ``p``. With no draft probabilities the draft is one-hot (q(x) =
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from speculum.interfaces import Draft, Verdict
-from speculum.sampling import SamplingBatch, processed_probs
-from speculum.verifiers.greedy import greedy_verify
-
-Generators = Sequence[torch.Generator | None] | torch.Generator | None
-
-
-def _draw(shape_per_row: tuple[int, ...], B: int, generators: Generators, device, kind: str) -> torch.Tensor:
-    """Uniforms or Exp(1) noise [B, *shape] where row b comes from its own generator."""
-    def one(shape, gen):
-        t = torch.empty(shape, device=device)
-        return t.uniform_(generator=gen) if kind == "uniform" else t.exponential_(generator=gen)
-    if generators is None or isinstance(generators, torch.Generator):
-        return one((B, *shape_per_row), generators)
-    return torch.stack([one(shape_per_row, g) for g in generators]) if B else torch.empty((0, *shape_per_row))
+from speculum.sampling import SamplingBatch
+from speculum.verifiers.noise import Generators, RowNoise, as_noise, race
+from speculum.verifiers.sampled import verify_sampled
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor,
-                     generators: Generators, residual: str = "max(0,p-q)") -> Verdict:
+                     generators: Generators | RowNoise, residual: str = "max(0,p-q)") -> Verdict:
     """One verification step in the papers' notation, vectorised over the batch.
 
     ``p``: [B, k+1, V] target probabilities; ``q``: [B, k, V] draft probabilities or None
     (one-hot drafts); ``draft_ids``: [B, k], -1 padded. ``generators``: one per row (their
-    own random streams) or a single generator for all rows. ``residual`` exists so tests can
-    show that a wrong residual (``"p"``) is caught; production code never sets it.
+    own random streams), a single generator for all rows, or a :class:`RowNoise`; the
+    ``k`` acceptance uniforms are drawn before the ``V`` exponentials of the emitted token
+    (``speculum.verifiers.noise`` says why the two are independent). ``residual`` exists
+    so tests can show that a wrong residual (``"p"``) is caught; production code never
+    sets it.
     """
+    noise = as_noise(generators)
     B, k1, V = p.shape
     k = k1 - 1
     device = p.device
@@ -50,7 +41,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.T
         # [B, k] p_i(x_i) and q_i(x_i)
         p_x = p[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         q_x = q.gather(-1, ids.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(p_x)
-        u = _draw((k,), B, generators, device, "uniform")
+        u = noise.uniforms(B, k, device)  # [B, k]
         accept = (u * q_x < p_x) & valid.bool()  # u < p/q without dividing by zero
         num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     else:
@@ -71,8 +62,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.T
         res = torch.where(res.sum(-1, keepdim=True) > 0, res, p_i)
         dist = torch.where(rejected.view(B, 1), res, p_i)
     # exponential race: argmax(dist / E), E ~ Exp(1), samples from dist (unnormalised ok)
-    e = _draw((V,), B, generators, device, "exponential")
-    last = (dist / e).argmax(dim=-1)
+    last = race(dist, noise.exponentials(B, V, device))
     if k > 0:
         drafted = torch.cat([draft_ids, draft_ids.new_full((B, 1), -1)], dim=1)
     else:
@@ -92,17 +82,4 @@ class RejectionSampler:
     lossless = True
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
-        if sampling.all_greedy:
-            return greedy_verify(target_logits, draft.token_ids)
-        flags = sampling.flags(target_logits.shape[-1])
-        p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
-        ids = draft.token_ids.to(p.device)
-        probs = draft.probs.to(p.device) if draft.probs is not None else None
-        verdict = rejection_sample(p, probs, ids, sampling.generators)
-        greedy_rows = sampling.temperature == 0
-        if flags[2] if flags is not None else bool(greedy_rows.any()):
-            g = greedy_verify(target_logits, ids)
-            gr = greedy_rows.view(-1, 1)
-            verdict.token_ids = torch.where(gr, g.token_ids.to(p.device), verdict.token_ids)
-            verdict.num_accepted = torch.where(greedy_rows, g.num_accepted.to(p.device), verdict.num_accepted)
-        return verdict
+        return verify_sampled(rejection_sample, target_logits, draft, sampling)
