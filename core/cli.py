@@ -130,8 +130,9 @@ def cmd_generate(args) -> int:
     print("\n== summary")
     print(f"prompts: {len(rows)}   output tokens: {ntok}   batch: {args.max_num_seqs}   device: {llm.backend.device}")
     if spec:
+        lossy = "" if llm.verifier_spec.lossless else " (LOSSY: output does not follow the target distribution)"
         print(f"method: {llm.speculative_config.method}   k: {spec.num_speculative_tokens}   verifier: "
-              f"{spec.acceptance_method}")
+              f"{spec.acceptance_method}{lossy}")
         print(f"draft acceptance rate: {_fmt(tot.draft_acceptance_rate)}   mean acceptance length: "
               f"{_fmt(tot.mean_acceptance_length, '.3f')}   drafted: {tot.num_draft_tokens}   accepted: "
               f"{tot.num_accepted_tokens}   verify steps: {tot.num_steps}")

@@ -30,15 +30,19 @@ def _str_or_none(_inst, attribute, value):
         raise ConfigError(f"{attribute.name} must be a string, got {value!r}")
 
 
-def _to_options(value) -> dict[str, Any]:
-    """JSON null means no options; anything but an object is an error (not a TypeError)."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"options must be a JSON object / dict of the method's options, got {type(value).__name__}"
-        )
-    return dict(value)
+def _options_converter(key: str, whose: str):
+    def convert(value) -> dict[str, Any]:
+        """JSON null means no options; anything but an object is an error (not a TypeError)."""
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a JSON object / dict of the {whose} options, got {type(value).__name__}")
+        return dict(value)
+    return convert
+
+
+_to_options = _options_converter("options", "method's")
+_to_verifier_options = _options_converter("verifier_options", "verifier's (acceptance_method's)")
 
 
 @attrs.frozen
@@ -70,6 +74,8 @@ class SpeculativeConfig:
     max_model_len: int | None = attrs.field(default=None, validator=_positive_or_none)
     #: plugin-specific options, validated by the method's own options class
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
+    #: options of the verifier (``acceptance_method``), validated by the verifier's own class
+    verifier_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_verifier_options)
 
     def __attrs_post_init__(self):
         k = self.num_speculative_tokens

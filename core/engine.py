@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence as Seq
 import torch
 
 from speculum.config import SpeculativeConfig
-from speculum.engine_build import build_speculation
+from speculum.engine_build import build_speculation, build_verifier
 from speculum.errors import ConfigError, RequestError
 from speculum.loop import DraftVerifyLoop
 from speculum.metrics import SpecDecodeMetrics
@@ -91,8 +91,8 @@ class LLM:
             except KVCacheFull as exc:
                 raise ConfigError(str(exc)) from exc
         self._capture_graphs(k, hidden_layers)
-        self.verifier_spec = self.registry.verifier(verifier_name)
-        self.verifier = self.verifier_spec.factory()
+        self.verifier_spec, self.verifier = build_verifier(
+            self.registry, verifier_name, spec_cfg.verifier_options if spec_cfg is not None else None)
         self.proposer = proposer
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers)
         self._seed_gen = make_generator(seed)
@@ -100,12 +100,13 @@ class LLM:
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
         self._by_request: dict[str, Sequence] = {}
-        self.stats = SpecDecodeMetrics()
+        self.stats = SpecDecodeMetrics(lossless=self.verifier_spec.lossless)
         self.num_generated_tokens = 0
         self.num_preemptions = 0
         self.k = k
-        log.info("engine ready: model=%s method=%s k=%d verifier=%s", self.model_path.name,
-                 spec_cfg.method if spec_cfg else None, k, verifier_name)
+        log.info("engine ready: model=%s method=%s k=%d verifier=%s (%s)", self.model_path.name,
+                 spec_cfg.method if spec_cfg else None, k, verifier_name,
+                 "lossless" if self.verifier_spec.lossless else "LOSSY")
 
     def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = ()) -> None:
         """Capture CUDA graphs for the common decode/verify shapes up front (others lazily),
@@ -163,6 +164,7 @@ class LLM:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
             gen = make_generator(seed, self.target.device)
         seq = Sequence(request_id, next(self._ids), text, ids, params, gen, self.max_model_len)
+        seq.metrics.lossless = self.verifier_spec.lossless
         self._waiting.append(seq)
         self._by_request[request_id] = seq
 

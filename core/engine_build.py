@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any, Mapping
 
 import attrs
 
 from speculum.config import SpeculativeConfig
 from speculum.context import ProposerContext
 from speculum.errors import ConfigError
-from speculum.plugins import Registry, validate_options
+from speculum.plugins import Registry, VerifierSpec, validate_options
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +56,18 @@ def build_speculation(cfg: SpeculativeConfig, registry: Registry, backend_name: 
     ctx = ProposerContext(config=cfg, options=options, **ctx_fields)
     proposer = spec.factory(ctx)
     return cfg, proposer, spec
+
+
+def build_verifier(registry: Registry, name: str, options: Mapping[str, Any] | None = None) -> tuple[VerifierSpec, Any]:
+    """Return ``(spec, verifier)`` for ``acceptance_method`` ``name`` with its validated options.
+
+    A lossy verifier is announced with a warning: its output does not follow the target's
+    distribution.
+    """
+    spec = registry.verifier(name)
+    opts = validate_options(spec, dict(options or {}), kind="verifier")
+    verifier = spec.factory(opts) if spec.options is not None else spec.factory()
+    if not spec.lossless:
+        log.warning("acceptance_method %r (from %s) is LOSSY: sampled output does not follow the target model's "
+                    "distribution; metrics say lossless=false", name, spec.plugin.distribution)
+    return spec, verifier

@@ -41,10 +41,13 @@ def speculum_register_proposers(register: Callable[..., None]) -> None:
 
 @hookspec
 def speculum_register_verifiers(register: Callable[..., None]) -> None:
-    """Register verifiers: ``register(name, factory, lossless=True, description="")``.
+    """Register verifiers: ``register(name, factory, lossless=True, description="", options=None)``.
 
     ``factory()`` returns a :class:`speculum.interfaces.Verifier`; users pick one with
-    ``acceptance_method``. A lossy verifier must say so with ``lossless=False``.
+    ``acceptance_method``. A lossy verifier must say so with ``lossless=False`` (the engine
+    then warns at start, ``speculum plugins`` shows LOSSY and metrics carry
+    ``lossless: false``). ``options``: an attrs class; the config's ``verifier_options``
+    dict is validated by it and the instance passed as ``factory(options)``.
     """
 
 

@@ -15,6 +15,7 @@ class SpecDecodeMetrics:
     - ``num_emitted_tokens``: tokens produced by verification (accepted + one per step)
     - ``acceptance_histogram[a]``: steps in which exactly ``a`` drafts were accepted
     - ``accepted_per_position[i]``: steps in which draft token ``i+1`` was accepted
+    - ``lossless``: False when a lossy verifier (e.g. typical acceptance) produced them
     """
 
     num_steps: int = 0
@@ -24,6 +25,7 @@ class SpecDecodeMetrics:
     num_emitted_tokens: int = 0
     acceptance_histogram: list[int] = attrs.field(factory=list)
     accepted_per_position: list[int] = attrs.field(factory=list)
+    lossless: bool = True
 
     def record_step(self, num_draft: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -43,6 +45,7 @@ class SpecDecodeMetrics:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
+        self.lossless = self.lossless and other.lossless
         for mine, theirs in ((self.acceptance_histogram, other.acceptance_histogram),
                              (self.accepted_per_position, other.accepted_per_position)):
             _grow(mine, len(theirs))
@@ -78,6 +81,7 @@ class SpecDecodeMetrics:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_histogram": list(self.acceptance_histogram),
             "accepted_per_position": list(self.accepted_per_position),
+            "lossless": self.lossless,
         }
 
 

@@ -48,10 +48,12 @@ class MethodSpec:
 @attrs.frozen
 class VerifierSpec:
     name: str
-    factory: Callable[[], Any]
+    #: ``factory()``, or ``factory(options)`` when ``options`` (an attrs class) is set
+    factory: Callable[..., Any]
     lossless: bool
     description: str
     plugin: PluginInfo
+    options: type | None = None
 
 
 @attrs.frozen
@@ -195,27 +197,27 @@ def build_registry(pm: pluggy.PluginManager | None = None, extra_plugins: Iterab
             lambda name, factory, info, backends=("torch",), options=None, description="": MethodSpec(
                 name, factory, tuple(backends), options, description, info))
     collect("speculum_register_verifiers", reg.verifiers,
-            lambda name, factory, info, lossless=True, description="": VerifierSpec(
-                name, factory, lossless, description, info))
+            lambda name, factory, info, lossless=True, description="", options=None: VerifierSpec(
+                name, factory, lossless, description, info, options))
     collect("speculum_register_backends", reg.backends,
             lambda name, factory, info, description="": BackendSpec(name, factory, description, info))
     return reg
 
 
-def validate_options(spec: MethodSpec, options: dict[str, Any]) -> Any:
-    """Validate a method's plugin options with its attrs class; unknown keys are an error."""
+def validate_options(spec: MethodSpec | VerifierSpec, options: dict[str, Any], kind: str = "method") -> Any:
+    """Validate a method's (or verifier's) options with its attrs class; unknown keys are an error."""
     if spec.options is None:
         if options:
-            raise ConfigError(f"method {spec.name!r} takes no options, got: {', '.join(sorted(options))}")
+            raise ConfigError(f"{kind} {spec.name!r} takes no options, got: {', '.join(sorted(options))}")
         return None
     valid = [a.name for a in attrs.fields(spec.options)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ConfigError(
-            f"unknown option(s) {', '.join(unknown)} for method {spec.name!r}; valid options: "
+            f"unknown option(s) {', '.join(unknown)} for {kind} {spec.name!r}; valid options: "
             f"{', '.join(valid) or '(none)'}"
         )
     try:
         return spec.options(**options)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid options for method {spec.name!r}: {exc}") from exc
+        raise ConfigError(f"invalid options for {kind} {spec.name!r}: {exc}") from exc

@@ -19,6 +19,7 @@ import speculum
 from speculum import ConfigError, SpeculativeConfig
 from speculum.context import ProposerContext
 from speculum.interfaces import Draft
+from speculum.verifiers import GreedyVerifier
 
 CONSTRUCTORS = {
     "from_dict": SpeculativeConfig.from_dict,
@@ -150,6 +151,22 @@ def test_options_must_be_an_object(build, options):
         build({"method": "ngram", "num_speculative_tokens": 3, "options": options})
 
 
+@pytest.mark.parametrize("options", [None, [1, 2], "posterior_alpha=0.3", 3])
+def test_verifier_options_must_be_an_object(build, options):
+    if options is None:  # null means no options
+        cfg = build({"method": "ngram", "num_speculative_tokens": 3, "verifier_options": None})
+        assert cfg.verifier_options == {}
+        return
+    with pytest.raises(ConfigError, match="verifier_options must be a JSON object / dict of the verifier's"):
+        build({"method": "ngram", "num_speculative_tokens": 3, "verifier_options": options})
+
+
+def test_verifier_options_round_trip():
+    d = {"method": "ngram", "num_speculative_tokens": 3, "acceptance_method": "x", "verifier_options": {"a": 1}}
+    cfg = SpeculativeConfig.from_dict(d)
+    assert cfg.verifier_options == {"a": 1} and SpeculativeConfig.from_dict(cfg.to_dict()) == cfg
+
+
 @pytest.mark.parametrize("text", ["{method: ngram}", "{\"method\": \"ngram\",}", "ngram", "{"])
 def test_invalid_json(text):
     for parse in (SpeculativeConfig.from_json, SpeculativeConfig.from_cli, SpeculativeConfig.coerce):
@@ -180,8 +197,21 @@ class _Opts:
     mode: str = attrs.field(default="fast", validator=attrs.validators.in_(("fast", "slow")))
 
 
+@attrs.frozen
+class _VOpts:
+    strictness: float = attrs.field(default=0.5, validator=attrs.validators.le(1.0))
+
+
+class _LossyGreedy(GreedyVerifier):
+    lossless = False
+
+    def __init__(self, opts: _VOpts):
+        self.opts = opts
+
+
 class _TestPlugin:
-    """An in-process plugin: a method per situation the engine must check."""
+    """An in-process plugin: a method per situation the engine must check, and a lossy
+    verifier with options."""
 
     def __init__(self):
         self.contexts: list[ProposerContext] = []
@@ -195,6 +225,10 @@ class _TestPlugin:
         register("nullmethod", self._factory, description="drafts nothing")
         register("jaxonly", self._factory, backends=("jax",))
         register("withopts", self._factory, backends=("torch", "jax"), options=_Opts)
+
+    @speculum.hookimpl
+    def speculum_register_verifiers(self, register):
+        register("lossy_greedy", _LossyGreedy, lossless=False, options=_VOpts, description="pretends to be lossy")
 
 
 def _llm(model, spec, plugin=None, **kw):
@@ -274,10 +308,43 @@ def test_options_for_a_method_without_options(tiny_llama):
 
 
 def test_unknown_acceptance_method_lists_verifiers(tiny_llama):
-    with pytest.raises(ConfigError, match=r"unknown acceptance_method 'typical_acceptance'; installed "
-                                          r"verifiers: .*greedy.*rejection_sampler"):
-        _llm(tiny_llama, {"method": "nullmethod", "num_speculative_tokens": 3,
-                          "acceptance_method": "typical_acceptance"})
+    with pytest.raises(ConfigError, match=r"unknown acceptance_method 'typical'; installed "
+                                          r"verifiers: block, greedy, lossy_greedy, rejection_sampler"):
+        _llm(tiny_llama, {"method": "nullmethod", "num_speculative_tokens": 3, "acceptance_method": "typical"})
+
+
+def test_verifier_options_reach_the_verifier_and_a_lossy_verifier_is_labelled(tiny_llama, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="speculum"):
+        llm = _llm(tiny_llama, {"method": "nullmethod", "num_speculative_tokens": 2,
+                                "acceptance_method": "lossy_greedy", "verifier_options": {"strictness": 0.25}})
+    assert isinstance(llm.verifier, _LossyGreedy) and llm.verifier.opts == _VOpts(0.25)
+    assert not llm.verifier_spec.lossless
+    assert any("'lossy_greedy'" in r.message and "LOSSY" in r.message and r.levelname == "WARNING"
+               for r in caplog.records)
+    assert any("verifier=lossy_greedy (LOSSY)" in r.message for r in caplog.records)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, speculum.SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.metrics.as_dict()["lossless"] is False and llm.metrics.as_dict()["lossless"] is False
+    # the default: lossless, and said so
+    llm = _llm(tiny_llama, {"method": "nullmethod", "num_speculative_tokens": 2})
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, speculum.SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.metrics.as_dict()["lossless"] is True and llm.metrics.lossless
+    # merging a lossy request's metrics makes the total lossy
+    total = speculum.SpecDecodeMetrics()
+    total.merge(speculum.SpecDecodeMetrics(lossless=False))
+    assert not total.lossless
+
+
+def test_verifier_options_are_validated(tiny_llama):
+    base = {"method": "nullmethod", "num_speculative_tokens": 2, "acceptance_method": "lossy_greedy"}
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) bogus for verifier 'lossy_greedy'; "
+                                          r"valid options: strictness"):
+        _llm(tiny_llama, {**base, "verifier_options": {"bogus": 1}})
+    with pytest.raises(ConfigError, match=r"invalid options for verifier 'lossy_greedy': .*strictness"):
+        _llm(tiny_llama, {**base, "verifier_options": {"strictness": 2.0}})
+    with pytest.raises(ConfigError, match=r"verifier 'rejection_sampler' takes no options, got: strictness"):
+        _llm(tiny_llama, {"method": "nullmethod", "num_speculative_tokens": 2,
+                          "verifier_options": {"strictness": 0.1}})
 
 
 def test_ngram_model_with_another_method(tiny_llama):
