@@ -40,6 +40,7 @@ from speculum.interfaces import Draft
 from speculum.sampling import SamplingBatch, SamplingParams, make_generator, processed_probs
 from speculum.verifiers import BlockVerifier, RejectionSampler, block_verify, block_weights, greedy_verify
 from speculum.verifiers import rejection_sample
+from speculum.verifiers.expected import expected_accepted_block, expected_accepted_tokenwise
 
 ALPHA = 1e-4
 N = 200_000
@@ -287,6 +288,20 @@ def test_verifier_with_temperature_and_top_k_is_exact():
     assert 0 < float(verdict.num_accepted.double().mean()) < k
     pval = chisq_pvalue(toy.complete(verdict.token_ids, gen, P), toy.target_law(P))
     assert pval > ALPHA, f"block verification through the verifier is not exact (p = {pval:.2e})"
+
+
+@pytest.mark.parametrize("k, V", CASES)
+def test_expected_accepted_given_the_drafts_averages_to_the_rules_expectation(k, V):
+    """The paired measure of ``speculum bench verifiers``: E[accepted | drafts] per rule,
+    averaged over drafts X ~ q, is the enumerated E[accepted] (5 standard errors)."""
+    toy = Toy(k, V, seed=8)
+    p, q, x, _ = toy.rows(N, torch.Generator().manual_seed(80))
+    for rule, fn in (("block", expected_accepted_block), ("token", expected_accepted_tokenwise)):
+        e = fn(p, q, x).double()
+        _, exact = enumerate_law(toy, rule)
+        assert abs(float(e.mean()) - exact) < 5 * float(e.std()) / N ** 0.5, rule
+    # one-hot drafts: both are the token-wise expectation, prod p_j(X_j)
+    torch.testing.assert_close(expected_accepted_block(p, None, x), expected_accepted_tokenwise(p, None, x))
 
 
 # ------------------------------------------------------------------ structure, fallbacks
