@@ -60,8 +60,6 @@ class BlockWeights:
     w: torch.Tensor
     # [B, k+1] h_0..h_k: probability of stopping at i in the backward scan (0 past n)
     h: torch.Tensor
-    # [B, k, V] res_0..res_{k-1}, unnormalised
-    res: torch.Tensor
     # [B] n: leading valid drafts per row
     n: torch.Tensor
 
@@ -88,14 +86,13 @@ def block_weights(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor,
     S = torch.cat([torch.zeros(B, 1, device=device), log_r.cumsum(dim=1)], dim=1)  # [B, k+1]
     w = (S - S.cummax(dim=1).values).exp()  # [B, k+1]
     scale = w[:, :k] if residual == "weighted" else torch.ones_like(w[:, :k])
-    res = (scale.unsqueeze(-1) * p[:, :k] - q).clamp_min(0)  # [B, k, V]
-    R = res.sum(dim=-1)  # [B, k]
+    R = (scale.unsqueeze(-1) * p[:, :k] - q).clamp_min(0).sum(dim=-1)  # [B, k]: sum_x res_i(x)
     den = R + 1 - w[:, :k]
     h_mid = torch.where(den > 0, R / den.clamp_min(1e-30), torch.ones_like(R))  # [B, k]: h_0..h_{k-1}
     pos = torch.arange(k1, device=device).view(1, k1)
     h_all = torch.cat([h_mid, torch.zeros(B, 1, device=device)], dim=1)
     h = torch.where(pos < n.view(B, 1), h_all, torch.where(pos == n.view(B, 1), w, torch.zeros_like(w)))
-    return BlockWeights(w=w, h=h, res=res, n=n)
+    return BlockWeights(w=w, h=h, n=n)
 
 
 def block_verify(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor,
@@ -122,7 +119,11 @@ def block_verify(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor,
     stop = eta < bw.h[:, 1:]  # [B, k]
     tau = (stop.to(torch.int64) * pos[:, 1:]).amax(dim=1)  # [B] largest i with eta_i < h_i, else 0
     p_tau = p.gather(1, tau.view(B, 1, 1).expand(B, 1, V)).squeeze(1)  # [B, V]
-    res_tau = bw.res.gather(1, tau.clamp_max(k - 1).view(B, 1, 1).expand(B, 1, V)).squeeze(1)
+    # res_tau = max(0, w_tau p_{tau+1} - q_{tau+1}), built for the stop position only
+    at = tau.clamp_max(k - 1)
+    q_tau = q.gather(1, at.view(B, 1, 1).expand(B, 1, V)).squeeze(1)  # [B, V]
+    w_tau = bw.w.gather(1, at.view(B, 1)) if residual == "weighted" else torch.ones(B, 1, device=device)
+    res_tau = (w_tau * p_tau - q_tau).clamp_min(0)
     res_tau = torch.where(res_tau.sum(-1, keepdim=True) > 0, res_tau, p_tau)  # 0/0 guard (see h)
     dist = torch.where((tau < bw.n).view(B, 1), res_tau, p_tau)
     last = race(dist, noise.exponentials(B, V, device))
