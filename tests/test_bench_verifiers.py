@@ -45,6 +45,8 @@ def test_paired_expectation_matches_the_realized_acceptance(tiny_llama, verifier
     assert abs(paired[rule] - m.mean_acceptance_length) < 5 * _se(m), (paired, m.mean_acceptance_length)
     assert paired["block"] >= paired["token_wise"] - 0.01  # block is never worse in expectation
     assert paired["token_wise"] >= paired["one_hot"]  # min(1, p/q) >= p for every draft
+    gain, se = shadow.gain()
+    assert gain == pytest.approx(paired["block"] - paired["token_wise"], abs=1e-5) and 0 < se < 0.05
 
 
 def test_drift_tests_see_a_shift_and_not_noise():

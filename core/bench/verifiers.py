@@ -92,6 +92,8 @@ class PairedShadow:
         #: verify-step rows seen, sums of E[accepted | drafts] per rule, seconds spent here
         self.steps = 0
         self.sums = {"one_hot": 0.0, "token_wise": 0.0, "block": 0.0}
+        #: sum and sum of squares of the per-step difference block - token-wise
+        self.diff = [0.0, 0.0]
         self.seconds = 0.0
 
     def verify(self, target_logits, draft, sampling):
@@ -106,14 +108,27 @@ class PairedShadow:
             self.steps += ids.shape[0]
             if ids.shape[1]:
                 self.sums["one_hot"] += float(expected_accepted_tokenwise(p, None, ids).sum())
-                self.sums["token_wise"] += float(expected_accepted_tokenwise(p, q, ids).sum())
-                self.sums["block"] += float(expected_accepted_block(p, q, ids).sum())
+                tw, blk = expected_accepted_tokenwise(p, q, ids), expected_accepted_block(p, q, ids)
+                self.sums["token_wise"] += float(tw.sum())
+                self.sums["block"] += float(blk.sum())
+                d = (blk - tw).double()
+                self.diff[0] += float(d.sum())
+                self.diff[1] += float((d * d).sum())
         self.seconds += time.perf_counter() - t0
         return self.inner.verify(target_logits, draft, sampling)
 
     def mal(self) -> dict[str, float | None]:
         """1 + mean E[accepted | drafts] per verify step, per rule."""
         return {r: (1 + s / self.steps if self.steps else None) for r, s in self.sums.items()}
+
+    def gain(self) -> tuple[float | None, float | None]:
+        """(mean, standard error) of the per-step gain of block over token-wise."""
+        n = self.steps
+        if n < 2:
+            return None, None
+        mean = self.diff[0] / n
+        var = max(self.diff[1] / n - mean * mean, 0.0) * n / (n - 1)
+        return mean, math.sqrt(var / n)
 
 
 def _sync(device) -> None:
@@ -205,14 +220,16 @@ def run(args) -> int:
                 dt = time.perf_counter() - t0 - shadow.seconds
                 m = llm.metrics
                 ntok = sum(len(o.token_ids) for o in outs)
-                paired = shadow.mal()
+                paired, (gain, gain_se) = shadow.mal(), shadow.gain()
                 row = {"method": name, "config": cfg, "verifier": ver, "lossless": llm.verifier_spec.lossless,
                        "temperature": t, "requests": len(outs), "tokens": ntok, "seconds": dt,
                        "tokens_per_s": ntok / dt, "mean_acceptance_length": m.mean_acceptance_length,
                        "draft_acceptance_rate": m.draft_acceptance_rate,
                        "acceptance_per_position": m.acceptance_rate_per_position(),
                        "paired_mal_one_hot": paired["one_hot"], "paired_mal_token_wise": paired["token_wise"],
-                       "paired_mal_block": paired["block"]}
+                       "paired_mal_block": paired["block"], "paired_block_gain": gain, "paired_block_gain_se": gain_se,
+                       "verify_steps": m.num_steps, "acceptance_histogram": list(m.acceptance_histogram),
+                       "mal_standard_error": _mal_se(m.acceptance_histogram)}
                 if args.logprobs:
                     lp = _target_logprobs(llm.model_path, outs, t, llm.backend.device)
                     lps[(name, t, ver)] = lp
@@ -242,6 +259,16 @@ def run(args) -> int:
     return 0
 
 
+def _mal_se(hist: list[int]) -> float | None:
+    """Standard error of the realized MAL from the histogram of accepted drafts per step."""
+    n = sum(hist)
+    if n < 2:
+        return None
+    mean = sum(a * c for a, c in enumerate(hist)) / n
+    var = sum(c * (a - mean) ** 2 for a, c in enumerate(hist)) / (n - 1)
+    return math.sqrt(var / n)
+
+
 def _resolve_target(spec: dict, model) -> dict:
     if spec.get("model") == TARGET:
         from speculum.model_source import default_gguf_path
@@ -255,7 +282,7 @@ def _f(v, spec=".3f") -> str:
 
 def _print_table(rows, reference: str) -> None:
     head = (f"{'method':<18}{'T':>5}  {'verifier':<27}{'MAL':>6}{'acc':>7}{'E-MAL 1hot':>11}{'E-MAL tw':>10}"
-            f"{'E-MAL blk':>10}"
+            f"{'E-MAL blk':>10}{'gain':>14}"
             f"{'tok/s':>8}{'logp/tok':>10}  drift vs {reference}")
     print(head)
     for r in rows:
@@ -267,4 +294,5 @@ def _print_table(rows, reference: str) -> None:
               f"{_f(r['mean_acceptance_length'], '.3f'):>6}{_f(r['draft_acceptance_rate'], '.3f'):>7}"
               f"{_f(r['paired_mal_one_hot'], '.3f'):>11}"
               f"{_f(r['paired_mal_token_wise'], '.3f'):>10}{_f(r['paired_mal_block'], '.3f'):>10}"
+              f"{_f(r.get('paired_block_gain'), '+.3f') + '+-' + _f(r.get('paired_block_gain_se'), '.3f'):>14}"
               f"{r['tokens_per_s']:>8.1f}{_f(r.get('mean_target_logprob'), '.3f'):>10}  {dtxt}")
