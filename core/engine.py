@@ -90,9 +90,16 @@ class LLM:
                 plan(self.max_model_len, self.max_num_seqs)
             except KVCacheFull as exc:
                 raise ConfigError(str(exc)) from exc
-        self._capture_graphs(k, hidden_layers)
+        tree = spec_cfg.tree if spec_cfg is not None else None
+        self._capture_graphs(k, hidden_layers, tree is not None)
         self.verifier_spec = self.registry.verifier(verifier_name)
         self.verifier = self.verifier_spec.factory()
+        if tree is not None:
+            from speculum.tree import check_tree_support
+            check_tree_support(tree, spec_cfg.method, proposer, self.verifier, verifier_name, self.target)
+        #: KV slots a step may write per sequence beyond its tokens (a tree's draft head
+        #: may need more than the k + 1 the target writes)
+        self.lookahead = max(k + 1, int(getattr(proposer, "kv_lookahead", 0) or 0))
         self.proposer = proposer
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers)
         self._seed_gen = make_generator(seed)
@@ -104,10 +111,10 @@ class LLM:
         self.num_generated_tokens = 0
         self.num_preemptions = 0
         self.k = k
-        log.info("engine ready: model=%s method=%s k=%d verifier=%s", self.model_path.name,
-                 spec_cfg.method if spec_cfg else None, k, verifier_name)
+        log.info("engine ready: model=%s method=%s k=%d verifier=%s%s", self.model_path.name,
+                 spec_cfg.method if spec_cfg else None, k, verifier_name, f" ({tree.describe()})" if tree else "")
 
-    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = ()) -> None:
+    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = (), tree: bool = False) -> None:
         """Capture CUDA graphs for the common decode/verify shapes up front (others lazily),
         returning the hidden states the proposer asked for, as the loop will request them."""
         capture = getattr(self.target, "capture", None)
@@ -115,7 +122,10 @@ class LLM:
             return
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs] + [self.max_num_seqs]
         t0 = time.perf_counter()
-        n = capture(sizes, sorted({1, k + 1}), max_block_buckets=1, hidden_layers=hidden_layers)
+        if tree:  # verify steps are tree forwards
+            n = capture(sizes, [1], max_block_buckets=1, hidden_layers=hidden_layers, tree_query_lens=[k + 1])
+        else:
+            n = capture(sizes, sorted({1, k + 1}), max_block_buckets=1, hidden_layers=hidden_layers)
         log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
     # -- requests -----------------------------------------------------------------------
@@ -230,7 +240,7 @@ class LLM:
         """
         alloc = self.target.allocator
         paged = hasattr(alloc, "num_free_blocks")
-        lookahead = self.k + 1
+        lookahead = self.lookahead
         if paged and not self._waiting:
             # each running sequence needs at most this many new blocks this step
             worst = len(self._running) * (-(-lookahead // alloc.block_size) + 1)

@@ -15,6 +15,10 @@ class SpecDecodeMetrics:
     - ``num_emitted_tokens``: tokens produced by verification (accepted + one per step)
     - ``acceptance_histogram[a]``: steps in which exactly ``a`` drafts were accepted
     - ``accepted_per_position[i]``: steps in which draft token ``i+1`` was accepted
+      (for token trees: the accepted node at depth ``i+1``)
+    - ``num_tree_steps`` / ``num_tree_nodes``: verify steps that carried a token tree,
+      and the nodes they verified (also counted in ``num_draft_tokens``); for a tree the
+      accepted tokens are the accepted path's depth
     """
 
     num_steps: int = 0
@@ -24,6 +28,8 @@ class SpecDecodeMetrics:
     num_emitted_tokens: int = 0
     acceptance_histogram: list[int] = attrs.field(factory=list)
     accepted_per_position: list[int] = attrs.field(factory=list)
+    num_tree_steps: int = 0
+    num_tree_nodes: int = 0
 
     def record_step(self, num_draft: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -37,7 +43,14 @@ class SpecDecodeMetrics:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    def record_tree(self, num_nodes: int) -> None:
+        """The step just recorded verified a tree of ``num_nodes`` nodes."""
+        self.num_tree_steps += 1
+        self.num_tree_nodes += num_nodes
+
     def merge(self, other: "SpecDecodeMetrics") -> None:
+        self.num_tree_steps += other.num_tree_steps
+        self.num_tree_nodes += other.num_tree_nodes
         self.num_steps += other.num_steps
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
@@ -78,6 +91,8 @@ class SpecDecodeMetrics:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_histogram": list(self.acceptance_histogram),
             "accepted_per_position": list(self.accepted_per_position),
+            "num_tree_steps": self.num_tree_steps,
+            "num_tree_nodes": self.num_tree_nodes,
         }
 
 

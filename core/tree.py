@@ -65,13 +65,14 @@ def column_tree(tree: "TokenTree", q: int) -> tuple[torch.Tensor, torch.Tensor]:
 def tree_attention_mask(num_keys: int, base: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
     """Attention mask [B, 1, q, num_keys] of a tree forward over a flat context.
 
-    Key ``j`` holds logical position ``j``; ``base`` [B] is the root's position (keys
-    before it are committed context, visible to all); key ``base + c`` is column ``c``,
-    visible to column ``c'`` iff ``vis[b, c', c]`` ([B, q, q])."""
-    B, q, _ = vis.shape
+    Key ``j`` holds logical position ``j``; ``base`` [B] is where the tree's keys start
+    (keys before it are committed context, visible to every query); key ``base + c``
+    (``0 <= c < K``) is visible to query ``i`` iff ``vis[b, i, c]`` ([B, q, K]); keys past
+    the tree are hidden."""
+    B, q, K = vis.shape
     rel = torch.arange(num_keys, device=vis.device).view(1, num_keys) - base.view(B, 1)  # [B, Lc]
-    inside = (rel >= 0) & (rel < q)
-    seen = vis.gather(2, rel.clamp(0, q - 1).unsqueeze(1).expand(B, q, num_keys))  # [B, q, Lc]
+    inside = (rel >= 0) & (rel < K)
+    seen = vis.gather(2, rel.clamp(0, K - 1).unsqueeze(1).expand(B, q, num_keys))  # [B, q, Lc]
     return ((rel < 0).unsqueeze(1) | (inside.unsqueeze(1) & seen)).unsqueeze(1)
 
 
@@ -289,7 +290,7 @@ def tree_from_config(speculative_token_tree: Any = None, tree_topk: int | None =
         if missing:
             raise ConfigError(f"a dynamic tree needs tree_topk, tree_depth and num_draft_tokens; missing "
                               f"{', '.join(missing)} (e.g. {{\"tree_topk\": 4, \"tree_depth\": 5, "
-                              "\"num_draft_tokens\": 16}})")
+                              "\"num_draft_tokens\": 16})")
         spec = TreeSpec.dynamic(tree_topk, tree_depth, num_draft_tokens)
     else:
         return None
@@ -316,3 +317,52 @@ def paths_of(parents: Sequence[int], ranks: Sequence[int]) -> list[Path]:
     for par, r in zip(parents, ranks):
         out.append((out[par] if par >= 0 else ()) + (int(r),))
     return out
+
+
+# ------------------------------------------------------------------ helpers of the loop
+def drop_nodes(token_ids: torch.Tensor, tree: TokenTree, num_nodes: Sequence[int],
+               max_depth: Sequence[int]) -> torch.Tensor:
+    """[B, N] tokens with nodes past ``num_nodes[b]`` or deeper than ``max_depth[b]`` set
+    to -1 (never accepted), e.g. where a request may emit only a few more tokens."""
+    B, N = token_ids.shape
+    dev = token_ids.device
+    n = torch.tensor(list(num_nodes), dtype=torch.int64).view(B, 1).to(dev)
+    d = torch.tensor(list(max_depth), dtype=torch.int64).view(B, 1).to(dev)
+    keep = (torch.arange(N, device=dev).view(1, N) < n) & (tree.depth.to(dev) <= d)
+    return torch.where(keep, token_ids, -1)
+
+
+def path_moves(path: Sequence[int], num_accepted: int, root_position: int) -> tuple[list[int], list[int]]:
+    """Logical positions (source, destination) that put an accepted path's K/V in order.
+
+    Node ``i`` of a tree step was written at ``root_position + 1 + i``; the node at depth
+    ``d`` belongs at ``root_position + d``. Nodes already in place are left out."""
+    src, dst = [], []
+    for d, node in enumerate(path[:num_accepted], start=1):
+        if node + 1 != d:
+            src.append(root_position + 1 + node)
+            dst.append(root_position + d)
+    return src, dst
+
+
+def gather_path(hidden: dict[int, torch.Tensor], path: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Verify-step hidden states {layer: [B, N+1, H]} (columns) -> in path order: row ``b``
+    holds the root's state, then the accepted nodes' (later rows are the root's again)."""
+    B = path.shape[0]
+    any_h = next(iter(hidden.values()))
+    cols = torch.cat([path.new_full((B, 1), -1), path], dim=1).to(any_h.device) + 1
+    cols = cols.clamp_min(0)
+    return {l: h.gather(1, cols[:, : h.shape[1]].unsqueeze(-1).expand(-1, -1, h.shape[-1])) for l, h in hidden.items()}
+
+
+def check_tree_support(spec: TreeSpec, method: str, proposer: Any, verifier: Any, verifier_name: str,
+                       target: Any) -> None:
+    """ConfigError unless the proposer, the verifier and the target runner handle trees."""
+    for what, obj, fix in (
+            (f"method {method!r}", proposer, "use a method that drafts trees (eagle, eagle3, mtp, medusa) or drop "
+                                             "the tree keys"),
+            (f"verifier {verifier_name!r}", verifier, "use acceptance_method 'rejection_sampler' or 'greedy'"),
+            (f"the {type(target).__name__} runner", target, "use the torch backend's native or hf runner")):
+        if not getattr(obj, "supports_trees", False):
+            raise ConfigError(f"the speculative config asks for a {spec.describe()}, but {what} does not "
+                              f"handle token trees; {fix}")
