@@ -167,7 +167,10 @@ def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBat
 
 
 class ChainHeadProposer:
-    """Chain drafting with a :class:`ChainHead` over its own paged KV cache."""
+    """Chain (or tree) drafting with a :class:`ChainHead` over its own paged KV cache."""
+
+    #: drafts token trees when the config asks for one
+    supports_trees = True
 
     def __init__(self, head, hidden_layers: Sequence[int], cache: HeadKVCache, sample: bool = True,
                  k: int | None = None, cuda_graphs: bool = False, static_draft: bool | None = None,
@@ -192,10 +195,6 @@ class ChainHeadProposer:
         elif k and (cuda_graphs if static_draft is None else static_draft):
             from speculum.proposers.head_graph import HeadDraftGraphs
             self.graphs = HeadDraftGraphs(head, cache, k, self.dtype, self.device, use_graphs=cuda_graphs)
-
-    @property
-    def supports_trees(self) -> bool:
-        return True
 
     @property
     def kv_lookahead(self) -> int:

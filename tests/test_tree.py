@@ -20,6 +20,7 @@ from speculum import LLM, SamplingParams
 from speculum.config import SpeculativeConfig
 from speculum.errors import ConfigError
 from speculum.proposers.tree import StaticPlan, draft_tree, dynamic_tree, region_size
+from speculum.testing import reference_tree_paths, tree_token_paths
 from speculum.tree import (TokenTree, TreeSpec, column_tree, drop_nodes, gather_path, path_moves, tree_ancestors,
                            tree_attention_mask, tree_from_config)
 
@@ -153,31 +154,11 @@ class SynthExpander:
         return torch.stack(lp), torch.stack(ids)
 
 
-def ref_dynamic(row: int, K: int, D: int, N: int) -> set[tuple]:
-    """EAGLE-2 in plain Python: the token paths of the kept nodes."""
-    cands = []  # (score, order, path)
-    order = itertools.count()
-    lp = SynthExpander.logp((row,))
-    top = lp.topk(K)
-    front = [(float(s), (int(t),)) for s, t in zip(top.values, top.indices)]
-    cands += [(s, next(order), p) for s, p in front]
-    for _ in range(1, D):
-        new = []
-        for s, p in front:
-            lp = SynthExpander.logp((row,) + p)
-            top = lp.topk(K)
-            new += [(s + float(v), p + (int(t),)) for v, t in zip(top.values, top.indices)]
-        cands += [(s, next(order), p) for s, p in new]
-        front = sorted(new, key=lambda x: -x[0])[:K]
-    best = sorted(cands, key=lambda x: (-x[0], x[1]))[:N]
-    return {p for _, _, p in best}
-
-
-def tree_paths(tokens: list[int], parents: list[int]) -> set[tuple]:
-    out: list[tuple] = []
-    for t, p in zip(tokens, parents):
-        out.append((out[p] if p >= 0 else ()) + (t,))
-    return set(out)
+def synth_topk(row: int):
+    def topk(path, width):
+        lp = SynthExpander.logp((row,) + path).topk(width)
+        return lp.values.tolist(), lp.indices.tolist()
+    return topk
 
 
 @pytest.mark.parametrize("K, D, N", [(1, 4, 4), (3, 3, 7), (4, 5, 15), (2, 4, 14), (4, 2, 20)])
@@ -189,7 +170,7 @@ def test_dynamic_tree_is_eagle2(K, D, N):
     TokenTree(parents).validate()
     assert bool((TokenTree(parents).depth <= D).all())
     for r in range(R):
-        assert tree_paths(tokens[r].tolist(), parents[r].tolist()) == ref_dynamic(r, K, D, N)
+        assert tree_token_paths(tokens[r].tolist(), parents[r].tolist()) == reference_tree_paths(spec, synth_topk(r))
 
 
 @pytest.mark.parametrize("paths", [
@@ -204,11 +185,7 @@ def test_static_tree_follows_the_ranks(paths):
     tokens, parents = draft_tree(SynthExpander(R), spec, StaticPlan(spec, "cpu"))
     assert parents[0].tolist() == spec.static_parents()
     for r in range(R):
-        toks: list[tuple] = []
-        for path in spec.paths:
-            prefix = toks[spec.paths.index(path[:-1])] if len(path) > 1 else ()
-            toks.append(prefix + (int(SynthExpander.logp((r,) + prefix).topk(path[-1] + 1).indices[-1]),))
-        assert [t[-1] for t in toks] == tokens[r].tolist()
+        assert tree_token_paths(tokens[r].tolist(), parents[r].tolist()) == reference_tree_paths(spec, synth_topk(r))
     assert region_size(spec) == sum(1 for i in range(len(spec.paths)) if i in set(spec.static_parents()))
 
 
