@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--runner", default=None, help="auto, native or hf")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--mt-bench", default=None, help="MT-bench JSONL (default: shared/data/mt_bench.jsonl)")
+    p.add_argument("--profile", action="store_true",
+                   help="also time one step of each config split into draft, verify and host work (first "
+                        "prompt of each category, after the throughput run)")
     p.add_argument("--json", default="results/bench_offline.json")
     p.set_defaults(func=run)
 
@@ -67,6 +70,7 @@ def _measure(llm, cats, params):
 
 
 def run(args) -> int:
+    from speculum.bench.step_profile import config_label, profile_steps, profile_table
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
 
@@ -84,7 +88,7 @@ def run(args) -> int:
         warm = [p for ps in cats.values() for p in ps][: args.batch_size]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=min(32, args.max_tokens)))
         llm.stats = type(llm.stats)()
-        name = "autoregressive" if cfg is None else (llm.speculative_config.method + f"(k={cfg['num_speculative_tokens']})")
+        name = config_label(cfg, llm.speculative_config)
         meas = _measure(llm, cats, params)
         row = {"method": name, "config": cfg, "categories": {}}
         for cat, (ntok, dt, outs) in meas.items():
@@ -104,6 +108,8 @@ def run(args) -> int:
         row["total"] = {"tokens": tot_tok, "seconds": tot_s, "tokens_per_s": tot_tok / tot_s,
                         "mean_acceptance_length": llm.metrics.mean_acceptance_length,
                         "acceptance_per_position": llm.metrics.acceptance_rate_per_position()}
+        if args.profile:
+            row["profile"] = profile_steps(llm, [ps[0] for ps in cats.values()], params)
         if base is not None:
             row["total"]["speedup"] = row["total"]["tokens_per_s"] / base["total"]["tokens_per_s"]
             row["total"]["identical"] = all(e["identical"] for e in row["categories"].values())
@@ -118,6 +124,8 @@ def run(args) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     _print_table(results)
+    if args.profile:
+        print(profile_table(results))
     report = {"device": device, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
               "batch_size": args.batch_size, "max_tokens": args.max_tokens,
               "prompts_per_category": args.prompts_per_category,
