@@ -47,19 +47,24 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
 
 
 def column_tree(tree: "TokenTree", q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per verify column (root first, ``q = N + 1``): depth [B, q] (root 0) and column
+    """Per verify column (root first, ``q >= N + 1``): depth [B, q] (root 0) and column
     visibility [B, q, q] bool (``vis[b, c, c']``: column c attends to column c')."""
-    anc = tree.ancestors
-    B, N, _ = anc.shape
-    vis = torch.zeros(B, q, q, dtype=torch.bool, device=anc.device)
+    return columns_of(tree.depth, tree.ancestors, q)
+
+
+def columns_of(depth: torch.Tensor, ancestors: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`column_tree` from node depths [B, N] and ancestors [B, N, N] (static shapes:
+    runs inside a CUDA graph)."""
+    B, N, _ = ancestors.shape
+    vis = torch.zeros(B, q, q, dtype=torch.bool, device=ancestors.device)
     vis[:, :, 0] = True
-    vis[:, 1: N + 1, 1: N + 1] = anc
-    depth = torch.zeros(B, q, dtype=torch.int64, device=anc.device)
-    depth[:, 1: N + 1] = tree.depth
+    vis[:, 1: N + 1, 1: N + 1] = ancestors
+    cdepth = torch.zeros(B, q, dtype=torch.int64, device=ancestors.device)
+    cdepth[:, 1: N + 1] = depth
     if q > N + 1:  # padding columns: see themselves only
-        pad = torch.arange(N + 1, q, device=anc.device)
+        pad = torch.arange(N + 1, q, device=ancestors.device)
         vis[:, pad, pad] = True
-    return depth, vis
+    return cdepth, vis
 
 
 def tree_attention_mask(num_keys: int, base: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:

@@ -292,13 +292,14 @@ class ChainHeadProposer:
         """A token tree per sequence (the rows with pending target states)."""
         seqs, spec, graphs = batch.seqs, self.tree, self.graphs
         B, N, dev = len(seqs), spec.num_nodes, self.device
-        token_ids = torch.full((B, N), -1, dtype=torch.int64, device=dev)
-        parents = torch.full((B, N), -1, dtype=torch.int64, device=dev)
-        depth = torch.ones(B, N, dtype=torch.int64, device=dev)
-        anc = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
                 and self.pending[s.seq_id].shape[0] > 0]
         lengths = [0] * B
+        if len(rows) < B:  # rows without a tree: no nodes
+            token_ids = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+            parents = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+            depth = torch.ones(B, N, dtype=torch.int64, device=dev)
+            anc = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
         if rows:
             sids = [seqs[b].seq_id for b in rows]
             feats = [self.pending[s] for s in sids]
@@ -316,9 +317,12 @@ class ChainHeadProposer:
                     self._run([sids[i] for i in over], x, t.to(dev), pre)
                 for i, n in zip(over, pre):
                     feats[i], toks[i], counts[i] = feats[i][n:], toks[i][n:], graphs.Q
-            out = graphs.run(sids, feats, toks, counts)
-            idx = torch.tensor(rows, device=dev)
-            token_ids[idx], parents[idx], depth[idx], anc[idx] = graphs.unpack(out)
+            out = graphs.unpack(graphs.run(sids, feats, toks, counts))
+            if len(rows) == B:  # every row drafted (the usual case): no scatter
+                token_ids, parents, depth, anc = out
+            else:
+                idx = torch.tensor(rows, device=dev)
+                token_ids[idx], parents[idx], depth[idx], anc[idx] = out
             for s in sids:
                 self.pending[s] = None  # consumed: the cache now holds them
             for b in rows:

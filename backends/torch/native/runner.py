@@ -23,7 +23,7 @@ import torch
 from speculum.backends.torch.native.model import NativeLlama
 from speculum.interfaces import ForwardOutput
 from speculum.kv import PagedKVAllocator
-from speculum.tree import TokenTree, column_tree, tree_attention_mask
+from speculum.tree import TokenTree, columns_of, tree_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,8 @@ class NativeRunner:
             self.allocator.allocate(sid, n)
         token_ids = token_ids.clamp_min(0)
         cols = None
-        if tree is not None:  # [B, q] depth and [B, q, q] visibility per column, on the device
-            cols = tuple(t.to(self.device) for t in column_tree(tree, token_ids.shape[1]))
+        if tree is not None:  # node depths [B, N] and ancestors [B, N, N], on the device
+            cols = (tree.depth.to(self.device), tree.ancestors.to(self.device))
         if self.cuda_graphs:
             return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols)
         return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols=cols)
@@ -222,10 +222,10 @@ class NativeRunner:
         n = Bb * q
         meta = torch.zeros(3 * n + Bb * nb, dtype=torch.int64, device=self.device)
         tree_bufs = None
-        if tree:  # per column depth [Bb, q] and visibility [Bb, q, q]; a chain until filled
-            ar = torch.arange(q, device=self.device)
-            tree_bufs = (ar.expand(Bb, q).contiguous(),
-                         (ar.view(q, 1) >= ar.view(1, q)).expand(Bb, q, q).contiguous())
+        if tree:  # node depths [Bb, N] and ancestors [Bb, N, N]; a chain until filled
+            ar = torch.arange(q - 1, device=self.device)
+            tree_bufs = ((ar + 1).expand(Bb, q - 1).contiguous(),
+                         (ar.view(-1, 1) >= ar.view(1, -1)).expand(Bb, q - 1, q - 1).contiguous())
 
         def run():
             ids = meta[:n].view(Bb, q)
@@ -297,7 +297,9 @@ class NativeRunner:
         self.allocator.free(seq_id)
 
 
-def _tree_inputs(pos: torch.Tensor, num_keys: int, depth: torch.Tensor, vis: torch.Tensor):
-    """Chain positions [B, q] -> (tree positions root + depth, tree attention mask)."""
+def _tree_inputs(pos: torch.Tensor, num_keys: int, depth: torch.Tensor, ancestors: torch.Tensor):
+    """Chain positions [B, q] and the tree's depths [B, q-1] and ancestors [B, q-1, q-1]
+    -> (tree positions root + depth, tree attention mask)."""
+    cdepth, vis = columns_of(depth, ancestors, pos.shape[1])
     base = pos[:, :1]
-    return base + depth, tree_attention_mask(num_keys, base[:, 0], vis)
+    return base + cdepth, tree_attention_mask(num_keys, base[:, 0], vis)
