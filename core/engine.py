@@ -23,6 +23,7 @@ from speculum.outputs import CompletionOutput, RequestOutput
 from speculum.plugins import build_registry
 from speculum.sampling import SamplingParams, make_generator
 from speculum.sequence import Sequence
+from speculum.threads import apply_threads
 from speculum.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,17 @@ class LLM:
                  backend: str = "torch", max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None,
-                 **backend_options: Any):
+                 threads: int | None = None, **backend_options: Any):
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1 (torch CPU threads), got {threads!r}; "
+                              "leave it None for the default (the CPUs not busy with other processes)")
+        #: torch's CPU threads for this process (logged; see speculum.threads)
+        self.threads = apply_threads(threads)
         if tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet; use 1")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        spec_cfg = SpeculativeConfig.coerce(speculative_config)
+        spec_cfg = SpeculativeConfig.coerce(speculative_config, source="speculative_config")
         self.registry = build_registry(extra_plugins=plugins)
         try:
             self.backend = self.registry.backend(backend).factory(device=device, dtype=dtype, **backend_options)
@@ -129,13 +135,14 @@ class LLM:
                 bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
                 if bad:
                     raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
-                return prompt.get("prompt"), ids
+                text = prompt.get("prompt")
+                return (text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)), ids
             if "prompt" in prompt:
                 return self.encode_prompt(prompt["prompt"])
             if "messages" in prompt:
-                return None, self.tokenizer.apply_chat_template(list(prompt["messages"]))
+                return self.tokenizer.chat_prompt(list(prompt["messages"]))
         if isinstance(prompt, list) and all(isinstance(m, Mapping) and "role" in m for m in prompt):
-            return None, self.tokenizer.apply_chat_template(list(prompt))
+            return self.tokenizer.chat_prompt(list(prompt))
         raise RequestError(
             "a prompt is a string, a list of chat messages ({'role', 'content'}), or "
             f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}"
@@ -275,7 +282,7 @@ class LLM:
             text = None
         return RequestOutput(
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=list(s.prompt_token_ids),
-            outputs=[CompletionOutput(text, list(out_ids), s.finish_reason, s.stop_reason)],
+            outputs=[CompletionOutput(0, text, list(out_ids), s.finish_reason, s.stop_reason)],
             finished=s.finished, metrics=s.metrics,
             time_to_first_token=(s.first_token_time - s.arrival_time) if s.first_token_time else None,
             latency=(s.finish_time - s.arrival_time) if s.finish_time else None,
@@ -324,6 +331,17 @@ class LLM:
     def metrics(self) -> SpecDecodeMetrics:
         """Engine-wide speculation totals over finished requests."""
         return self.stats
+
+    def get_tokenizer(self):
+        """The transformers tokenizer of the target (None for a model without one)."""
+        return self.tokenizer.hf
+
+    def get_metrics(self) -> list:
+        """Engine counters in vLLM's ``LLM.get_metrics()`` form: a list of
+        :class:`speculum.metrics_reader.Counter` / ``Gauge`` / ``Vector`` snapshots named
+        like the server's Prometheus metrics (``speculum:spec_decode_num_drafts``...)."""
+        from speculum.metrics_reader import engine_metrics
+        return engine_metrics(self)
 
 
 def _config_eos(path) -> list[int]:

@@ -11,6 +11,8 @@ from speculum.metrics import SpecDecodeMetrics
 class CompletionOutput:
     """One generated continuation."""
 
+    #: its index among the request's outputs (always 0: one output per request)
+    index: int
     #: None while the request runs (decode ``token_ids`` yourself to stream text)
     text: str | None
     token_ids: list[int]
@@ -25,6 +27,7 @@ class RequestOutput:
     """The result of one request: its prompt, its output and its speculation metrics."""
 
     request_id: str
+    #: the prompt as text: the text given, the rendered chat template, or the decoded ids
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
