@@ -16,7 +16,8 @@ class CompletionOutput:
     #: None while the request runs (decode ``token_ids`` yourself to stream text)
     text: str | None
     token_ids: list[int]
-    #: "stop" (EOS, stop string or stop token), "length" (max_tokens / context), "abort"
+    #: "stop" (EOS, stop string or stop token), "length" (max_tokens / context), "abort",
+    #: "error" (this request failed; ``RequestOutput.error`` says why)
     finish_reason: str | None
     #: the stop string or stop token id that ended generation, if any
     stop_reason: str | int | None = None
@@ -36,6 +37,8 @@ class RequestOutput:
     #: seconds from admission to the first output token, and to the end
     time_to_first_token: float | None = None
     latency: float | None = None
+    #: why the request failed (``finish_reason == "error"``), else None
+    error: str | None = None
 
     @property
     def text(self) -> str:

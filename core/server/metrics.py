@@ -81,7 +81,7 @@ class ServerMetrics:
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_emitted_tokens,
                   self.prompt_tokens, self.generation_tokens):
             c.labels(model_name)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(model_name, str(pos))
