@@ -144,29 +144,34 @@ class SpeculativeConfig:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> "SpeculativeConfig":
+    def from_json(cls, text: str, source: str = "the speculative config") -> "SpeculativeConfig":
+        """Parse a JSON object; ``source`` names where it came from in errors (the CLI flag,
+        the Python argument), so each user sees the name they wrote."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--speculative-config is not valid JSON ({exc}): {text!r}") from exc
+            raise ConfigError(f"{source} is not valid JSON ({exc}): {text!r}; write a JSON object such as "
+                              '{"method": "ngram", "num_speculative_tokens": 4}') from exc
         return cls.from_dict(data)
 
     @classmethod
-    def from_cli(cls, value: str | None) -> "SpeculativeConfig | None":
+    def from_cli(cls, value: str | None, flag: str = "--speculative-config") -> "SpeculativeConfig | None":
         """Parse the ``--speculative-config`` flag (a JSON object); None/empty means off."""
         if value is None or not value.strip():
             return None
-        return cls.from_json(value)
+        return cls.from_json(value, source=flag)
 
     @classmethod
-    def coerce(cls, value: "SpeculativeConfig | Mapping[str, Any] | str | None") -> "SpeculativeConfig | None":
-        """Accept a config object, a dict, a JSON string or None."""
+    def coerce(cls, value: "SpeculativeConfig | Mapping[str, Any] | str | None",
+               source: str = "speculative_config") -> "SpeculativeConfig | None":
+        """Accept a config object, a dict, a JSON string or None (``source``: the name of
+        the argument, for errors)."""
         if value is None:
             return None
         if isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            return cls.from_json(value)
+            return cls.from_json(value, source=source)
         return cls.from_dict(value)
 
     def to_dict(self) -> dict[str, Any]:

@@ -202,8 +202,51 @@ def build_registry(pm: pluggy.PluginManager | None = None, extra_plugins: Iterab
     return reg
 
 
+def _strict(kind: type, ok: Callable[[Any], bool]) -> Callable[[Any, type], Any]:
+    def structure(value: Any, _type: type) -> Any:
+        if not ok(value):
+            raise TypeError(f"expected {kind.__name__}, got {value!r} ({type(value).__name__})")
+        return kind(value)
+    return structure
+
+
+@functools.lru_cache(maxsize=1)
+def _options_converter():
+    """A cattrs converter that structures JSON-like options into an attrs class by type,
+    without coercion: "x" is no int, 3.5 no int, 1 no bool (JSON's numbers and lists are
+    accepted where the field's type asks for them)."""
+    import cattrs
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool)))
+    conv.register_structure_hook(int, _strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool)))
+    conv.register_structure_hook(float, _strict(float, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)))
+    conv.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str)))
+    return conv
+
+
+def _option_errors(exc: BaseException, path: str = "") -> list[str]:
+    """Flatten a cattrs error tree into 'field: message' lines."""
+    from cattrs.errors import IterableValidationNote
+    subs = getattr(exc, "exceptions", None)
+    if not subs:
+        return [f"{path}: {exc}" if path else str(exc)]
+    out = []
+    for sub in subs:
+        where = path
+        for note in getattr(sub, "__notes__", []):
+            name = getattr(note, "name", None)
+            if isinstance(note, IterableValidationNote):
+                where = f"{where}[{note.index}]"
+            elif name is not None:
+                where = f"{where}.{name}" if where else name
+        out += _option_errors(sub, where)
+    return out
+
+
 def validate_options(spec: MethodSpec, options: dict[str, Any]) -> Any:
-    """Validate a method's plugin options with its attrs class; unknown keys are an error."""
+    """Structure and validate a method's plugin options into its attrs class, by type
+    (cattrs) and by the class's own validators; unknown keys are an error listing the
+    valid ones, a wrong type names the field and the type expected."""
     if spec.options is None:
         if options:
             raise ConfigError(f"method {spec.name!r} takes no options, got: {', '.join(sorted(options))}")
@@ -216,6 +259,7 @@ def validate_options(spec: MethodSpec, options: dict[str, Any]) -> Any:
             f"{', '.join(valid) or '(none)'}"
         )
     try:
-        return spec.options(**options)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid options for method {spec.name!r}: {exc}") from exc
+        return _options_converter().structure(dict(options), spec.options)
+    except Exception as exc:  # cattrs' error tree, or a validator's ValueError / TypeError
+        lines = _option_errors(exc)
+        raise ConfigError(f"invalid options for method {spec.name!r}: {'; '.join(lines)}") from exc

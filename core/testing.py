@@ -6,7 +6,6 @@ Plugin authors can import these in their own test suites (like pytest's ``pytest
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -39,24 +38,10 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, num_layers: i
     return Path(path)
 
 
-def shared_dir() -> Path:
-    """The project's shared/ folder (MT-bench and training prompts)."""
-    env = os.environ.get("SPECULUM_SHARED")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent.parent / "shared" if parent.name else None
-        if cand is not None and (cand / "data" / "mt_bench.jsonl").exists():
-            return cand
-        if (parent / "shared" / "data" / "mt_bench.jsonl").exists():
-            return parent / "shared"
-    raise FileNotFoundError("shared/data/mt_bench.jsonl not found; set SPECULUM_SHARED")
-
-
 def mt_bench_prompts(n: int | None = None) -> list[dict]:
-    rows = [json.loads(l) for l in (shared_dir() / "data" / "mt_bench.jsonl").read_text().splitlines() if l.strip()]
-    return rows[:n] if n else rows
+    """The shipped MT-bench questions (:func:`speculum.datasets.mt_bench`)."""
+    from speculum.datasets import mt_bench
+    return mt_bench(n)
 
 
 def token_prompts_file(path: Path, n: int = 80, vocab_size: int = TINY_VOCAB, seed: int = 0) -> Path:

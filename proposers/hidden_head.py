@@ -134,12 +134,15 @@ class TargetParts:
 
 def head_checkpoint_path(ctx, method: str, shipped_root: Path) -> Path:
     """``model`` of the speculative config, or the shipped head made for this target."""
+    have = shipped_names(shipped_root, method)
     if ctx.config.model:
-        return ctx.resolve_draft_path()
+        shipped = (f"or leave 'model' unset to use the {method} head shipped for {', '.join(have)}" if have
+                   else "")
+        return ctx.resolve_draft_path(hint=f"{shipped}{', ' if shipped else 'or '}train one with "
+                                           f"`speculum train {method} --model <target>`")
     fp = TargetParts.from_runner(ctx.target).fingerprint()
     found = find_shipped_head(shipped_root, method, fp)
     if found is None:
-        have = shipped_names(shipped_root, method)
         raise ConfigError(
             f"method {method!r} needs 'model': the path of a {method} checkpoint for this target. "
             f"The plugin ships heads only for: {', '.join(have) or '(none)'}; train one with "

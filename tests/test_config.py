@@ -152,8 +152,11 @@ def test_options_must_be_an_object(build, options):
 
 @pytest.mark.parametrize("text", ["{method: ngram}", "{\"method\": \"ngram\",}", "ngram", "{"])
 def test_invalid_json(text):
-    for parse in (SpeculativeConfig.from_json, SpeculativeConfig.from_cli, SpeculativeConfig.coerce):
-        with pytest.raises(ConfigError, match="--speculative-config is not valid JSON"):
+    """Each parser names what the user wrote: the CLI flag, or the Python argument."""
+    for parse, name in ((SpeculativeConfig.from_json, "the speculative config"),
+                        (SpeculativeConfig.from_cli, "--speculative-config"),
+                        (SpeculativeConfig.coerce, "speculative_config")):
+        with pytest.raises(ConfigError, match=f"^{name} is not valid JSON"):
             parse(text)
 
 

@@ -27,14 +27,14 @@ SHAPES = {
 
 def add_parser(sub) -> None:
     p = sub.add_parser("step", help="time decode and verify steps of a (random) native model")
-    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    p.add_argument("--batch-sizes", default="1,32")
-    p.add_argument("--query-lens", default="1,2,4,6,8")
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="model shape (random weights)")
+    p.add_argument("--batch-sizes", default="1,32", help="comma separated batch sizes")
+    p.add_argument("--query-lens", default="1,2,4,6,8", help="comma separated query tokens per sequence")
     p.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
     p.add_argument("--bandwidth", type=float, default=3.8e12, help="bytes/s for the floor (H200 copy: 3.8e12)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--json", default="results/bench_step.json")
+    p.add_argument("--dtype", default="bfloat16", help="weights and KV dtype")
+    p.add_argument("--iters", type=int, default=50, help="timed replays per shape")
+    p.add_argument("--json", default="results/bench_step.json", help="where the JSON goes")
     p.set_defaults(func=run)
 
 

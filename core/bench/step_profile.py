@@ -20,17 +20,6 @@ from typing import Any
 import torch
 
 
-def config_label(cfg: dict | None, resolved=None) -> str:
-    """Short name of a speculative config for tables: ``eagle(k=4)``, ``eagle(tree4x5/16)``."""
-    if cfg is None:
-        return "autoregressive"
-    method = getattr(resolved, "method", None) or cfg.get("method") or cfg.get("model")
-    tree = getattr(resolved, "tree", None)
-    if tree is not None:
-        return f"{method}({tree.label()})"
-    return f"{method}(k={cfg.get('num_speculative_tokens')})"
-
-
 class _Timer:
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"

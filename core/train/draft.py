@@ -35,7 +35,7 @@ class DraftTrainer(Trainer):
     def add_arguments(self, p) -> None:
         g = p.add_argument_group("draft model")
         g.add_argument("--num-layers", type=int, default=2, help="decoder layers of the draft")
-        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=3e-4)
 
     def positions(self, args) -> int:

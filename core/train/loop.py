@@ -11,6 +11,7 @@ checkpoint format plus ``<out>/training.json``.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import math
 import random
@@ -118,13 +119,23 @@ def expected_length(acc: list[float]) -> float:
     return round(out, 3)
 
 
+def normalize_modes(folder: Path) -> None:
+    """Give every file in ``folder`` the mode a new file gets (0644 under umask 022):
+    safetensors writes its files 0600, everything else is written 0644."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(folder).rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
 def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     from speculum.backends.torch.backend import resolve_device
     from speculum.backends.torch.native.weights import read_state_dict
     from speculum.model_source import DEFAULT_MODEL, resolve_model_path
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from speculum.threads import apply_threads
+    apply_threads(args.threads)
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     if torch.device(device).type == "cuda":
@@ -252,6 +263,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
                                                 "eval_prompts", "eval_accuracy_per_position") if k in report}}
     trainer.export(module, out, target, args, meta)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    normalize_modes(out)
     print(f"{trainer.name}: validation top-1 agreement per position {val}; wrote {out}")
     if ev is not None:
         print(f"{trainer.name}: on {args.eval_prompts}: top-1 agreement per position {ev} (expected acceptance "

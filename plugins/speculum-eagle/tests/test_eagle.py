@@ -226,7 +226,7 @@ def test_cache_is_truncated_to_the_accepted_positions(target, trained):
         llm.add_request(f"r{i}", p, GREEDY)
     while llm.has_unfinished_requests():
         llm.step()
-        for s in llm._running:
+        for s in llm.scheduler.running:
             # true-feature positions only: everything but the last accepted run + new token
             assert llm.proposer.cache.length(s.seq_id) + llm.proposer.pending[s.seq_id].shape[0] == len(s.token_ids) - 1
 

@@ -23,12 +23,12 @@ class MedusaTrainer(Trainer):
 
     def add_arguments(self, p) -> None:
         g = p.add_argument_group("Medusa")
-        g.add_argument("--num-heads", type=int, default=4)
+        g.add_argument("--num-heads", type=int, default=4, help="Medusa heads (draft positions)")
         g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
         g.add_argument("--own-lm-head", action="store_true",
                        help="give each head its own LM head (a V x H copy each; default: share the target's)")
-        g.add_argument("--head-decay", type=float, default=0.8)
-        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+        g.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head i is decay**i")
+        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
 
     def positions(self, args) -> int:
