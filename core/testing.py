@@ -285,6 +285,10 @@ def assert_tree_greedy_lossless(make_llm, spec: dict, prompts, params, max_num_s
     assert m.num_tree_steps > 0 and m.num_tree_nodes == m.num_draft_tokens, m.as_dict()
     assert 0 < m.num_accepted_tokens < m.num_draft_tokens, m.as_dict()
     assert sum(m.acceptance_histogram) == m.num_steps and sum(m.accepted_per_position) == m.num_accepted_tokens
+    # positions are depths: every tree reaches depth 1, none goes deeper than the config's
+    depth = llm.speculative_config.tree.depth
+    assert m.drafts_per_position[0] == m.num_drafts and len(m.drafts_per_position) <= depth, m.as_dict()
+    assert all(a <= d for a, d in zip(m.accepted_per_position, m.drafts_per_position))
     return llm
 
 
