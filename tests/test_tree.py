@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,3 +256,41 @@ def chain_logits(runner, seq: list[int]) -> torch.Tensor:
     out = runner.forward([sid], torch.tensor([[seq[-1]]]), [1]).logits[0, 0].clone()
     runner.remove(sid)
     return out
+
+
+# ------------------------------------------------------------------------------ benchmarks
+def test_bench_labels_step_profile_and_report(tiny_llama, tmp_path, capsys):
+    from speculum.bench.methods import method_name
+    from speculum.bench.step_profile import profile_steps, profile_table
+    assert method_name({"method": "eagle", "tree_topk": 4, "tree_depth": 5, "num_draft_tokens": 16}) == \
+        "eagle(tree4x5/16)"
+    assert method_name({"method": "medusa", "speculative_token_tree": [[0], [1], [0, 0]]}) == "medusa(static3)"
+    assert method_name({"method": "eagle", "num_speculative_tokens": 4}) == "eagle(k=4)"
+    llm = LLM(str(tiny_llama), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+              device="cpu", dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5]}, {"prompt_token_ids": [9, 10]}]
+    p = profile_steps(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert p["loop_steps"] > 0 and p["tokens_per_loop_step"] >= 1
+    assert p["step_ms"] >= p["draft_ms"] + p["verify_ms"] - 1e-6 and p["draft_ms"] > 0 and p["verify_ms"] > 0
+    assert "ngram" in profile_table([{"method": "ngram(k=3)", "profile": p}])
+    assert llm.loop.step.__func__ is type(llm.loop).step  # the timers are removed again
+    # the report script over a sweep-shaped JSON
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trees_report", Path(__file__).parents[1] / "scripts" / "trees_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def row(name, cfg, mal, tps):
+        e = {"tokens_per_s": tps, "mean_acceptance_length": mal}
+        return {"method": name, "config": cfg, "categories": {"writing": e}, "total": e, "profile": p}
+    rows = [row("autoregressive", None, None, 100.0), row("eagle(k=4)", {"method": "eagle", "num_speculative_tokens": 4},
+                                                          1.8, 120.0)]
+    rows += [row(f"eagle(tree4x5/{n})", {"method": "eagle", "tree_topk": 4, "tree_depth": 5, "num_draft_tokens": n},
+                 1.8 + n / 32, 120 + n) for n in (8, 16, 32)]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"batch_size": 1, "prompts_per_category": 2, "max_tokens": 64, "gpu": "cpu",
+                                "results": rows}))
+    assert report.main(["--sweep", str(path), "--b1", str(path), str(path), "--figure", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| eagle | 1.80 | eagle(tree4x5/32) | 2.80 | +1.00 |" in out and "met" in out
+    assert (tmp_path / "f.png").stat().st_size > 1000
