@@ -3,7 +3,8 @@
     python scripts/trees_report.py --sweep trees_sweep_b1.json --b1 trees_b1a.json trees_b1b.json \
         --b16 trees_b16.json --figure docs/results/h200/plots/trees_budget.png
 
-(the files ``scripts/device/bench_trees.sh`` writes). Prints markdown: the node-budget
+(the files ``scripts/device/bench_trees.sh`` writes; a sweep in parts: ``--sweep a.json b.json``).
+Prints markdown: the node-budget
 sweep, MAL and tokens/s per MT-bench category at batch 1 (parts merged; they share the
 autoregressive baseline, which is checked), chain against best tree per method with the
 issue's targets (MAL +0.5, faster than the chain), batch 16, and the step profile of
@@ -156,13 +157,13 @@ def figure(rep: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", help="the node-budget sweep (bench offline JSON)")
+    ap.add_argument("--sweep", nargs="*", default=[], help="the node-budget sweep (bench offline JSON; parts merged)")
     ap.add_argument("--b1", nargs="*", default=[], help="batch-1 runs to merge (same baseline first)")
     ap.add_argument("--b16", help="the batch-16 run")
     ap.add_argument("--figure", help="write the MAL / tokens-per-second figure of the sweep here")
     a = ap.parse_args(argv)
     if a.sweep:
-        rep = load(a.sweep)
+        rep = merge([load(p) for p in a.sweep])
         print(sweep_table(rep), "\n")
         print(verdicts(rep), "\n")
         if a.figure:

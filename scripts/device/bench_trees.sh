@@ -2,11 +2,14 @@
 # One device call per PART (each stays under the 10-minute limit); see scripts/device/README.md.
 #   PART=tests  CUDA tests of trees (graphed tree verify and drafting) and of the heads
 #   PART=sweep  node-budget sweep, 2 questions per category, batch 1: per head method chain k=4
-#               and dynamic trees verifying 8..32 tokens; the best tree per method (tokens/s) is kept in
+#               and six dynamic trees verifying 8..32 tokens (top-4/8, depth 5/6; medusa depth 4);
+#               the best tree per method (tokens/s) is kept in
 #               /tmp/trees_best.json (and $OUT) for the next parts
 #   PART=b1a    all 80 questions, batch 1: autoregressive, ngram, eagle and eagle3 chain vs best tree
 #   PART=b1b    all 80 questions, batch 1: autoregressive, mtp and medusa chain vs best tree
 #   PART=b16    all 80 questions, batch 16: every config above, with the step profile
+# (if the sweep of all four methods would not fit one call: METHODS="eagle eagle3" TAG=_a, then
+# METHODS="mtp medusa" TAG=_b; the best trees accumulate in /tmp/trees_best.json)
 # Every part but tests prints its table and writes JSON to $OUT; b1a, b1b and b16 also the step
 # profile (--profile) of every config.
 # Report and figure: python scripts/trees_report.py <the JSON files> (on the lead's machine).
@@ -37,16 +40,15 @@ run() { $B "$@" 2>&1 | grep -v -E "Loading|Writing|it/s|INFO|WARNING"; }
 case $PART in
 sweep)
   ARGS=(--method "{\"method\":\"ngram\",$K}")
-  for m in eagle eagle3 mtp medusa; do
-    d=5; [ $m = medusa ] && d=4
+  for m in ${METHODS:-eagle eagle3 mtp medusa}; do
+    d=5; D=6; [ $m = medusa ] && d=4 && D=4   # Medusa: one head per depth (the shipped one has 4)
     ARGS+=(--method "$(chain $m)")
-    for n in 8 16 24 32; do ARGS+=(--method "$(tree $m 4 $d $n)"); done
-    ARGS+=(--method "$(tree $m 8 $d 32)")
+    for t in "4 $d 8" "4 $d 16" "8 $d 16" "8 $D 24" "4 $D 32" "8 $D 32"; do ARGS+=(--method "$(tree $m $t)"); done
   done
-  run --batch-size 1 --prompts-per-category ${PPC:-2} "${ARGS[@]}" --json $OUT/trees_sweep_b1.json
-  python3 - <<'EOF'
+  run --batch-size 1 --prompts-per-category ${PPC:-2} "${ARGS[@]}" --json $OUT/trees_sweep_b1${TAG}.json
+  TAG=$TAG python3 - <<'EOF'
 import json, os
-rows = json.load(open(os.environ["OUT"] + "/trees_sweep_b1.json"))["results"]
+rows = json.load(open(os.environ["OUT"] + "/trees_sweep_b1" + os.environ.get("TAG", "") + ".json"))["results"]
 best = {}
 for r in rows:
     c = r["config"] or {}
@@ -55,7 +57,10 @@ for r in rows:
     m = c["method"]
     if m not in best or r["total"]["tokens_per_s"] > best[m][1]:
         best[m] = (c, r["total"]["tokens_per_s"])
-out = {m: c for m, (c, _) in best.items()}
+out = {}
+if os.path.exists("/tmp/trees_best.json"):  # an earlier sweep call (METHODS=...) chose the others
+    out = json.load(open("/tmp/trees_best.json"))
+out.update({m: c for m, (c, _) in best.items()})
 json.dump(out, open("/tmp/trees_best.json", "w"))
 json.dump(out, open(os.environ["OUT"] + "/trees_best.json", "w"), indent=1)
 print("best trees:", json.dumps(out))
