@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from speculum.kv import blocks_for
 from speculum.proposers.head_cache import HeadKVCache, PagedContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -124,7 +125,7 @@ class HeadDraftGraphs:
         for sid, n in zip(seq_ids, counts):
             alloc.allocate(sid, int(n) + self.k - 1)
         Bb = _bucket(R, BATCH_BUCKETS)
-        need = max(-(-alloc.length(s) // alloc.block_size) for s in seq_ids)
+        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
         nb = 1 << max(0, need - 1).bit_length()  # power-of-two block buckets
         meta_np = self._meta(seq_ids, tokens, counts, Bb, nb)
         H = feats[0].shape[-1]
