@@ -41,10 +41,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from speculum.backends.torch.backend import resolve_dtype
-    from speculum.backends.torch.native.arch import LlamaArch
-    from speculum.backends.torch.native.runner import NativeRunner
-    from speculum.backends.torch.native.weights import random_native
+    from speculum.backends.torch import LlamaArch, NativeRunner, random_native, resolve_dtype
     from speculum.kv import PagedKVAllocator
 
     if not torch.cuda.is_available():
