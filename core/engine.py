@@ -15,7 +15,8 @@ import torch
 
 from speculum.config import SpeculativeConfig
 from speculum.engine_build import build_speculation
-from speculum.errors import ConfigError, EngineDeadError, RequestError
+from speculum.errors import ConfigError, EngineDeadError, PluginError, RequestError
+from speculum.interfaces import Backend, HiddenStateProposer, KVCacheFull
 from speculum.loop import DraftVerifyLoop
 from speculum.metrics import SpecDecodeMetrics
 from speculum.model_source import resolve_model_path
@@ -26,6 +27,7 @@ from speculum.scheduler import Scheduler
 from speculum.sequence import Sequence
 from speculum.threads import apply_threads
 from speculum.tokenizer import Tokenizer
+from speculum.tree import TreeProposer, check_tree_support
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,14 @@ class LLM:
         spec_cfg = SpeculativeConfig.coerce(speculative_config, source="speculative_config")
         self.registry = build_registry(extra_plugins=plugins)
         try:
-            self.backend = self.registry.backend(backend).factory(device=device, dtype=dtype, **backend_options)
+            self.backend: Backend = self.registry.backend(backend).factory(device=device, dtype=dtype,
+                                                                           **backend_options)
         except TypeError as exc:
             raise ConfigError(f"backend {backend!r} does not accept these options: {exc}") from exc
+        if not isinstance(self.backend, Backend):
+            raise PluginError(f"backend {backend!r} ({type(self.backend).__name__}) does not implement the Backend "
+                              "protocol of speculum.interfaces (load_model, register_cache, plan_memory, "
+                              "kv_allocators, capture)")
         self.model_path = resolve_model_path(model)
         self.tokenizer = Tokenizer.load(resolve_model_path(tokenizer) if tokenizer else self.model_path)
         self.target = self.backend.load_model(self.model_path, role="target", max_model_len=max_model_len)
@@ -87,30 +94,26 @@ class LLM:
                 max_model_len=self.max_model_len, tensor_parallel_size=tensor_parallel_size)
             self.speculative_config = spec_cfg
             k = spec_cfg.num_speculative_tokens
-            hidden_layers = tuple(getattr(proposer, "hidden_layers", ()) or ())
+            if isinstance(proposer, HiddenStateProposer):
+                hidden_layers = tuple(proposer.hidden_layers)
         else:
             verifier_name = "rejection_sampler"
         tree = spec_cfg.tree if spec_cfg is not None else None
-        #: KV positions a step may add per sequence beyond its tokens, in any cache group
-        #: (a tree's draft head may write more than the k the target does)
-        self.lookahead = max(k, int(getattr(proposer, "kv_lookahead", 0) or 0))
-        plan = getattr(self.backend, "plan_memory", None)
-        if plan is not None:
-            from speculum.interfaces import KVCacheFull
-            try:
-                plan(self.max_model_len, self.max_num_seqs, lookahead=self.lookahead)
-            except KVCacheFull as exc:
-                raise ConfigError(str(exc)) from exc
+        #: KV positions a step may add per sequence beyond its tokens, in every cache group
+        #: (a tree's draft head may write more than the k nodes the target does)
+        self.lookahead = max(k, proposer.kv_lookahead) if isinstance(proposer, TreeProposer) else k
+        try:
+            self.backend.plan_memory(self.max_model_len, self.max_num_seqs, lookahead=self.lookahead)
+        except KVCacheFull as exc:
+            raise ConfigError(str(exc)) from exc
         self._capture_graphs(k, hidden_layers, tree is not None)
         self.verifier_spec = self.registry.verifier(verifier_name)
         self.verifier = self.verifier_spec.factory()
         if tree is not None:
-            from speculum.tree import check_tree_support
             check_tree_support(tree, spec_cfg.method, proposer, self.verifier, verifier_name, self.target)
         self.proposer = proposer
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers)
-        caches = self.backend.kv_allocators() if hasattr(self.backend, "kv_allocators") else []
-        self.scheduler = Scheduler(caches, self.loop.finish, max_num_seqs=max_num_seqs, lookahead=self.lookahead,
+        self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs, lookahead=self.lookahead,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self._seed_gen = make_generator(seed)
         self._ids = itertools.count()
@@ -128,16 +131,14 @@ class LLM:
     def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = (), tree: bool = False) -> None:
         """Capture CUDA graphs for the common decode/verify shapes up front (others lazily),
         returning the hidden states the proposer asked for, as the loop will request them."""
-        capture = getattr(self.target, "capture", None)
-        if capture is None or not getattr(self.target, "cuda_graphs", False):
-            return
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs] + [self.max_num_seqs]
         t0 = time.perf_counter()
         if tree:  # verify steps are tree forwards
-            n = capture(sizes, [1], max_block_buckets=1, hidden_layers=hidden_layers, tree_query_lens=[k + 1])
+            n = self.backend.capture(self.target, sizes, [1], hidden_layers, tree_query_lens=[k + 1])
         else:
-            n = capture(sizes, sorted({1, k + 1}), max_block_buckets=1, hidden_layers=hidden_layers)
-        log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+            n = self.backend.capture(self.target, sizes, sorted({1, k + 1}), hidden_layers)
+        if n:
+            log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
     # -- requests -----------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -30,7 +30,8 @@ from typing import Sequence as Seq
 import torch
 
 from speculum.errors import RowError
-from speculum.interfaces import Draft, ModelRunner, ProposeBatch, Proposer, StepFeedback, Verdict, Verifier
+from speculum.interfaces import (Draft, HiddenStateProposer, ModelRunner, ProposeBatch, Proposer, StatefulProposer,
+                                 StepFeedback, Verdict, Verifier)
 from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
 from speculum.tokenizer import Tokenizer
@@ -51,7 +52,8 @@ class DraftVerifyLoop:
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
         self.hidden_layers = tuple(hidden_layers)
-        self.stateful = proposer is not None and hasattr(proposer, "remove_request")
+        self.stateful = isinstance(proposer, StatefulProposer)
+        self.wants_hidden = isinstance(proposer, HiddenStateProposer)
         self._said: set[str] = set()
         #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
         self.failures: dict[str, int] = {}
@@ -78,17 +80,16 @@ class DraftVerifyLoop:
             hidden = self.target.add_many(ids, prompts, hidden_layers=self.hidden_layers)
         else:
             self.target.add_many(ids, prompts)
-        add = getattr(self.proposer, "add_request", None)
-        if add is None or not self.k:
+        if not self.stateful or not self.k:
             return
         for s in seqs:
             if not s.speculative:
                 continue
             try:
-                if hidden is None:
-                    add(s.view())
+                if self.wants_hidden:
+                    self.proposer.add_request(s.view(), hidden_states=hidden[s.seq_id] if hidden else {})
                 else:
-                    add(s.view(), hidden_states=hidden[s.seq_id])
+                    self.proposer.add_request(s.view())
             except Exception as exc:
                 self._drop_from_proposer([s], f"proposer {type(self.proposer).__name__}.add_request failed "
                                               f"({type(exc).__name__}: {exc}); the request runs without speculation")
@@ -96,10 +97,9 @@ class DraftVerifyLoop:
     def finish(self, seq: Sequence) -> None:
         """Free a sequence's KV and proposer state."""
         self.target.remove(seq.seq_id)
-        remove = getattr(self.proposer, "remove_request", None)
-        if remove is not None and seq.speculative:
+        if self.stateful and seq.speculative:
             try:
-                remove(seq.seq_id)
+                self.proposer.remove_request(seq.seq_id)
             except Exception as exc:
                 self._once("proposer", f"proposer {type(self.proposer).__name__}.remove_request failed: {exc!r}")
 

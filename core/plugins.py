@@ -24,7 +24,7 @@ from speculum.errors import ConfigError, PluginError
 log = logging.getLogger(__name__)
 
 #: Modules registered as plugins before any entry point (pytest's default_plugins).
-DEFAULT_PLUGINS = ("speculum.verifiers", "speculum.backends.torch")
+DEFAULT_PLUGINS = ("speculum.verifiers", "speculum.backends.torch", "speculum.train")
 ENTRY_POINT_GROUP = "speculum"
 
 
@@ -62,6 +62,26 @@ class BackendSpec:
     plugin: PluginInfo
 
 
+@attrs.frozen
+class TrainerSpec:
+    name: str
+    factory: Callable[[], Any] | str
+    description: str
+    plugin: PluginInfo
+
+    def create(self) -> Any:
+        """A trainer instance (an import path is imported now, with a named error)."""
+        factory = self.factory
+        if isinstance(factory, str):
+            mod, _, attr = factory.partition(":")
+            try:
+                factory = getattr(importlib.import_module(mod), attr)
+            except Exception as exc:
+                raise PluginError(f"trainer {self.name!r} of plugin {self.plugin.name!r} ({self.plugin.distribution}) "
+                                  f"could not be loaded from {self.factory!r}: {type(exc).__name__}: {exc}") from exc
+        return factory()
+
+
 @attrs.define
 class Registry:
     """Everything registered by plugins, keyed by name."""
@@ -70,6 +90,7 @@ class Registry:
     methods: dict[str, MethodSpec] = attrs.field(factory=dict)
     verifiers: dict[str, VerifierSpec] = attrs.field(factory=dict)
     backends: dict[str, BackendSpec] = attrs.field(factory=dict)
+    trainers: dict[str, TrainerSpec] = attrs.field(factory=dict)
 
     def method(self, name: str, backend: str) -> MethodSpec:
         """The method ``name`` for ``backend``, or a ConfigError naming what is installed."""
@@ -199,6 +220,8 @@ def build_registry(pm: pluggy.PluginManager | None = None, extra_plugins: Iterab
                 name, factory, lossless, description, info))
     collect("speculum_register_backends", reg.backends,
             lambda name, factory, info, description="": BackendSpec(name, factory, description, info))
+    collect("speculum_register_trainers", reg.trainers,
+            lambda name, factory, info, description="": TrainerSpec(name, factory, description, info))
     return reg
 
 

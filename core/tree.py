@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import math
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
@@ -358,6 +358,16 @@ def gather_path(hidden: dict[int, torch.Tensor], path: torch.Tensor) -> dict[int
     cols = torch.cat([path.new_full((B, 1), -1), path], dim=1).to(any_h.device) + 1
     cols = cols.clamp_min(0)
     return {l: h.gather(1, cols[:, : h.shape[1]].unsqueeze(-1).expand(-1, -1, h.shape[-1])) for l, h in hidden.items()}
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    """A proposer that drafts token trees when the speculative config asks for one."""
+
+    supports_trees: bool
+    #: positions its own KV cache may append per sequence in one step beyond the sequence
+    #: (a draft head's tree region); the engine reserves at least this many in every cache
+    kv_lookahead: int
 
 
 def check_tree_support(spec: TreeSpec, method: str, proposer: Any, verifier: Any, verifier_name: str,

@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from speculum.kv import blocks_for
 from speculum.proposers.head_cache import HeadKVCache, PagedContext
 from speculum.proposers.tree import StaticPlan, draft_tree, region_size, topk_logprobs
 from speculum.tree import TreeSpec, tree_ancestors, tree_attention_mask
@@ -135,7 +136,7 @@ class HeadDraftGraphs:
         for sid, n in zip(seq_ids, counts):
             alloc.allocate(sid, int(n) + self.extra)
         Bb = _bucket(R, BATCH_BUCKETS)
-        need = max(-(-alloc.length(s) // alloc.block_size) for s in seq_ids)
+        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
         nb = 1 << max(0, need - 1).bit_length()  # power-of-two block buckets
         meta_np = self._meta(seq_ids, tokens, counts, Bb, nb)
         H = feats[0].shape[-1]

@@ -19,7 +19,8 @@ def _parsers():
             if isinstance(a, argparse._SubParsersAction):
                 todo += [(f"{name} {n}", sp) for n, sp in a.choices.items()]
     from speculum.train.cli import common_arguments, trainers
-    for method, trainer in trainers().items():
+    for method, spec in trainers().items():
+        trainer = spec.create()
         p = argparse.ArgumentParser(prog=f"speculum train {method}", formatter_class=HelpFormatter)
         common_arguments(p)
         trainer.add_arguments(p)

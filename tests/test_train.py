@@ -189,7 +189,7 @@ def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
     # the same figure from the exported module on the cached answers of the eval prompts
     from speculum_mtp.formats import load_mtp
     target = TargetParts.from_checkpoint(tiny_llama, torch.float32, "cpu")
-    trainer = trainers()["mtp"]
+    trainer = trainers()["mtp"].create()
     import argparse
     p = argparse.ArgumentParser()
     common_arguments(p)

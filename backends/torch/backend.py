@@ -15,6 +15,7 @@ import torch
 
 from speculum.backends.torch.hf_runner import HFRunner
 from speculum.errors import ConfigError, ModelLoadError
+from speculum.interfaces import CacheGroup
 from speculum.kv import PagedKVAllocator, SimpleKVAllocator, blocks_for, plan_kv_memory
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,11 @@ class TorchBackend:
         self.block_size = block_size
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization
+        #: every loaded runner; the paged ones and the registered caches are the cache groups
         self.runners: list = []
+        self.caches: list = []
         self.plan = None
+        self._allocators: list[PagedKVAllocator] = []
 
     def load_model(self, path: Path, role: str = "target", max_model_len: int | None = None,
                    num_layers: int | None = None):
@@ -143,7 +147,7 @@ class TorchBackend:
         an explicit ``kv_cache_memory`` the budget is capped at what ``max_num_seqs``
         sequences can use (plus slack), so several engines can share a device.
         """
-        paged = [r for r in self.runners if hasattr(r, "attach_cache")]
+        paged = [r for r in self.runners if isinstance(r, CacheGroup)] + self.caches
         if not paged:
             return
         overshoot = lookahead if len(paged) > 1 else 0
@@ -170,4 +174,17 @@ class TorchBackend:
 
     def kv_allocators(self) -> list[PagedKVAllocator]:
         """The planned allocators of every paged cache group (target first), for the scheduler."""
-        return list(getattr(self, "_allocators", []))
+        return list(self._allocators)
+
+    def register_cache(self, group: CacheGroup) -> None:
+        """Plan ``group`` (a draft head's KV cache) with the runners' caches."""
+        self.caches.append(group)
+
+    def capture(self, runner, batch_sizes, query_lens, hidden_layers=(), tree_query_lens=()) -> int:
+        """CUDA graphs of the native runner's decode/verify shapes (none elsewhere);
+        ``tree_query_lens``: token-tree verify shapes (root + nodes)."""
+        from speculum.backends.torch.native.runner import NativeRunner
+        if not isinstance(runner, NativeRunner) or not runner.cuda_graphs:
+            return 0
+        return runner.capture(batch_sizes, query_lens, max_block_buckets=1, hidden_layers=hidden_layers,
+                              tree_query_lens=tree_query_lens)

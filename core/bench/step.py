@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from speculum.kv import blocks_for
+
 SHAPES = {
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_eps=1e-5,
@@ -39,10 +41,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from speculum.backends.torch.backend import resolve_dtype
-    from speculum.backends.torch.native.arch import LlamaArch
-    from speculum.backends.torch.native.runner import NativeRunner
-    from speculum.backends.torch.native.weights import random_native
+    from speculum.backends.torch import LlamaArch, NativeRunner, random_native, resolve_dtype
     from speculum.kv import PagedKVAllocator
 
     if not torch.cuda.is_available():
@@ -56,7 +55,7 @@ def run(args) -> int:
     floor = wbytes / args.bandwidth
     bss = [int(x) for x in args.batch_sizes.split(",")]
     qs = [int(x) for x in args.query_lens.split(",")]
-    need_blocks = max(bss) * (-(-(args.context + max(qs) + 1) // 16)) + 2
+    need_blocks = max(bss) * blocks_for(args.context + max(qs) + 1, 16) + 2
     runner.attach_cache(PagedKVAllocator("target", need_blocks, 16, 4096))
     rows = []
     print(f"{args.shape}: {wbytes / 1e9:.2f} GB weights, HBM floor {floor * 1e3:.3f} ms/step")

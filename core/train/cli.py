@@ -1,33 +1,24 @@
 """``speculum train METHOD [options]``: train a draft head or model on the target's own answers.
 
-Methods come from the ``speculum.train`` entry point group (the EAGLE, Medusa and MTP
-plugins register theirs) plus the built-in ``draft``. They are loaded only when this
-command runs, so the rest of the CLI stays fast.
+Trainers come from the ``speculum_register_trainers`` hook (the EAGLE, Medusa and MTP
+plugins register theirs; the built-in ``draft`` is a default plugin). A trainer's code is
+imported only when its method is trained, so the rest of the CLI stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata as md
 from pathlib import Path
 
 from speculum.errors import ConfigError
 
-BUILTIN = {"draft": "speculum.train.draft:DraftTrainer"}
-GROUP = "speculum.train"
-
-
 def trainers() -> dict[str, object]:
-    """Every installed trainer, by method name."""
-    found = dict(BUILTIN)
-    for ep in md.entry_points(group=GROUP):
-        found.setdefault(ep.name, ep.value)
-    out = {}
-    for name, value in sorted(found.items()):
-        mod, _, attr = value.partition(":")
-        out[name] = getattr(importlib.import_module(mod), attr)()
-    return out
+    """Every registered trainer (plugins' ``speculum_register_trainers``), by method name.
+
+    Trainers come through the plugin manager like every other plugin part, so
+    ``SPECULUM_DISABLE_PLUGINS`` and its loading errors apply to them too."""
+    from speculum.plugins import build_registry
+    return dict(sorted(build_registry().trainers.items()))
 
 
 def add_parser(sub) -> None:
@@ -108,7 +99,7 @@ def cmd_train(args) -> int:
         for n, t in found.items():
             print(f"  {n:<8} {t.description}")
         return 0
-    trainer = found[args.method]
+    trainer = found[args.method].create()
     from speculum.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"speculum train {args.method}", description=trainer.description,
                                 formatter_class=HelpFormatter)
@@ -125,5 +116,6 @@ def cmd_train(args) -> int:
         raise ConfigError("MT-bench is for evaluation only; leave --prompts unset to train on the shipped "
                           "training prompts, or give your own JSONL")
     targs.argv = ["train", args.method, *args.rest]
-    run(trainer, targs, all_trainers=found.values())
+    # the distillation data (cached, shared) records the layers every installed method needs
+    run(trainer, targs, all_trainers=[trainer] + [t.create() for n, t in found.items() if n != args.method])
     return 0

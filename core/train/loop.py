@@ -130,8 +130,7 @@ def normalize_modes(folder: Path) -> None:
 
 
 def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
-    from speculum.backends.torch.backend import resolve_device
-    from speculum.backends.torch.native.weights import read_state_dict
+    from speculum.backends.torch import read_state_dict, resolve_device
     from speculum.model_source import DEFAULT_MODEL, resolve_model_path
 
     from speculum.threads import apply_threads

@@ -22,7 +22,7 @@ import torch
 
 from speculum.backends.torch.native.model import NativeLlama
 from speculum.interfaces import ForwardOutput
-from speculum.kv import PagedKVAllocator
+from speculum.kv import PagedKVAllocator, blocks_for
 from speculum.tree import TokenTree, columns_of, tree_attention_mask
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class NativeRunner:
         self.kv = torch.zeros(2 * a.num_layers, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype,
                               device=self.device)
         self.pools = [(self.kv[2 * i], self.kv[2 * i + 1]) for i in range(a.num_layers)]
-        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.max_blocks = blocks_for(self.max_model_len, self.block_size)
         self._block_buckets = self._make_block_buckets()
         self._graphs.clear()
 
@@ -169,7 +169,7 @@ class NativeRunner:
     def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True, cols=None) -> ForwardOutput:
         B, q = token_ids.shape
         token_ids = token_ids.to(self.device)
-        need = max(-(-self.allocator.length(s) // self.block_size) for s in seq_ids)
+        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
         nb = _bucket(max(need, 1), self._block_buckets)
         pos, wsl, blk = (t.to(self.device, non_blocking=True) for t in self._host_meta(seq_ids, num_tokens, q, B, nb))
         read = self._read_slots(blk)
@@ -183,7 +183,7 @@ class NativeRunner:
     def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers, cols=None) -> ForwardOutput:
         B, q = token_ids.shape
         Bb = _bucket(B, BATCH_BUCKETS)
-        need = max(-(-self.allocator.length(s) // self.block_size) for s in seq_ids)
+        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
         nb = _bucket(max(need, 1), self._block_buckets)
         key = (Bb, q, nb, hidden_layers, cols is not None)
         entry = self._graphs.get(key) or self._capture(key)

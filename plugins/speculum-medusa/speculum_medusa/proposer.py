@@ -50,6 +50,7 @@ class MedusaExpander:
 class MedusaProposer:
     hidden_layers = (-1,)
     supports_trees = True
+    kv_lookahead = 0  # no KV cache of its own
 
     def __init__(self, heads, sample: bool = True, tree: TreeSpec | None = None):
         self.heads = heads
