@@ -14,8 +14,8 @@
 # profile (--profile) of every config.
 # Report and figure: python scripts/trees_report.py <the JSON files> (on the lead's machine).
 PART=${PART:-sweep}
-if [ "$PART" = tests ]; then  # tiny models only: no GGUF needed
-  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 SPECULUM_CACHE=/tmp/sc
+if [ "$PART" = tests ]; then  # tiny models only; joins the GGUF in /tmp when .gguf_b is carried
+  if [ -d .gguf_b ]; then . scripts/device/common.sh; else export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; fi
   python3 -m pytest -q tests/test_trees_cuda.py tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -4
   exit
 fi
