@@ -306,37 +306,7 @@ def tree_from_config(speculative_token_tree: Any = None, tree_topk: int | None =
     return spec
 
 
-def static_tree_tensors(spec: TreeSpec, batch_size: int, device) -> TokenTree:
-    """The static tree of ``spec`` for ``batch_size`` rows (shape only)."""
-    parents = torch.tensor(spec.static_parents(), dtype=torch.int64, device=device)
-    one = TokenTree(parents.view(1, -1))
-    anc = one.ancestors
-    return TokenTree(parents.expand(batch_size, -1).contiguous(), depth=one.depth.expand(batch_size, -1).contiguous(),
-                     ancestors=anc.expand(batch_size, -1, -1).contiguous(), max_depth=spec.depth,
-                     max_children=spec.max_children)
-
-
-def paths_of(parents: Sequence[int], ranks: Sequence[int]) -> list[Path]:
-    """Rank paths of nodes given parents and each node's rank among its siblings."""
-    out: list[Path] = []
-    for par, r in zip(parents, ranks):
-        out.append((out[par] if par >= 0 else ()) + (int(r),))
-    return out
-
-
 # ------------------------------------------------------------------ helpers of the loop
-def drop_nodes(token_ids: torch.Tensor, tree: TokenTree, num_nodes: Sequence[int],
-               max_depth: Sequence[int]) -> torch.Tensor:
-    """[B, N] tokens with nodes past ``num_nodes[b]`` or deeper than ``max_depth[b]`` set
-    to -1 (never accepted), e.g. where a request may emit only a few more tokens."""
-    B, N = token_ids.shape
-    dev = token_ids.device
-    n = torch.tensor(list(num_nodes), dtype=torch.int64).view(B, 1).to(dev)
-    d = torch.tensor(list(max_depth), dtype=torch.int64).view(B, 1).to(dev)
-    keep = (torch.arange(N, device=dev).view(1, N) < n) & (tree.depth.to(dev) <= d)
-    return torch.where(keep, token_ids, -1)
-
-
 def path_moves(path: Sequence[int], num_accepted: int, root_position: int) -> tuple[list[int], list[int]]:
     """Logical positions (source, destination) that put an accepted path's K/V in order.
 

@@ -22,8 +22,7 @@ from speculum.config import SpeculativeConfig
 from speculum.errors import ConfigError
 from speculum.proposers.tree import StaticPlan, draft_tree, dynamic_tree, region_size
 from speculum.testing import reference_tree_paths, tree_token_paths
-from speculum.tree import (TokenTree, TreeSpec, column_tree, drop_nodes, gather_path, path_moves, tree_ancestors,
-                           tree_attention_mask, tree_from_config)
+from speculum.tree import TokenTree, TreeSpec, column_tree, gather_path, path_moves, tree_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,9 +108,6 @@ def test_attention_mask_and_columns():
 
 
 def test_loop_helpers():
-    tree = TokenTree(torch.tensor([[-1, -1, 0, 2], [-1, 0, 1, 2]]))
-    ids = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
-    assert drop_nodes(ids, tree, [4, 2], [2, 9]).tolist() == [[5, 6, 7, -1], [1, 2, -1, -1]]
     assert path_moves([1, -1], 1, 10) == ([12], [11])
     assert path_moves([0, 2, 3], 3, 10) == ([13, 14], [12, 13])
     assert path_moves([0, 1], 2, 10) == ([], [])  # a chain prefix is in place already
