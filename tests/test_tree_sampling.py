@@ -18,12 +18,12 @@ through :class:`RejectionSampler` (target and draft logits processed alike).
 
 Statistic: Pearson's chi-square over the 36 cells of the pair (``gof_pvalue`` of
 ``test_rejection_sampler``: cells with expected count < 5 pooled), level ALPHA = 1e-4,
-N = 200 000 pairs per test.
+N = 100 000 pairs per test.
 
 Power: the wrong variant that does not replace ``p`` by the residual between siblings
 (``tree_rejection_sample(..., sibling_residual=False)``) must be rejected. Its pair law
-``w`` is estimated from 500 000 independent pairs; the test requires TV(w, p) >= 0.05
-and computes the power of the level-1e-4 test at N = 200 000 with the noncentral
+``w`` is estimated from 300 000 independent pairs; the test requires TV(w, p) >= 0.05
+and computes the power of the level-1e-4 test at N = 100 000 with the noncentral
 chi-square (``lambda = N sum (w - p)^2 / p``): > 0.999 in every case (the cases here have
 TV 0.15 with draft probabilities and 0.28 with deterministic nodes, power 1 to many
 decimals), then checks that the wrong variant's fresh samples are in fact rejected.
@@ -42,8 +42,8 @@ from speculum.verifiers.tree import tree_greedy_verify, tree_rejection_sample
 from test_rejection_sampler import ALPHA, chisq_power, gof_pvalue, tv
 
 V = 6
-N = 200_000
-N_WRONG_LAW = 500_000
+N = 100_000
+N_WRONG_LAW = 300_000
 WIDTH = 3  # siblings per node
 # root -> 3 children (nodes 0..2), node c -> 3 children (nodes 3 + 3c .. 5 + 3c)
 PARENTS = [-1, -1, -1] + [c for c in range(WIDTH) for _ in range(WIDTH)]
