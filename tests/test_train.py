@@ -199,7 +199,8 @@ def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
     data = [DistillData.load(d, layers=(-1,)) for d in edir]
     data = [d for d in data if len(d) == 6][0]
     head = load_mtp(tmp_path / "out", target, None, 0).float()
-    assert evaluate(trainer, head, data, list(range(6)), target, args, "cpu") == ev
+    score = evaluate(trainer, head, data, list(range(6)), target, args, "cpu")
+    assert score.accuracy() == ev and score.acceptance_length() == report["eval_expected_acceptance_length"]
 
 
 def test_batches_gather_padded_rows_with_masks():

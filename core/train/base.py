@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,14 +45,97 @@ class Trainer:
         raise NotImplementedError
 
     def loss(self, module: nn.Module, batch: Batch, target: TargetParts,
-             args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(scalar loss, correct [K], counted [K]): top-1 agreement with the target per position."""
+             args: argparse.Namespace) -> tuple[torch.Tensor, "Score"]:
+        """(scalar loss, :class:`Score`): top-1 agreement with the target per draft position
+        and chain acceptance (:func:`chain_score`). A 3-tuple (loss, correct [K], counted
+        [K]) is accepted too (no acceptance length then)."""
         raise NotImplementedError
 
     def export(self, module: nn.Module, out: Path, target: TargetParts, args: argparse.Namespace,
                meta: dict[str, Any]) -> None:
         """Write the trained module in its public checkpoint format."""
         raise NotImplementedError
+
+
+@attrs.define(eq=False)
+class Score:
+    """Top-1 agreement with the target per draft position, and how long greedy chains run.
+
+    ``correct[j] / count[j]`` is the agreement at position ``j`` (marginal). ``runs[j]``
+    counts anchors where positions ``0..j`` all agree, among ``anchors``: anchors of greedy
+    answers that are scored at every position. On a greedy answer the tokens are the
+    target's argmax, so a chain drafted from anchor ``t`` is accepted through position
+    ``j`` exactly when positions ``0..j`` agree: ``1 + sum(runs) / anchors`` is the mean
+    acceptance length of a chain of ``K`` drafts started at a random answer position.
+    """
+
+    correct: torch.Tensor  # [K]
+    count: torch.Tensor    # [K]
+    runs: torch.Tensor     # [K]
+    anchors: torch.Tensor  # []
+
+    @classmethod
+    def zeros(cls, K: int) -> "Score":
+        return cls(torch.zeros(K), torch.zeros(K), torch.zeros(K), torch.zeros(()))
+
+    @classmethod
+    def coerce(cls, value) -> "Score":
+        """A Score, or one from a trainer's (correct, count) pair (no chain figures)."""
+        if isinstance(value, Score):
+            return value
+        correct, count = value
+        return cls(correct.float(), count.float(), torch.zeros_like(correct.float()), torch.zeros(()))
+
+    def __add__(self, other: "Score") -> "Score":
+        return Score(self.correct + other.correct, self.count + other.count, self.runs + other.runs,
+                     self.anchors + other.anchors)
+
+    def accuracy(self) -> list[float]:
+        """Agreement per position."""
+        return [round(float(c / n), 4) if n else 0.0 for c, n in zip(self.correct, self.count)]
+
+    def acceptance(self) -> list[float]:
+        """Per position: the chance a greedy chain is accepted there, given it was up to there."""
+        prev = [self.anchors] + list(self.runs[:-1])
+        return [round(float(r / p), 4) if p else 0.0 for r, p in zip(self.runs, prev)]
+
+    def acceptance_length(self) -> float | None:
+        """Expected acceptance length of a ``K``-draft greedy chain (None: no greedy anchors)."""
+        if not self.anchors:
+            return None
+        return round(1.0 + float(self.runs.sum() / self.anchors), 3)
+
+
+def chain_score(ok: Sequence[torch.Tensor], scored: Sequence[torch.Tensor],
+                greedy: torch.Tensor | None) -> Score:
+    """A :class:`Score` from per-position results aligned at anchors.
+
+    ``ok[j]`` / ``scored[j]`` ([B, T_j] bool, anchor ``t`` at column ``t``): the draft for
+    position ``j`` from anchor ``t`` agrees with the target / is scored. ``greedy`` [B]:
+    rows whose answer is greedy (None: all).
+    """
+    K = len(ok)
+    T = min(o.shape[1] for o in ok)
+    correct = torch.stack([(o & s).sum() for o, s in zip(ok, scored)]).float().cpu()
+    count = torch.stack([s.sum() for s in scored]).float().cpu()
+    every = scored[0][:, :T].clone()
+    for s in scored[1:]:
+        every &= s[:, :T]
+    if greedy is not None:
+        every &= greedy.view(-1, 1).to(every.device)
+    run = every
+    runs = []
+    for j in range(K):
+        run = run & ok[j][:, :T]
+        runs.append(run.sum())
+    return Score(correct, count, torch.stack(runs).float().cpu(), every.sum().float().cpu())
+
+
+def scatter_rows(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A bool tensor shaped like ``mask`` holding ``values`` where ``mask`` is set."""
+    out = torch.zeros_like(mask)
+    out[mask] = values
+    return out
 
 
 def soft_ce(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -123,7 +207,7 @@ def chain_unroll(head, batch: Batch, steps: int):
 
 
 def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tensor | None, score,
-               extra=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               extra=None) -> tuple[torch.Tensor, Score]:
     """The unrolled loss of a chain head (EAGLE, EAGLE-3, MTP) and its agreement per step.
 
     At step ``j`` the output at anchor ``t`` is scored (``score(o) -> logits`` over
@@ -136,7 +220,7 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
     td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
     T = batch.tokens.shape[1]
     total = torch.zeros((), device=batch.tokens.device)
-    correct, count = torch.zeros(K), torch.zeros(K)
+    ok, scored = [], []
     for j, out in chain_unroll(head, batch, K):
         m = batch.target_mask(j + 1, args.loss_on)
         rows = td.rows(j + 1, m)
@@ -147,8 +231,9 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
             step = extra(step, j, o, m)
         total = total + args.step_decay ** j * step
         pred = logits.argmax(-1)
-        correct[j], count[j] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
-    return total, correct, count
+        ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
+        scored.append(m)
+    return total, chain_score(ok, scored, batch.greedy)
 
 
 def layer_from_target(layer, target_state: dict[str, torch.Tensor], index: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from speculum.errors import ConfigError
 
 BUILTIN = {"draft": "speculum.train.draft:DraftTrainer"}
+AMP = ("bf16", "off")
 GROUP = "speculum.train"
 
 
@@ -49,19 +50,38 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     g.add_argument("--extra-answers", type=int, default=0,
                    help="sampled answers added per instruction-style prompt (sources other than t0/*)")
-    g.add_argument("--extra-temperature", type=float, default=0.8, help="temperature of the extra answers")
+    g.add_argument("--extra-temperature", default="0.8", metavar="T[,T...]",
+                   help="temperature(s) of the sampled answers, taken in turn (e.g. 0.7,1.0)")
+    g.add_argument("--long-form", type=int, default=0, metavar="N",
+                   help="long-form answers per instruction-style prompt: a request for detail is appended "
+                        "(the first greedy, then sampled)")
+    g.add_argument("--second-turns", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of single-turn prompts that get a second turn: the target writes a follow-up "
+                        "question about its own answer, then answers it (all through the chat template)")
+    g.add_argument("--max-turns", type=int, default=2,
+                   help="user turns answered per conversation (--data conversations, MT-bench's two turns)")
+    g.add_argument("--data", action="append", default=[], metavar="JSONL",
+                   help="your own prompts or conversations, added to --prompts: rows with 'prompt', ShareGPT "
+                        "'conversations' [{'from': 'human'|'gpt', 'value'}] or OpenAI 'messages' [{'role', "
+                        "'content'}]; the target answers every user turn (repeatable)")
     g.add_argument("--data-seed", type=int, default=0)
     g.add_argument("--gen-batch", type=int, default=32, help="max_num_seqs while generating")
     g.add_argument("--gen-shard-size", type=int, default=64,
                    help="prompts per cached shard (fixed by the first run that creates a cache)")
     g.add_argument("--gen-device", default=None, help="device for generation (default: --device)")
     g.add_argument("--gen-dtype", default="auto")
+    g.add_argument("--gen-max-model-len", type=int, default=2048, help="context of the generating engine")
+    g.add_argument("--gen-time-limit", type=float, default=0, metavar="SECONDS",
+                   help="stop generating after this long and train on the shards finished (0: no limit)")
+    g.add_argument("--prepare-only", action="store_true",
+                   help="make (or check) the self-distillation data, print its mix and exit")
     g.add_argument("--cache-dir", default=None, help="default: $SPECULUM_CACHE/distill")
     g.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation")
     g.add_argument("--val-max-seqs", type=int, default=64)
     g.add_argument("--eval-prompts", default=None, metavar="JSONL",
-                   help="also report accuracy on the target's answers to these prompts (e.g. "
-                        "shared/data/mt_bench.jsonl: evaluation only, never trained on)")
+                   help="also report accuracy and acceptance length on the target's answers to these prompts "
+                        "(e.g. shared/data/mt_bench.jsonl; training prompts matching them are dropped). "
+                        "MT-bench is always kept out of training")
     g.add_argument("--eval-num-prompts", type=int, default=80)
     g.add_argument("--loss-on", choices=("answer", "all"), default="answer",
                    help="train on answer tokens only, or on every position")
@@ -79,11 +99,15 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--clip", type=float, default=1.0)
-    t.add_argument("--eval-every", type=int, default=250)
+    t.add_argument("--eval-every", type=int, default=250, help="validate every N steps (0: only at the end)")
+    t.add_argument("--eval-seconds", type=float, default=0,
+                   help="also validate every this many seconds of training (the training curve)")
     t.add_argument("--save-every", type=int, default=250)
     t.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds of training (then validate and export as at the end)")
     t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    t.add_argument("--amp", choices=sorted(AMP), default="off",
+                   help="bf16: forward and loss under bf16 autocast (fp32 master weights; validation in fp32)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
     t.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -108,8 +132,10 @@ def cmd_train(args) -> int:
     if not targs.prompts:
         from speculum.testing import shared_dir
         targs.prompts = str(shared_dir() / "data" / "train_prompts.jsonl")
-    if "mt_bench" in Path(targs.prompts).name:
-        raise ConfigError("MT-bench is for evaluation only; train on shared/data/train_prompts.jsonl")
+    for f in [targs.prompts, *targs.data]:
+        if "mt_bench" in Path(f).name:
+            raise ConfigError(f"{f}: MT-bench is for evaluation only; train on shared/data/train_prompts.jsonl "
+                              "(and --data files of your own)")
     targs.argv = ["train", args.method, *args.rest]
     run(trainer, targs, all_trainers=found.values())
     return 0

@@ -28,6 +28,9 @@ class Batch:
     valid: torch.Tensor
     # [B, T] the token after position t belongs to the answer (t + 1 >= P)
     answer_next: torch.Tensor
+    # [B] the row's answer is the target's greedy one (its tokens are the argmax: what a
+    # greedy chain drafts when every earlier draft was accepted)
+    greedy: torch.Tensor | None = None
 
     def target_mask(self, shift: int, loss_on: str = "answer") -> torch.Tensor:
         """[B, T - shift] anchors ``t`` whose position ``t + shift`` is a training target.
@@ -55,8 +58,12 @@ class DistillData:
     tokens: torch.Tensor        # [N] int64
     offsets: torch.Tensor       # [S + 1]
     prompt_lens: torch.Tensor   # [S]
-    prompt_index: torch.Tensor  # [S] row of the prompt file
+    prompt_index: torch.Tensor  # [S] group id of the source row (its row in the prompt file)
     hidden: dict[int, torch.Tensor]  # layer -> [N, H] bfloat16
+    #: [S] kind of each answer (index in speculum.train.mix.KINDS; 0 for older caches)
+    kind: torch.Tensor | None = None
+    #: [S] sampling temperature of each answer (0: greedy; 0 for older caches)
+    temperature: torch.Tensor | None = None
 
     @classmethod
     def load(cls, path: Path, layers: Sequence[int] | None = None, shards: Sequence[str] | None = None) -> "DistillData":
@@ -64,14 +71,19 @@ class DistillData:
         from safetensors.torch import load_file
         if shards is None:
             shards = json.loads((Path(path) / "meta.json").read_text())["shards"]
-        toks, offs, plens, pidx, hid = [], [0], [], [], {}
+        toks, offs, plens, pidx, kinds, temps, hid = [], [0], [], [], [], [], {}
         for name in shards:
             d = load_file(str(Path(path) / name))
+            S = d["prompt_lens"].shape[0]
+            if S == 0:  # every prompt of the shard was skipped
+                continue
             base = offs[-1]
             toks.append(d["tokens"].long())
             offs += (d["offsets"][1:] + base).tolist()
             plens.append(d["prompt_lens"].long())
             pidx.append(d["prompt_index"].long())
+            kinds.append(d["kind"].long() if "kind" in d else torch.zeros(S, dtype=torch.int64))
+            temps.append(d["temperature"].float() if "temperature" in d else torch.zeros(S))
             for k, v in d.items():
                 if k.startswith("hidden."):
                     layer = int(k.split(".", 1)[1])
@@ -80,7 +92,7 @@ class DistillData:
         if not toks:
             raise ValueError(f"no distillation shards in {path}")
         return cls(torch.cat(toks), torch.tensor(offs), torch.cat(plens), torch.cat(pidx),
-                   {k: torch.cat(v) for k, v in hid.items()})
+                   {k: torch.cat(v) for k, v in hid.items()}, torch.cat(kinds), torch.cat(temps))
 
     def __len__(self) -> int:
         return self.prompt_lens.shape[0]
@@ -137,4 +149,6 @@ class DistillData:
         tokens = torch.where(keep, self.tokens[idx], 0)
         hidden = {l: h[idx].float() * keep.unsqueeze(-1) for l, h in self.hidden.items()}
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next))
+        temps = self.temperature if self.temperature is not None else torch.zeros(len(self))
+        greedy = torch.tensor([float(temps[i]) == 0.0 for i in ids])
+        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next), to(greedy))

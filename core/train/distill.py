@@ -1,16 +1,24 @@
 """Self-distillation data: the target answers training prompts, its hidden states recorded.
 
-Generation runs through :class:`speculum.LLM` (batched, greedy or sampled, on any device)
-with an in-process *recorder* proposer: it drafts nothing and declares the hidden layers
-to keep, so the engine hands it the prefill's states and those of every decode step, the
-same plumbing the EAGLE/Medusa/MTP proposers use at inference.
+Generation runs through :class:`speculum.LLM` (batched, greedy or sampled, on any device,
+with CUDA graphs on a GPU) with an in-process *recorder* proposer: it drafts nothing and
+declares the hidden layers to keep, so the engine hands it the prefill's states and those
+of every decode step, the same plumbing the EAGLE/Medusa/MTP proposers use at inference.
+
+What is answered is the data mix of :mod:`speculum.train.mix` (several answers per
+instruction prompt, long-form answers, second turns). Jobs stream through the engine
+continuously: a finished answer that wants a follow-up queues its next job at once, so
+the batch stays full and a conversation's turns need no separate passes.
 
 The result is cached under ``$SPECULUM_CACHE/distill/<model>-<key>/`` in shards of
-``shard_size`` prompts (``shard_00000.safetensors`` ...); an interrupted run resumes at
-the first missing shard, and a run asking for more prompts extends the same cache. Each shard holds, for its ``S`` sequences of ``N`` tokens in all:
+``shard_size`` source rows (``shard_00000.safetensors`` ...) with all their answers; an
+interrupted run resumes at the missing shards, and a run asking for more prompts extends
+the same cache. Each shard holds, for its ``S`` sequences of ``N`` tokens in all:
 ``tokens`` [N] int32, ``offsets`` [S + 1] int64, ``prompt_lens`` [S] int32, ``prompt_index``
-[S] int32 (row of the prompt file) and ``hidden.<layer>`` [N, H] bfloat16: the target's
-state at each position (the last token of a sequence has none and gets zeros).
+[S] int32 (the row's group id: its row in the prompt file), ``kind`` [S] int32 (index in
+:data:`speculum.train.mix.KINDS`), ``temperature`` [S] float32 and ``hidden.<layer>``
+[N, H] bfloat16: the target's state at each position (the last token of a sequence has
+none and gets zeros).
 """
 
 from __future__ import annotations
@@ -18,17 +26,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
 
 import speculum
 from speculum.interfaces import Draft
+from speculum.train.mix import (DATA_BASE, KINDS, QUESTION, Job, Row, drop_overlaps, eval_texts, first_jobs,
+                                next_jobs, order_rows, read_rows)
 
 log = logging.getLogger(__name__)
+
+#: fields keyed as they are (caches made before the others existed stay valid)
+_ALWAYS_KEYED = ("model", "prompts", "max_prompt_tokens", "max_tokens", "temperature", "seed", "layers", "chat")
 
 
 @attrs.frozen
@@ -46,52 +59,91 @@ class DistillSpec:
     chat: bool = True
     #: extra sampled answers per instruction-style prompt (sources other than ``t0/...``)
     extra_answers: int = 0
-    extra_temperature: float = 0.8
+    #: their temperature, or temperatures taken in turn
+    extra_temperature: float | tuple[float, ...] = 0.8
+    #: long-form answers per instruction-style prompt (a request for detail appended)
+    long_form: int = 0
+    #: fraction of single-turn prompts answered again after a follow-up the target writes
+    second_turns: float = 0.0
+    #: user turns answered per conversation (MT-bench and ``data`` rows may have several)
+    max_turns: int = 1
+    #: the user's own prompts or conversations (JSONL), all of them, before ``prompts``
+    data: tuple[str, ...] = ()
+    #: evaluation sets: rows whose user turns match one of theirs are dropped
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def extra_temperatures(self) -> tuple[float, ...]:
+        t = self.extra_temperature
+        return tuple(float(x) for x in t) if isinstance(t, (tuple, list)) else (float(t),)
 
     def key(self) -> str:
         """Everything but ``num_prompts``: shards are a prefix-stable sequence, so a larger
-        run extends a smaller one's cache and a smaller run reuses its first shards."""
-        d = attrs.asdict(self)
-        d.pop("num_prompts")
-        if not self.extra_answers:  # caches made before these fields existed stay valid
-            d.pop("extra_answers")
-            d.pop("extra_temperature")
-        p = Path(self.prompts)
-        d["prompts"] = [p.name, p.stat().st_size] if p.exists() else self.prompts
+        run extends a smaller one's cache and a smaller run reuses its first shards. Fields
+        added later enter the key only when they differ from their defaults."""
+        defaults = {f.name: f.default for f in attrs.fields(type(self))}
+        d = {k: v for k, v in attrs.asdict(self).items()
+             if k != "num_prompts" and (k in _ALWAYS_KEYED or v != defaults[k])}
+
+        def file_id(f: str):
+            p = Path(f)
+            return [p.name, p.stat().st_size] if p.exists() else f
+        d["prompts"] = file_id(self.prompts)
+        for k in ("data", "exclude"):
+            if k in d:
+                d[k] = [file_id(f) for f in d[k]]
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
 class Recorder:
-    """A proposer that drafts nothing and records the target's hidden states."""
+    """A proposer that drafts nothing and records the target's hidden states.
+
+    Per step it copies the states of all layers to the host in one transfer and keeps,
+    per sequence, references to its rows; a finished sequence's states are gathered
+    once, at :meth:`remove_request`.
+    """
 
     def __init__(self, layers: Sequence[int]):
         self.hidden_layers = tuple(layers)
-        self.live: dict[int, tuple[list[int], int, dict[int, list[torch.Tensor]]]] = {}
+        #: seq_id -> (token list, prompt length, prefill {layer: [P - 1, H]}, [(step [B, nL, H], row)])
+        self.live: dict[int, tuple[list[int], int, dict[int, torch.Tensor], list]] = {}
+        #: seq_id -> (tokens, prompt length, {layer: [n, H]}) of finished sequences
         self.done: dict[int, tuple[list[int], int, dict[int, torch.Tensor]]] = {}
 
     def add_request(self, seq, hidden_states=None):
-        parts = {l: [hidden_states[l].to("cpu", torch.bfloat16)] for l in self.hidden_layers}
-        self.live[seq.seq_id] = (seq.token_ids, seq.num_prompt_tokens, parts)
+        self.done.pop(seq.seq_id, None)  # a preempted sequence is recorded again from the start
+        pre = {l: hidden_states[l].to("cpu", torch.bfloat16) for l in self.hidden_layers}
+        self.live[seq.seq_id] = (seq.token_ids, seq.num_prompt_tokens, pre, [])
 
     def propose(self, batch):
         B = len(batch.seqs)
         return Draft(token_ids=torch.empty(B, 0, dtype=torch.int64), lengths=[0] * B)
 
     def observe(self, feedback):
-        hs = {l: feedback.hidden_states[l][:, 0].to("cpu", torch.bfloat16) for l in self.hidden_layers}
+        hs = feedback.hidden_states
+        step = torch.stack([hs[l][:, 0] for l in self.hidden_layers], dim=1).to("cpu", torch.bfloat16)  # [B, nL, H]
         for b, sid in enumerate(feedback.seq_ids):
-            for l in self.hidden_layers:
-                self.live[sid][2][l].append(hs[l][b: b + 1])
+            self.live[sid][3].append((step, b))
 
     def remove_request(self, seq_id):
-        tokens, P, parts = self.live.pop(seq_id)
+        tokens, P, pre, steps = self.live.pop(seq_id)
         tokens = list(tokens)
         n = len(tokens)
         feats = {}
-        for l, ps in parts.items():
-            h = torch.cat(ps)[: n - 1]
+        rows = torch.stack([s[b] for s, b in steps]) if steps else None  # [n_steps, nL, H]
+        for i, l in enumerate(self.hidden_layers):
+            h = pre[l] if rows is None else torch.cat([pre[l], rows[:, i]])
+            h = h[: n - 1]
             feats[l] = torch.cat([h, h.new_zeros(n - h.shape[0], h.shape[1])])  # the last token: none
-        self.done[seq_id] = (tokens, P, feats)  # a preempted sequence is recorded again later
+        self.done[seq_id] = (tokens, P, feats)
+
+    def take(self, tokens: Sequence[int]) -> tuple[list[int], int, dict[int, torch.Tensor]]:
+        """The record of the finished sequence with exactly these tokens (prompt + output)."""
+        want = list(tokens)
+        for sid, rec in self.done.items():
+            if rec[0] == want:
+                return self.done.pop(sid)
+        raise RuntimeError("recorder lost a finished sequence (was it preempted and not recomputed?)")
 
 
 def _recorder_plugin(recorder: Recorder):
@@ -103,42 +155,55 @@ def _recorder_plugin(recorder: Recorder):
     return RecorderPlugin
 
 
-def is_instruction(row: dict) -> bool:
-    """An open-ended instruction (user-oriented or seed task), not a T0 template."""
-    return not str(row.get("source", "")).startswith("t0")
+@attrs.define
+class Selection:
+    """The source rows of a spec, in cache order, and what the checks dropped."""
+
+    rows: list[Row]
+    #: rows dropped because they match an evaluation prompt
+    dropped_overlaps: int = 0
+    #: rows skipped because their first prompt is longer than ``max_prompt_tokens``
+    too_long: int = 0
 
 
-def select_prompts(spec: DistillSpec, tokenizer) -> list[tuple[int, object]]:
-    """(row, prompt) pairs: instruction-style sources first, then the others, all shuffled,
-    keeping prompts of at most ``max_prompt_tokens`` tokens, ``num_prompts`` in all; an
-    instruction-style prompt is repeated ``extra_answers`` times after itself (sampled).
+def _first_prompt_len(row: Row, spec: DistillSpec, tokenizer) -> int:
+    if row.token_ids is not None:
+        return len(row.token_ids)
+    if spec.chat:
+        msgs = ([{"role": "system", "content": row.system}] if row.system else []) + \
+            [{"role": "user", "content": row.turns[0]}]
+        return len(tokenizer.apply_chat_template(msgs))
+    return len(tokenizer.encode(row.turns[0]))
 
-    Rows have ``prompt`` (text, sent through the chat template unless ``chat`` is off) or
-    ``prompt_token_ids``."""
-    rows = [json.loads(l) for l in Path(spec.prompts).read_text().split("\n") if l.strip()]
-    rng = random.Random(spec.seed)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    # sources that look like MT-bench (user instructions, seed tasks) before T0 templates
-    order.sort(key=lambda i: not is_instruction(rows[i]))
-    out, taken = [], 0
-    for i in order:
-        if "prompt_token_ids" in rows[i]:  # token ids (models without a tokenizer, tests)
-            prompt = {"prompt_token_ids": [int(t) for t in rows[i]["prompt_token_ids"]]}
-            n = len(prompt["prompt_token_ids"])
+
+def select_rows(spec: DistillSpec, tokenizer) -> Selection:
+    """Rows to answer: every row of the ``data`` files, then ``num_prompts`` rows of the
+    prompt file (shuffled with the seed, instruction-style first); rows matching an
+    ``exclude`` set are dropped, rows whose first prompt exceeds ``max_prompt_tokens`` skipped."""
+    texts = eval_texts(spec.exclude)
+    data_rows = []
+    for n, f in enumerate(spec.data):
+        data_rows += read_rows(f, base=DATA_BASE * (n + 1), source=f"data:{Path(f).name}")
+    data_rows, d1 = drop_overlaps(data_rows, texts)
+    prompt_rows, d2 = drop_overlaps(order_rows(read_rows(spec.prompts), spec.seed), texts)
+    out, too_long, taken = [], 0, 0
+    for r in data_rows:
+        if _first_prompt_len(r, spec, tokenizer) <= spec.max_prompt_tokens:
+            out.append(r)
         else:
-            text = rows[i].get("prompt") or rows[i].get("text") or (rows[i].get("turns") or [""])[0]
-            prompt = [{"role": "user", "content": text}] if spec.chat else text
-            n = len(tokenizer.apply_chat_template(prompt) if spec.chat else tokenizer.encode(text))
-        if n <= spec.max_prompt_tokens:
-            taken += 1
-            out.append((i, prompt))
-            # open-ended prompts also get sampled answers: more of the long-form text that
-            # chat benchmarks ask for (the target's own distribution is the label either way)
-            out += [(i, prompt)] * (spec.extra_answers if is_instruction(rows[i]) else 0)
+            too_long += 1
+    for r in prompt_rows:
         if taken >= spec.num_prompts:
             break
-    return out
+        if _first_prompt_len(r, spec, tokenizer) <= spec.max_prompt_tokens:
+            out.append(r)
+            taken += 1
+        else:
+            too_long += 1
+    if d1 + d2:
+        log.warning("self-distillation: dropped %d prompts that match the evaluation prompts (%s)", d1 + d2,
+                    ", ".join(Path(e).name for e in spec.exclude))
+    return Selection(out, d1 + d2, too_long)
 
 
 def cache_dir(spec: DistillSpec, root: Path | None = None) -> Path:
@@ -147,76 +212,198 @@ def cache_dir(spec: DistillSpec, root: Path | None = None) -> Path:
     return root / f"{Path(spec.model).name}-{spec.key()}"
 
 
+def _prompt_ids(job: Job, tokenizer) -> list[int]:
+    """The token ids a job sends (chat template, plus a question's forced first words)."""
+    if job.messages is None:
+        if job.row.token_ids is not None:
+            return list(job.row.token_ids)
+        return tokenizer.encode(job.row.turns[0])
+    ids = tokenizer.apply_chat_template(list(job.messages))
+    if job.start:
+        ids += list(tokenizer.hf.encode(job.start, add_special_tokens=False))
+    return ids
+
+
+@attrs.define(eq=False)
+class _Shard:
+    index: int
+    rows: list[Row]
+    open: int = 0  # jobs queued or running
+    records: list = attrs.field(factory=list)
+
+
+def stream_jobs(llm, recorder: Recorder, shards: list[_Shard], spec: DistillSpec,
+                on_done: Callable[[_Shard], None], time_limit: float = 0, bar=None) -> int:
+    """Answer every job of ``shards`` through ``llm`` (continuous batching); a shard is
+    handed to ``on_done`` once all its jobs, follow-ups included, are finished. With
+    ``time_limit`` (seconds), stops there and drops unfinished shards; returns how many
+    shards were finished."""
+    from speculum.sampling import SamplingParams
+    tok = llm.tokenizer
+    room = llm.max_model_len - 1
+    queue: list[tuple[_Shard, Job]] = [(s, j) for s in shards for r in s.rows for j in first_jobs(r, spec, spec.chat)]
+    queue.reverse()  # a stack: pop() takes the next in order
+    for s, _ in queue:
+        s.open += 1
+    running: dict[str, tuple[_Shard, Job]] = {}
+    ids = iter(range(1 << 62))
+    t0, finished = time.perf_counter(), 0
+
+    def submit(shard: _Shard, job: Job) -> None:
+        prompt = _prompt_ids(job, tok)
+        max_tokens = job.max_tokens or spec.max_tokens
+        if len(prompt) >= room:  # a conversation grown past the context: nothing to answer
+            shard.open -= 1
+            return
+        params = SamplingParams(temperature=job.temperature, max_tokens=min(max_tokens, room - len(prompt)),
+                                seed=job.seed if job.temperature > 0 else None)
+        rid = f"d{next(ids)}"
+        llm.add_request(rid, {"prompt_token_ids": prompt}, params)
+        running[rid] = (shard, job)
+
+    def close(shard: _Shard) -> None:
+        nonlocal finished
+        if shard.open == 0:
+            on_done(shard)
+            finished += 1
+            if bar is not None:
+                bar.update(len(shard.rows))
+
+    while queue or running:
+        if time_limit and time.perf_counter() - t0 > time_limit:
+            for rid in list(running):
+                llm.abort_request(rid)
+            recorder.done.clear()
+            log.warning("self-distillation stopped at its time limit (%.0f s): %d of %d shards finished",
+                        time_limit, finished, len(shards))
+            break
+        while queue and llm.num_waiting < llm.max_num_seqs:  # keep the batch full, the queue short
+            shard, job = queue.pop()
+            submit(shard, job)
+            close(shard)  # a shard whose jobs were all skipped
+        for out in llm.step(include_running=False):
+            shard, job = running.pop(out.request_id)
+            tokens, P, feats = recorder.take(out.prompt_token_ids + out.token_ids)
+            if job.kind != QUESTION:
+                shard.records.append((job, tokens, P, feats))
+            follow = next_jobs(job, out.text or tok.decode(out.token_ids), spec)
+            shard.open += len(follow) - 1
+            for nj in follow:
+                submit(shard, nj)  # at once: the conversation goes on in the running batch
+            close(shard)
+    return finished
+
+
 def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: int = 32, device: str = "auto",
-                   dtype: str = "auto", shard_size: int = 64, progress: bool = True) -> tuple[Path, list[str]]:
+                   dtype: str = "auto", shard_size: int = 64, progress: bool = True, time_limit: float = 0,
+                   max_model_len: int = 2048) -> tuple[Path, list[str]]:
     """Generate (or reuse) the cached distillation data of ``spec``.
 
-    Returns the cache directory and the shard files that make up ``spec.num_prompts``.
+    Returns the cache directory and the finished shard files that make up
+    ``spec.num_prompts`` (all of them, unless ``time_limit`` seconds of generation ran out
+    first). ``meta.json`` there records the data mix (sequences and answer tokens per
+    kind), the rows dropped as evaluation prompts and the generation time.
     """
     from speculum.engine import LLM
-    from speculum.sampling import SamplingParams
+    from speculum.model_source import resolve_model_path
+    from speculum.tokenizer import Tokenizer
     out = cache_dir(spec, root)
     out.mkdir(parents=True, exist_ok=True)
     meta_file = out / "meta.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {
         "spec": {k: v for k, v in attrs.asdict(spec).items() if k != "num_prompts"}, "shard_size": shard_size,
-        "shards": [], "sizes": {}}
+        "shards": [], "sizes": {}, "mix": {}}
     shard_size = meta["shard_size"]
-    from speculum.model_source import resolve_model_path
-    from speculum.tokenizer import Tokenizer
-    prompts = select_prompts(spec, Tokenizer.load(resolve_model_path(spec.model)))
-    starts = list(range(0, len(prompts), shard_size))
-    shards = [prompts[i: i + shard_size] for i in starts]
-    params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens,
-                            seed=spec.seed if spec.temperature > 0 else None)
-
-    def item_params(pos: int) -> SamplingParams:
-        """The first answer of a prompt uses ``temperature``; repeats are sampled."""
-        if pos == 0 or prompts[pos - 1][0] != prompts[pos][0]:
-            return params
-        return SamplingParams(temperature=spec.extra_temperature, max_tokens=spec.max_tokens,
-                              seed=spec.seed * 1_000_003 + pos)
+    sel = select_rows(spec, Tokenizer.load(resolve_model_path(spec.model)))
+    meta["selection"] = {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}
+    shards = [_Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
     names = [f"shard_{i:05d}.safetensors" for i in range(len(shards))]
-    # a shard is done when it holds all its prompts (a smaller earlier run may have cut it)
-    todo = [i for i, n in enumerate(names) if meta["sizes"].get(n) != len(shards[i])]
+    # a shard is done when it holds all its rows (a smaller earlier run may have cut it)
+    todo = [s for s, n in zip(shards, names) if meta["sizes"].get(n) != len(s.rows)]
     if not todo:
+        meta_file.write_text(json.dumps(meta, indent=2))
         return out, names
     recorder = Recorder(spec.layers)
     llm = LLM(spec.model, {"method": "_distill_recorder", "num_speculative_tokens": 1}, device=device, dtype=dtype,
-              seed=spec.seed, max_num_seqs=max_num_seqs, plugins=[_recorder_plugin(recorder)])
+              seed=spec.seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+              plugins=[_recorder_plugin(recorder)])
     bar = None
-    if progress and todo:
+    if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt",
-                   initial=len(prompts) - sum(len(shards[i]) for i in todo))
-    for i in todo:
-        shard, name = shards[i], names[i]
-        recorder.done.clear()
-        shard_params = [item_params(starts[i] + j) for j in range(len(shard))]
-        outs = llm.generate([p for _, p in shard], shard_params)  # continuous batching over the shard
-        if bar is not None:
-            bar.update(len(shard))
-        recs = [recorder.done[s] for s in sorted(recorder.done)]
-        for (tokens, P, _), o in zip(recs, outs):
-            assert tokens[:P] == o.prompt_token_ids and tokens[P:] == o.token_ids, "recorder out of order"
-        _write_shard(out / name, recs, [r for r, _ in shard])
+        bar = tqdm(total=len(sel.rows), desc="self-distillation", unit="prompt",
+                   initial=len(sel.rows) - sum(len(s.rows) for s in todo))
+    t0 = time.perf_counter()
+
+    def write(shard: _Shard) -> None:
+        name = names[shard.index]
+        pos = {r.index: i for i, r in enumerate(shard.rows)}
+        # a fixed order, whatever order the answers finished in
+        recs = sorted(shard.records, key=lambda r: (pos[r[0].row.index], r[0].turn, r[0].kind, r[0].seed))
+        _write_shard(out / name, recs, spec.layers)
         meta["shards"] = sorted(set(meta["shards"]) | {name})
-        meta["sizes"][name] = len(shard)
+        meta["sizes"][name] = len(shard.rows)
+        meta["mix"][name] = mix_counts(recs)
+        shard.records = []
         meta_file.write_text(json.dumps(meta, indent=2))
+
+    done = stream_jobs(llm, recorder, todo, spec, write, time_limit, bar)
     if bar is not None:
         bar.close()
+    meta["generation_seconds"] = round(meta.get("generation_seconds", 0) + time.perf_counter() - t0, 1)
+    meta_file.write_text(json.dumps(meta, indent=2))
+    del llm
+    _free_memory()
+    if done < len(todo):  # out of time: the shards finished so far
+        names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
     return out, names
 
 
-def _write_shard(path: Path, recs, prompt_rows: list[int]) -> None:
+def _free_memory() -> None:
+    """Give the generation engine's GPU memory back before training starts."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def mix_counts(recs) -> dict[str, list[int]]:
+    """{kind: [sequences, answer tokens]} of a shard's records."""
+    out: dict[str, list[int]] = {}
+    for job, tokens, P, _ in recs:
+        c = out.setdefault(KINDS[job.kind], [0, 0])
+        c[0] += 1
+        c[1] += len(tokens) - P
+    return out
+
+
+def mix_summary(path: Path, shards: Sequence[str]) -> dict:
+    """The data mix of ``shards`` of a cache: sequences and answer tokens per kind, and the
+    selection's dropped rows (from ``meta.json``)."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    kinds: dict[str, list[int]] = {}
+    for n in shards:
+        for k, (s, t) in meta.get("mix", {}).get(n, {}).items():
+            c = kinds.setdefault(k, [0, 0])
+            c[0] += s
+            c[1] += t
+    return {"sequences_per_kind": {k: v[0] for k, v in kinds.items()},
+            "answer_tokens_per_kind": {k: v[1] for k, v in kinds.items()},
+            **{k: v for k, v in meta.get("selection", {}).items()},
+            "generation_seconds": meta.get("generation_seconds")}
+
+
+def _write_shard(path: Path, recs, layers: Sequence[int]) -> None:
     from safetensors.torch import save_file
-    tokens = torch.tensor([t for toks, _, _ in recs for t in toks], dtype=torch.int32)
-    lens = torch.tensor([0] + [len(toks) for toks, _, _ in recs], dtype=torch.int64)
-    data = {"tokens": tokens, "offsets": lens.cumsum(0), "prompt_lens": torch.tensor([P for _, P, _ in recs],
-                                                                                     dtype=torch.int32),
-            "prompt_index": torch.tensor(prompt_rows, dtype=torch.int32)}
-    for layer in recs[0][2]:
-        data[f"hidden.{layer}"] = torch.cat([f[layer] for _, _, f in recs]).contiguous()
+    tokens = torch.tensor([t for _, toks, _, _ in recs for t in toks], dtype=torch.int32)
+    lens = torch.tensor([0] + [len(toks) for _, toks, _, _ in recs], dtype=torch.int64)
+    data = {"tokens": tokens, "offsets": lens.cumsum(0),
+            "prompt_lens": torch.tensor([P for _, _, P, _ in recs], dtype=torch.int32),
+            "prompt_index": torch.tensor([j.row.index for j, _, _, _ in recs], dtype=torch.int32),
+            "kind": torch.tensor([j.kind for j, _, _, _ in recs], dtype=torch.int32),
+            "temperature": torch.tensor([j.temperature for j, _, _, _ in recs], dtype=torch.float32)}
+    for layer in layers:
+        parts = [f[layer] for _, _, _, f in recs]
+        data[f"hidden.{layer}"] = torch.cat(parts).contiguous() if parts else torch.zeros(0, 1, dtype=torch.bfloat16)
     tmp = path.with_suffix(".tmp")
     save_file(data, str(tmp))
     tmp.rename(path)
