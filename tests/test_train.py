@@ -230,3 +230,18 @@ def test_batches_gather_padded_rows_with_masks():
                 assert torch.equal(b.hidden[l][r, :n], data.hidden[l][s:e].float()) and not b.hidden[l][r, n:].any()
         b2 = data.to("cpu").batch(ids, max_len, "cpu", ctx)
         assert torch.equal(b2.tokens, b.tokens) and torch.equal(b2.hidden[-1], b.hidden[-1])
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "mtp", "draft"])
+def test_every_method_trains_under_bf16_autocast(tiny_llama, prompts, tmp_path, method):
+    """--amp bf16 (what the GPU runs use): every method's loss runs under autocast; the
+    report and validation (fp32) are written."""
+    if method != "draft":
+        pytest.importorskip(f"speculum_{method.rstrip('3')}")
+    out = tmp_path / method
+    assert train([method, "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12",
+                  "--max-tokens", "12", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--out", str(out),
+                  "--steps", "3", "--batch-size", "4", "--eval-every", "0", "--amp", "bf16",
+                  "--save-dtype", "float32"]) == 0
+    report = json.loads((out / "training.json").read_text())
+    assert report["amp"] == "bf16" and report["steps"] == 3 and report["val_accuracy_per_position"]

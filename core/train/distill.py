@@ -304,7 +304,6 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     first). ``meta.json`` there records the data mix (sequences and answer tokens per
     kind), the rows dropped as evaluation prompts and the generation time.
     """
-    from speculum.engine import LLM
     from speculum.model_source import resolve_model_path
     from speculum.tokenizer import Tokenizer
     out = cache_dir(spec, root)
@@ -323,10 +322,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if not todo:
         meta_file.write_text(json.dumps(meta, indent=2))
         return out, names
-    recorder = Recorder(spec.layers)
-    llm = LLM(spec.model, {"method": "_distill_recorder", "num_speculative_tokens": 1}, device=device, dtype=dtype,
-              seed=spec.seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-              plugins=[_recorder_plugin(recorder)])
+    llm, recorder = _engine(spec, device, dtype, max_num_seqs, max_model_len)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -351,16 +347,35 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         bar.close()
     meta["generation_seconds"] = round(meta.get("generation_seconds", 0) + time.perf_counter() - t0, 1)
     meta_file.write_text(json.dumps(meta, indent=2))
-    del llm
-    _free_memory()
     if done < len(todo):  # out of time: the shards finished so far
         names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
     return out, names
 
 
-def _free_memory() -> None:
-    """Give the generation engine's GPU memory back before training starts."""
+#: generation engines kept between ensure_distill calls of one process (training data,
+#: then evaluation data: one engine, one set of CUDA graphs)
+_ENGINES: dict[tuple, tuple] = {}
+
+
+def _engine(spec: DistillSpec, device, dtype, max_num_seqs: int, max_model_len: int):
+    """(LLM with a recorder proposer, the recorder), made once per configuration."""
+    from speculum.engine import LLM
+    key = (spec.model, str(device), str(dtype), tuple(spec.layers), max_num_seqs, max_model_len)
+    if key not in _ENGINES:
+        recorder = Recorder(spec.layers)
+        llm = LLM(spec.model, {"method": "_distill_recorder", "num_speculative_tokens": 1}, device=device,
+                  dtype=dtype, seed=spec.seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                  plugins=[_recorder_plugin(recorder)])
+        _ENGINES[key] = (llm, recorder)
+    llm, recorder = _ENGINES[key]
+    recorder.done.clear()
+    return llm, recorder
+
+
+def release_engines() -> None:
+    """Drop the generation engines and give their (GPU) memory back before training."""
     import gc
+    _ENGINES.clear()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -30,7 +30,7 @@ import torch
 from speculum.proposers.hidden_head import TargetParts
 from speculum.train.base import Score, Trainer, frequent_tokens
 from speculum.train.data import DistillData
-from speculum.train.distill import DistillSpec, ensure_distill, mix_summary
+from speculum.train.distill import DistillSpec, ensure_distill, mix_summary, release_engines
 from speculum.train.mix import KINDS
 
 log = logging.getLogger(__name__)
@@ -56,17 +56,22 @@ def model_name(model: str) -> str:
     return re.sub(r"(\.(q\d\w*|f16|f32|bf16))?\.gguf$", "", name, flags=re.IGNORECASE)
 
 
-def on_device(data: DistillData | None, device) -> DistillData | None:
-    """Data moved to a GPU when it takes at most a third of the free memory (batches are
-    then gathered there); left on the host otherwise."""
-    if data is None or torch.device(device).type != "cuda":
-        return data
-    size = data.tokens.numel() * 8 + sum(h.numel() * h.element_size() for h in data.hidden.values())
+def placement(size: int, device) -> str | torch.device:
+    """Where distillation data of ``size`` bytes lives: on a GPU when it takes at most a
+    third of its free memory (batches are then gathered there), else on the host."""
+    if torch.device(device).type != "cuda":
+        return "cpu"
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     if size > free // 3:
         log.info("distillation data (%.1f GiB) stays on the host", size / 2**30)
-        return data
-    return data.to(device)
+        return "cpu"
+    return device
+
+
+def load_data(path: Path, layers, shards, device) -> DistillData:
+    """The cached data, loaded straight to where it will live (:func:`placement`)."""
+    return DistillData.load(path, layers=layers, shards=shards,
+                            device=placement(DistillData.nbytes(path, layers, shards), device))
 
 
 def lr_factor(step: int, warmup: int, total: int, elapsed: float = 0.0, time_limit: float = 0.0) -> float:
@@ -197,18 +202,18 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
                              max_prompt_tokens=max(args.max_prompt_tokens, 1024), extra_answers=0, long_form=0,
                              second_turns=0.0, data=(), exclude=(), max_turns=args.max_turns)
         eval_dir, eval_shards = ensure_distill(espec, args.cache_dir, **_gen_kwargs(args))
+    release_engines()
     gen_s = time.perf_counter() - t0
     print(f"data: {data_dir} ({len(shards)} shards): {json.dumps(mix)}")
     if getattr(args, "prepare_only", False):
         return {"data_dir": str(data_dir), "data": mix}
     out.mkdir(parents=True, exist_ok=True)
-    data = DistillData.load(data_dir, layers=trainer.data_layers(args, L), shards=shards)
+    data = load_data(data_dir, trainer.data_layers(args, L), shards, device)
     train_ids, val_ids = data.split(args.val_fraction, args.data_seed)
     # a fixed sample of the validation answers, drawn across the whole mix
     val_ids = sorted(random.Random(args.data_seed).sample(val_ids, min(len(val_ids), args.val_max_seqs)))
-    eval_data = DistillData.load(eval_dir, layers=trainer.data_layers(args, L), shards=eval_shards) \
+    eval_data = load_data(eval_dir, trainer.data_layers(args, L), eval_shards, device) \
         if eval_dir is not None else None
-    data, eval_data = on_device(data, device), on_device(eval_data, device)
     log.info("data %s: %d sequences (%d train, %d validation), %d tokens", data_dir, len(data), len(train_ids),
              len(val_ids), data.num_tokens(range(len(data))))
 
