@@ -245,3 +245,16 @@ def test_every_method_trains_under_bf16_autocast(tiny_llama, prompts, tmp_path, 
                   "--save-dtype", "float32"]) == 0
     report = json.loads((out / "training.json").read_text())
     assert report["amp"] == "bf16" and report["steps"] == 3 and report["val_accuracy_per_position"]
+
+
+def test_generation_time_limit_and_cached_data_only(tiny_llama, prompts, tmp_path):
+    """Out of generation time, only finished shards are returned; ``generate=False`` (what
+    --cached-data-only trainers use after a --prepare-only run) returns the finished ones
+    and never starts an engine."""
+    s = spec(tiny_llama, prompts, 12)
+    d, names = ensure_distill(s, tmp_path, device="cpu", shard_size=8, time_limit=1e-9)
+    assert names == [] and not list(d.glob("*.safetensors"))
+    assert ensure_distill(s, tmp_path, device="cpu", shard_size=8, generate=False)[1] == []
+    full = ensure_distill(s, tmp_path, device="cpu", shard_size=8)[1]
+    assert full == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    assert ensure_distill(s, tmp_path, device="cpu", shard_size=8, generate=False)[1] == full

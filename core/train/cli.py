@@ -73,6 +73,9 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-max-model-len", type=int, default=2048, help="context of the generating engine")
     g.add_argument("--gen-time-limit", type=float, default=0, metavar="SECONDS",
                    help="stop generating after this long and train on the shards finished (0: no limit)")
+    g.add_argument("--cached-data-only", action="store_true",
+                   help="train on the shards of the cache made before (e.g. by a --prepare-only run with "
+                        "--gen-time-limit); generate nothing")
     g.add_argument("--prepare-only", action="store_true",
                    help="make (or check) the self-distillation data, print its mix and exit")
     g.add_argument("--cache-dir", default=None, help="default: $SPECULUM_CACHE/distill")

@@ -296,12 +296,12 @@ def stream_jobs(llm, recorder: Recorder, shards: list[_Shard], spec: DistillSpec
 
 def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: int = 32, device: str = "auto",
                    dtype: str = "auto", shard_size: int = 64, progress: bool = True, time_limit: float = 0,
-                   max_model_len: int = 2048) -> tuple[Path, list[str]]:
+                   max_model_len: int = 2048, generate: bool = True) -> tuple[Path, list[str]]:
     """Generate (or reuse) the cached distillation data of ``spec``.
 
     Returns the cache directory and the finished shard files that make up
     ``spec.num_prompts`` (all of them, unless ``time_limit`` seconds of generation ran out
-    first). ``meta.json`` there records the data mix (sequences and answer tokens per
+    first; with ``generate=False``, those made before, nothing new). ``meta.json`` there records the data mix (sequences and answer tokens per
     kind), the rows dropped as evaluation prompts and the generation time.
     """
     from speculum.model_source import resolve_model_path
@@ -313,15 +313,24 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         "spec": {k: v for k, v in attrs.asdict(spec).items() if k != "num_prompts"}, "shard_size": shard_size,
         "shards": [], "sizes": {}, "mix": {}}
     shard_size = meta["shard_size"]
+    known = meta.get("selections", {}).get(str(spec.num_prompts))
+    if known:  # selected before: no need to read and tokenise the prompts again
+        finished = [n for n, k in zip(known["shards"], known["sizes"]) if meta["sizes"].get(n) == k]
+        if len(finished) == len(known["shards"]) or not generate:
+            meta["selection"] = known["selection"]
+            meta_file.write_text(json.dumps(meta, indent=2))
+            return out, finished
     sel = select_rows(spec, Tokenizer.load(resolve_model_path(spec.model)))
     meta["selection"] = {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}
     shards = [_Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
     names = [f"shard_{i:05d}.safetensors" for i in range(len(shards))]
+    meta.setdefault("selections", {})[str(spec.num_prompts)] = {
+        "shards": names, "sizes": [len(s.rows) for s in shards], "selection": meta["selection"]}
     # a shard is done when it holds all its rows (a smaller earlier run may have cut it)
     todo = [s for s, n in zip(shards, names) if meta["sizes"].get(n) != len(s.rows)]
-    if not todo:
+    if not todo or not generate:
         meta_file.write_text(json.dumps(meta, indent=2))
-        return out, names
+        return out, [n for s, n in zip(shards, names) if s not in todo]
     llm, recorder = _engine(spec, device, dtype, max_num_seqs, max_model_len)
     bar = None
     if progress:

@@ -194,14 +194,22 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     t0 = time.perf_counter()
     layers = record_layers(list(all_trainers) or [trainer], args, L)
     spec = distill_spec(args, model_path, layers)
-    data_dir, shards = ensure_distill(spec, args.cache_dir, time_limit=args.gen_time_limit, **_gen_kwargs(args))
+    data_dir, shards = ensure_distill(spec, args.cache_dir, time_limit=args.gen_time_limit,
+                                      generate=not args.cached_data_only, **_gen_kwargs(args))
+    if not shards:
+        from speculum.errors import ConfigError
+        raise ConfigError(f"no finished self-distillation shards in {data_dir}; run without --cached-data-only "
+                          "(or with a longer --gen-time-limit) first")
     mix = mix_summary(data_dir, shards)
     eval_dir = eval_shards = None
     if getattr(args, "eval_prompts", None):  # another prompt set, answered the same way, never trained on
         espec = attrs.evolve(spec, prompts=str(args.eval_prompts), num_prompts=args.eval_num_prompts,
                              max_prompt_tokens=max(args.max_prompt_tokens, 1024), extra_answers=0, long_form=0,
                              second_turns=0.0, data=(), exclude=(), max_turns=args.max_turns)
-        eval_dir, eval_shards = ensure_distill(espec, args.cache_dir, **_gen_kwargs(args))
+        eval_dir, eval_shards = ensure_distill(espec, args.cache_dir, generate=not args.cached_data_only,
+                                               **_gen_kwargs(args))
+        if not eval_shards:
+            eval_dir = None
     release_engines()
     gen_s = time.perf_counter() - t0
     print(f"data: {data_dir} ({len(shards)} shards): {json.dumps(mix)}")

@@ -142,7 +142,8 @@ def read_rows(path: str | Path, base: int = 0, source: str | None = None) -> lis
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"prompt file {p} does not exist")
-    lines = [l for l in p.read_text().splitlines() if l.strip()]
+    # "\n" only: str.splitlines() would also split at U+2028 and the like inside JSON strings
+    lines = [l for l in p.read_text().split("\n") if l.strip()]
     for i, line in enumerate(lines):
         try:
             obj = json.loads(line)
