@@ -177,7 +177,7 @@ def test_draft_shapes_are_measured_and_recommended(tiny_llama, tmp_path):
                         num_heads=4, num_kv_heads=2, head_dim=16)
     res = measure(tiny, [1, 2], [32, 64], k=3, context=16, iters=2, device="cpu", dtype="float32",
                   max_break_even=100.0)
-    assert len(res["rows"]) == 4 and all(r["chain_ms"] > 0 and r["break_even_mal"] > 1 for r in res["rows"])
+    assert len(res["rows"]) == 4 and all(r["chain_ms"] > 0 and r["break_even_mal"] > 0 for r in res["rows"])
     assert res["recommended"] == {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
                                   "num_kv_heads": 2}  # every shape fits: the largest
     assert SMOLLM2["vocab_size"] == 49152

@@ -36,7 +36,7 @@ import torch
 import speculum
 from speculum.interfaces import Draft
 from speculum.train.mix import (DATA_BASE, KINDS, QUESTION, Job, Row, drop_overlaps, eval_texts, first_jobs,
-                                next_jobs, order_rows, read_rows)
+                                first_message, next_jobs, order_rows, read_rows)
 
 log = logging.getLogger(__name__)
 
@@ -166,17 +166,39 @@ class Selection:
     too_long: int = 0
 
 
-def _first_prompt_len(row: Row, spec: DistillSpec, tokenizer) -> int:
-    if row.token_ids is not None:
-        return len(row.token_ids)
-    if spec.chat:
-        msgs = ([{"role": "system", "content": row.system}] if row.system else []) + \
-            [{"role": "user", "content": row.turns[0]}]
-        return len(tokenizer.apply_chat_template(msgs))
-    return len(tokenizer.encode(row.turns[0]))
+class PromptIds:
+    """Token ids of the prompts a job sends, each conversation tokenised once (the
+    answers of one prompt share it; the length check of the selection made it first)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.memo: dict[tuple, list[int]] = {}
+
+    def chat(self, messages: Sequence[dict], start: str = "") -> list[int]:
+        """The chat template of ``messages`` (generation prompt added), then ``start``'s tokens."""
+        key = (tuple((m["role"], m["content"]) for m in messages), start)
+        ids = self.memo.get(key)
+        if ids is None:
+            ids = self.tokenizer.apply_chat_template([dict(m) for m in messages])
+            if start:
+                ids = ids + list(self.tokenizer.hf.encode(start, add_special_tokens=False))
+            self.memo[key] = ids
+        return list(ids)
+
+    def of_job(self, job: Job) -> list[int]:
+        if job.messages is None:
+            if job.row.token_ids is not None:
+                return list(job.row.token_ids)
+            return self.tokenizer.encode(job.row.turns[0])
+        return self.chat(job.messages, job.start)
+
+    def first_prompt(self, row: Row, chat: bool) -> list[int]:
+        if row.token_ids is not None:
+            return list(row.token_ids)
+        return self.chat(first_message(row)) if chat else self.tokenizer.encode(row.turns[0])
 
 
-def select_rows(spec: DistillSpec, tokenizer) -> Selection:
+def select_rows(spec: DistillSpec, ids: PromptIds) -> Selection:
     """Rows to answer: every row of the ``data`` files, then ``num_prompts`` rows of the
     prompt file (shuffled with the seed, instruction-style first); rows matching an
     ``exclude`` set are dropped, rows whose first prompt exceeds ``max_prompt_tokens`` skipped."""
@@ -188,14 +210,14 @@ def select_rows(spec: DistillSpec, tokenizer) -> Selection:
     prompt_rows, d2 = drop_overlaps(order_rows(read_rows(spec.prompts), spec.seed), texts)
     out, too_long, taken = [], 0, 0
     for r in data_rows:
-        if _first_prompt_len(r, spec, tokenizer) <= spec.max_prompt_tokens:
+        if len(ids.first_prompt(r, spec.chat)) <= spec.max_prompt_tokens:
             out.append(r)
         else:
             too_long += 1
     for r in prompt_rows:
         if taken >= spec.num_prompts:
             break
-        if _first_prompt_len(r, spec, tokenizer) <= spec.max_prompt_tokens:
+        if len(ids.first_prompt(r, spec.chat)) <= spec.max_prompt_tokens:
             out.append(r)
             taken += 1
         else:
@@ -212,18 +234,6 @@ def cache_dir(spec: DistillSpec, root: Path | None = None) -> Path:
     return root / f"{Path(spec.model).name}-{spec.key()}"
 
 
-def _prompt_ids(job: Job, tokenizer) -> list[int]:
-    """The token ids a job sends (chat template, plus a question's forced first words)."""
-    if job.messages is None:
-        if job.row.token_ids is not None:
-            return list(job.row.token_ids)
-        return tokenizer.encode(job.row.turns[0])
-    ids = tokenizer.apply_chat_template(list(job.messages))
-    if job.start:
-        ids += list(tokenizer.hf.encode(job.start, add_special_tokens=False))
-    return ids
-
-
 @attrs.define(eq=False)
 class _Shard:
     index: int
@@ -232,7 +242,7 @@ class _Shard:
     records: list = attrs.field(factory=list)
 
 
-def stream_jobs(llm, recorder: Recorder, shards: list[_Shard], spec: DistillSpec,
+def stream_jobs(llm, recorder: Recorder, shards: list[_Shard], spec: DistillSpec, ids: PromptIds,
                 on_done: Callable[[_Shard], None], time_limit: float = 0, bar=None) -> int:
     """Answer every job of ``shards`` through ``llm`` (continuous batching); a shard is
     handed to ``on_done`` once all its jobs, follow-ups included, are finished. With
@@ -246,18 +256,18 @@ def stream_jobs(llm, recorder: Recorder, shards: list[_Shard], spec: DistillSpec
     for s, _ in queue:
         s.open += 1
     running: dict[str, tuple[_Shard, Job]] = {}
-    ids = iter(range(1 << 62))
+    rids = iter(range(1 << 62))
     t0, finished = time.perf_counter(), 0
 
     def submit(shard: _Shard, job: Job) -> None:
-        prompt = _prompt_ids(job, tok)
+        prompt = ids.of_job(job)
         max_tokens = job.max_tokens or spec.max_tokens
         if len(prompt) >= room:  # a conversation grown past the context: nothing to answer
             shard.open -= 1
             return
         params = SamplingParams(temperature=job.temperature, max_tokens=min(max_tokens, room - len(prompt)),
                                 seed=job.seed if job.temperature > 0 else None)
-        rid = f"d{next(ids)}"
+        rid = f"d{next(rids)}"
         llm.add_request(rid, {"prompt_token_ids": prompt}, params)
         running[rid] = (shard, job)
 
@@ -320,7 +330,8 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
             meta["selection"] = known["selection"]
             meta_file.write_text(json.dumps(meta, indent=2))
             return out, finished
-    sel = select_rows(spec, Tokenizer.load(resolve_model_path(spec.model)))
+    ids = PromptIds(Tokenizer.load(resolve_model_path(spec.model)))
+    sel = select_rows(spec, ids)
     meta["selection"] = {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}
     shards = [_Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
     names = [f"shard_{i:05d}.safetensors" for i in range(len(shards))]
@@ -351,7 +362,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         shard.records = []
         meta_file.write_text(json.dumps(meta, indent=2))
 
-    done = stream_jobs(llm, recorder, todo, spec, write, time_limit, bar)
+    done = stream_jobs(llm, recorder, todo, spec, ids, write, time_limit, bar)
     if bar is not None:
         bar.close()
     meta["generation_seconds"] = round(meta.get("generation_seconds", 0) + time.perf_counter() - t0, 1)

@@ -206,6 +206,11 @@ def _chat(row: Row, turn: str) -> tuple[dict, ...]:
     return (({"role": "system", "content": row.system},) if row.system else ()) + ({"role": "user", "content": turn},)
 
 
+def first_message(row: Row) -> tuple[dict, ...]:
+    """The chat a row's first answer is asked with (its system prompt, its first turn)."""
+    return _chat(row, row.turns[0])
+
+
 def wants_followup(row: Row, fraction: float, seed: int) -> bool:
     """Whether ``row`` gets a target-written second turn (a fixed ``fraction`` of rows)."""
     return fraction > 0 and random.Random(f"followup-{seed}-{row.index}").random() < fraction
@@ -218,7 +223,7 @@ def first_jobs(row: Row, spec, chat: bool = True) -> list[Job]:
         jobs = [Job(row, ANSWER, spec.temperature, _seed(spec.seed, row, 0))]
         n = spec.extra_answers if row.instruction else 0
         return jobs + [Job(row, SAMPLED, temps[i % len(temps)], _seed(spec.seed, row, 1 + i)) for i in range(n)]
-    first = _chat(row, row.turns[0])
+    first = first_message(row)
     more = len(row.turns) > 1 and spec.max_turns > 1
     follow = not more and len(row.turns) == 1 and wants_followup(row, spec.second_turns, spec.seed)
     jobs = [Job(row, ANSWER, spec.temperature, _seed(spec.seed, row, 0), first, followup=follow)]
