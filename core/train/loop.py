@@ -355,8 +355,9 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         report.update({"eval_prompts": str(args.eval_prompts), "eval_sequences": len(eval_data),
                        "eval_accuracy_per_position": ev.accuracy(), "eval_acceptance_per_position": ev.acceptance(),
                        "eval_expected_acceptance_length": ev.acceptance_length()})
-    keep = ("command", "device", "steps", "train_seconds", "val_accuracy_per_position", "expected_acceptance_length",
-            "eval_prompts", "eval_accuracy_per_position", "eval_expected_acceptance_length")
+    keep = ("command", "device", "steps", "train_seconds", "loss_vocab_coverage", "val_accuracy_per_position",
+            "val_acceptance_per_position", "expected_acceptance_length", "eval_prompts", "eval_accuracy_per_position",
+            "eval_acceptance_per_position", "eval_expected_acceptance_length")
     meta = {"method": trainer.name, "target": target.fingerprint(),
             "training": {**{k: report[k] for k in keep if k in report},
                          "data": {k: report["data"][k] for k in ("prompts", "num_prompts", "data", "max_tokens",
