@@ -103,6 +103,8 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--clip", type=float, default=1.0)
     t.add_argument("--eval-every", type=int, default=250, help="validate every N steps (0: only at the end)")
+    t.add_argument("--eval-batch-size", type=int, default=8,
+                   help="sequences per validation batch (validation scores the whole vocabulary: keep it small)")
     t.add_argument("--eval-seconds", type=float, default=0,
                    help="also validate every this many seconds of training (the training curve)")
     t.add_argument("--save-every", type=int, default=250)

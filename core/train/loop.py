@@ -117,8 +117,9 @@ def evaluate(trainer: Trainer, module, data: DistillData, ids: list[int], target
     ids = sorted(ids, key=lambda j: lens[j])  # batches of similar lengths: little padding
     module.eval()
     with torch.no_grad():
-        for i in range(0, len(ids), args.batch_size):
-            batch = data.batch(ids[i: i + args.batch_size], args.max_len, device, args.prompt_context)
+        bs = getattr(args, "eval_batch_size", 0) or args.batch_size
+        for i in range(0, len(ids), bs):
+            batch = data.batch(ids[i: i + bs], args.max_len, device, args.prompt_context)
             total = total + score_of(trainer.loss(module, batch, target, eval_args))
     module.train()
     return total
