@@ -258,3 +258,48 @@ def test_generation_time_limit_and_cached_data_only(tiny_llama, prompts, tmp_pat
     full = ensure_distill(s, tmp_path, device="cpu", shard_size=8)[1]
     assert full == ["shard_00000.safetensors", "shard_00001.safetensors"]
     assert ensure_distill(s, tmp_path, device="cpu", shard_size=8, generate=False)[1] == full
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft"])
+def test_validation_acceptance_length_is_what_the_engine_measures(tmp_path, method):
+    """The expected acceptance length validation reports (a replay of greedy chain drafting
+    over the target's greedy answers) matches the engine's mean acceptance length on the
+    same prompts, greedy, fp32, k = 3: up to the odd argmax that the verify step's
+    numerics flip (hidden states of a (k+1)-token forward, not the recorded 1-token ones)."""
+    import argparse
+
+    from speculum.proposers.hidden_head import TargetParts
+    from speculum.testing import tiny_model_dir, train_tiny
+    from speculum.train.cli import common_arguments, trainers
+    from speculum.train.loop import evaluate
+    if method != "draft":
+        pytest.importorskip(f"speculum_{method}")
+    tiny_llama = tiny_model_dir(tmp_path / "target", "llama", seed=0, num_layers=4)  # heads learn it well enough
+    head = train_tiny(method, tiny_llama, tmp_path / "tr", extra=("--save-dtype", "float32"))
+    K, trainer = 3, trainers()[method]
+    p = argparse.ArgumentParser()
+    common_arguments(p)
+    trainer.add_arguments(p)
+    args = p.parse_args(["--num-positions", str(K)])
+    evals = token_prompts_file(tmp_path / "eval.jsonl", n=16, seed=7)
+    d, shards = ensure_distill(DistillSpec(model=str(tiny_llama), prompts=str(evals), num_prompts=16, max_tokens=24),
+                               tmp_path / "c", device="cpu", progress=False)
+    data = DistillData.load(d, shards=shards)
+    parts = TargetParts.from_checkpoint(tiny_llama)
+    if method == "mtp":
+        from speculum_mtp.formats import load_mtp
+        module = load_mtp(head, parts, None, 0)
+    else:
+        from transformers import AutoModelForCausalLM
+        module = AutoModelForCausalLM.from_pretrained(str(head))
+    score = evaluate(trainer, module.float(), data, list(range(len(data))), parts, args, "cpu")
+    prompts = [{"prompt_token_ids": data.tokens[data.offsets[i]: data.offsets[i] + data.prompt_lens[i]].tolist()}
+               for i in range(len(data))]
+    llm = LLM(str(tiny_llama), {"model": str(head), "num_speculative_tokens": K}, device="cpu", dtype="float32",
+              kv_cache_memory=32 << 20)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert [o.prompt_token_ids + o.token_ids for o in outs] == \
+        [data.tokens[data.offsets[i]: data.offsets[i + 1]].tolist() for i in range(len(data))]
+    m = llm.metrics
+    assert score.tokens == m.num_emitted_tokens and abs(score.steps - m.num_steps) <= 0.02 * m.num_steps
+    assert 1.1 < score.acceptance_length() and abs(score.acceptance_length() - m.mean_acceptance_length) < 0.03

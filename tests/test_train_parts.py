@@ -104,13 +104,29 @@ def test_chain_score_counts_greedy_chains():
     s = chain_score(ok, scored, None)
     assert s.accuracy() == [0.75, 0.75, 0.75]
     # chains from the 4 anchors are accepted for 3, 0, 0 and 2 drafts
-    assert s.acceptance() == [0.75, round(2 / 3, 4), 0.5] and s.acceptance_length() == 1 + 6 / 4
-    assert chain_score(ok, scored, torch.tensor([False])).acceptance_length() is None  # sampled answer: no chains
-    # an anchor not scored at every position does not count for chains; sums add up
+    assert s.acceptance() == [0.75, round(2 / 3, 4), 0.5] and s.acceptance_length() is None  # not replayed
+    assert chain_score(ok, scored, torch.tensor([False])).acceptance() == [0.0, 0.0, 0.0]  # sampled: no chains
     part = [o[:, :3] for o in ok]
     s2 = chain_score(part, [torch.tensor([[1, 1, 0]]).bool()] * 3, None)
-    assert float(s2.anchors) == 2 and (s + s2).acceptance_length() == round(1 + (6 + 4) / 6, 3)
+    assert float(s2.anchors) == 2 and (s + s2).runs.tolist() == [5, 3, 2]
     assert Score.coerce((torch.tensor([1.0]), torch.tensor([2.0]))).accuracy() == [0.5]
+
+
+def test_replay_of_chain_drafting():
+    """Greedy chain drafting replayed over an answer: each step accepts the leading agreeing
+    drafts (never past the answer) and adds the target's token."""
+    from speculum.train.base import replay_chains
+    lead = torch.tensor([[2, 0, 1, 2, 0, 0, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4]])
+    # row 0: anchors 0, 3, 6 -> 3 + 3 + 1 tokens in 3 steps; row 1: capped at the answer's 3 tokens
+    assert replay_chains(lead, torch.tensor([0, 0]), torch.tensor([7, 3])) == (10.0, 4.0)
+    assert replay_chains(lead, torch.tensor([-1, 5]), torch.tensor([0, 2])) == (2.0, 1.0)
+    # through chain_score: K = 2 drafts, an answer of 6 tokens after x_1
+    ok = [torch.tensor([[1, 0, 1, 1, 0, 0, 0]]).bool(), torch.tensor([[1, 0, 0, 1, 0, 0]]).bool()]
+    scored = [torch.ones(1, 7, dtype=torch.bool), torch.ones(1, 6, dtype=torch.bool)]
+    valid = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]]).bool()
+    s = chain_score(ok, scored, None, valid)
+    assert (s.tokens, s.steps) == (6.0, 2.0) and s.acceptance_length() == 3.0
+    assert chain_score(ok, scored, torch.tensor([False]), valid).acceptance_length() is None
 
 
 def test_learning_rate_decays_over_the_time_budget():

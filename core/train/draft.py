@@ -156,10 +156,12 @@ class DraftTrainer(Trainer):
         rows = td.rows(0, m)
         pred = logits.argmax(-1)
         ok = scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows])  # [B, T]
-        # a chain from anchor t drafts positions t, t + 1, ...: the same teacher-forced
-        # predictions, shifted (on a greedy answer, accepted drafts are its tokens)
+        # a chain from anchor t (x_{t+1} known) drafts from positions t + 1, t + 2, ...: the
+        # same teacher-forced predictions, shifted (on a greedy answer, accepted drafts are
+        # its tokens)
         K = args.num_positions
-        score = chain_score([ok[:, j:] for j in range(K)], [m[:, j:] for j in range(K)], batch.greedy)
+        score = chain_score([ok[:, j + 1:] for j in range(K)], [m[:, j + 1:] for j in range(K)], batch.greedy,
+                            None if model.training else batch.valid)
         return soft_ce(logits, td.probs[rows]), score
 
     def export(self, model, out, target, args, meta):

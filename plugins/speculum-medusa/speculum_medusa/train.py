@@ -60,7 +60,7 @@ class MedusaTrainer(Trainer):
             ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
             scored.append(m)
         # heads 0..i agree at anchor t: a greedy chain from t is accepted through draft i
-        return total, chain_score(ok, scored, batch.greedy)
+        return total, chain_score(ok, scored, batch.greedy, None if heads.training else batch.valid)
 
     def export(self, heads, out, target, args, meta):
         save_medusa(heads, out, base_model=target.name or "", meta=meta, dtype=DTYPES[args.save_dtype])
