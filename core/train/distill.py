@@ -1,14 +1,10 @@
 """Self-distillation data: the target answers training prompts, its hidden states recorded.
 
 Generation runs through :class:`speculum.LLM` (batched, greedy or sampled, on any device,
-with CUDA graphs on a GPU) with an in-process *recorder* proposer: it drafts nothing and
-declares the hidden layers to keep, so the engine hands it the prefill's states and those
-of every decode step, the same plumbing the EAGLE/Medusa/MTP proposers use at inference.
-
-What is answered is the data mix of :mod:`speculum.train.mix` (several answers per
-instruction prompt, long-form answers, second turns). Jobs stream through the engine
-continuously: a finished answer that wants a follow-up queues its next job at once, so
-the batch stays full and a conversation's turns need no separate passes.
+with CUDA graphs on a GPU) with an in-process *recorder* proposer that drafts nothing and
+keeps the target's hidden states, the same plumbing the EAGLE/Medusa/MTP proposers use
+at inference (:mod:`speculum.train.generate`). What is answered is the data mix of
+:mod:`speculum.train.mix`; this module selects the rows, keys and fills the cache.
 
 The result is cached under ``$SPECULUM_CACHE/distill/<model>-<key>/`` in shards of
 ``shard_size`` source rows (``shard_00000.safetensors`` ...) with all their answers; an
@@ -28,15 +24,13 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import attrs
 import torch
 
-import speculum
-from speculum.interfaces import Draft
-from speculum.train.mix import (DATA_BASE, KINDS, QUESTION, Job, Row, drop_overlaps, eval_texts, first_jobs,
-                                first_message, next_jobs, order_rows, read_rows)
+from speculum.train.generate import PromptIds, Shard, engine, stream_jobs
+from speculum.train.mix import DATA_BASE, KINDS, Row, drop_overlaps, eval_texts, order_rows, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -95,66 +89,6 @@ class DistillSpec:
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-class Recorder:
-    """A proposer that drafts nothing and records the target's hidden states.
-
-    Per step it copies the states of all layers to the host in one transfer and keeps,
-    per sequence, references to its rows; a finished sequence's states are gathered
-    once, at :meth:`remove_request`.
-    """
-
-    def __init__(self, layers: Sequence[int]):
-        self.hidden_layers = tuple(layers)
-        #: seq_id -> (token list, prompt length, prefill {layer: [P - 1, H]}, [(step [B, nL, H], row)])
-        self.live: dict[int, tuple[list[int], int, dict[int, torch.Tensor], list]] = {}
-        #: seq_id -> (tokens, prompt length, {layer: [n, H]}) of finished sequences
-        self.done: dict[int, tuple[list[int], int, dict[int, torch.Tensor]]] = {}
-
-    def add_request(self, seq, hidden_states=None):
-        self.done.pop(seq.seq_id, None)  # a preempted sequence is recorded again from the start
-        pre = {l: hidden_states[l].to("cpu", torch.bfloat16) for l in self.hidden_layers}
-        self.live[seq.seq_id] = (seq.token_ids, seq.num_prompt_tokens, pre, [])
-
-    def propose(self, batch):
-        B = len(batch.seqs)
-        return Draft(token_ids=torch.empty(B, 0, dtype=torch.int64), lengths=[0] * B)
-
-    def observe(self, feedback):
-        hs = feedback.hidden_states
-        step = torch.stack([hs[l][:, 0] for l in self.hidden_layers], dim=1).to("cpu", torch.bfloat16)  # [B, nL, H]
-        for b, sid in enumerate(feedback.seq_ids):
-            self.live[sid][3].append((step, b))
-
-    def remove_request(self, seq_id):
-        tokens, P, pre, steps = self.live.pop(seq_id)
-        tokens = list(tokens)
-        n = len(tokens)
-        feats = {}
-        rows = torch.stack([s[b] for s, b in steps]) if steps else None  # [n_steps, nL, H]
-        for i, l in enumerate(self.hidden_layers):
-            h = pre[l] if rows is None else torch.cat([pre[l], rows[:, i]])
-            h = h[: n - 1]
-            feats[l] = torch.cat([h, h.new_zeros(n - h.shape[0], h.shape[1])])  # the last token: none
-        self.done[seq_id] = (tokens, P, feats)
-
-    def take(self, tokens: Sequence[int]) -> tuple[list[int], int, dict[int, torch.Tensor]]:
-        """The record of the finished sequence with exactly these tokens (prompt + output)."""
-        want = list(tokens)
-        for sid, rec in self.done.items():
-            if rec[0] == want:
-                return self.done.pop(sid)
-        raise RuntimeError("recorder lost a finished sequence (was it preempted and not recomputed?)")
-
-
-def _recorder_plugin(recorder: Recorder):
-    class RecorderPlugin:
-        @staticmethod
-        @speculum.hookimpl
-        def speculum_register_proposers(register):
-            register("_distill_recorder", lambda ctx: recorder, description="records hidden states (training)")
-    return RecorderPlugin
-
-
 @attrs.define
 class Selection:
     """The source rows of a spec, in cache order, and what the checks dropped."""
@@ -164,38 +98,6 @@ class Selection:
     dropped_overlaps: int = 0
     #: rows skipped because their first prompt is longer than ``max_prompt_tokens``
     too_long: int = 0
-
-
-class PromptIds:
-    """Token ids of the prompts a job sends, each conversation tokenised once (the
-    answers of one prompt share it; the length check of the selection made it first)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.memo: dict[tuple, list[int]] = {}
-
-    def chat(self, messages: Sequence[dict], start: str = "") -> list[int]:
-        """The chat template of ``messages`` (generation prompt added), then ``start``'s tokens."""
-        key = (tuple((m["role"], m["content"]) for m in messages), start)
-        ids = self.memo.get(key)
-        if ids is None:
-            ids = self.tokenizer.apply_chat_template([dict(m) for m in messages])
-            if start:
-                ids = ids + list(self.tokenizer.hf.encode(start, add_special_tokens=False))
-            self.memo[key] = ids
-        return list(ids)
-
-    def of_job(self, job: Job) -> list[int]:
-        if job.messages is None:
-            if job.row.token_ids is not None:
-                return list(job.row.token_ids)
-            return self.tokenizer.encode(job.row.turns[0])
-        return self.chat(job.messages, job.start)
-
-    def first_prompt(self, row: Row, chat: bool) -> list[int]:
-        if row.token_ids is not None:
-            return list(row.token_ids)
-        return self.chat(first_message(row)) if chat else self.tokenizer.encode(row.turns[0])
 
 
 def select_rows(spec: DistillSpec, ids: PromptIds) -> Selection:
@@ -234,76 +136,6 @@ def cache_dir(spec: DistillSpec, root: Path | None = None) -> Path:
     return root / f"{Path(spec.model).name}-{spec.key()}"
 
 
-@attrs.define(eq=False)
-class _Shard:
-    index: int
-    rows: list[Row]
-    open: int = 0  # jobs queued or running
-    records: list = attrs.field(factory=list)
-
-
-def stream_jobs(llm, recorder: Recorder, shards: list[_Shard], spec: DistillSpec, ids: PromptIds,
-                on_done: Callable[[_Shard], None], time_limit: float = 0, bar=None) -> int:
-    """Answer every job of ``shards`` through ``llm`` (continuous batching); a shard is
-    handed to ``on_done`` once all its jobs, follow-ups included, are finished. With
-    ``time_limit`` (seconds), stops there and drops unfinished shards; returns how many
-    shards were finished."""
-    from speculum.sampling import SamplingParams
-    tok = llm.tokenizer
-    room = llm.max_model_len - 1
-    queue: list[tuple[_Shard, Job]] = [(s, j) for s in shards for r in s.rows for j in first_jobs(r, spec, spec.chat)]
-    queue.reverse()  # a stack: pop() takes the next in order
-    for s, _ in queue:
-        s.open += 1
-    running: dict[str, tuple[_Shard, Job]] = {}
-    rids = iter(range(1 << 62))
-    t0, finished = time.perf_counter(), 0
-
-    def submit(shard: _Shard, job: Job) -> None:
-        prompt = ids.of_job(job)
-        max_tokens = job.max_tokens or spec.max_tokens
-        if len(prompt) >= room:  # a conversation grown past the context: nothing to answer
-            shard.open -= 1
-            return
-        params = SamplingParams(temperature=job.temperature, max_tokens=min(max_tokens, room - len(prompt)),
-                                seed=job.seed if job.temperature > 0 else None)
-        rid = f"d{next(rids)}"
-        llm.add_request(rid, {"prompt_token_ids": prompt}, params)
-        running[rid] = (shard, job)
-
-    def close(shard: _Shard) -> None:
-        nonlocal finished
-        if shard.open == 0:
-            on_done(shard)
-            finished += 1
-            if bar is not None:
-                bar.update(len(shard.rows))
-
-    while queue or running:
-        if time_limit and time.perf_counter() - t0 > time_limit:
-            for rid in list(running):
-                llm.abort_request(rid)
-            recorder.done.clear()
-            log.warning("self-distillation stopped at its time limit (%.0f s): %d of %d shards finished",
-                        time_limit, finished, len(shards))
-            break
-        while queue and llm.num_waiting < llm.max_num_seqs:  # keep the batch full, the queue short
-            shard, job = queue.pop()
-            submit(shard, job)
-            close(shard)  # a shard whose jobs were all skipped
-        for out in llm.step(include_running=False):
-            shard, job = running.pop(out.request_id)
-            tokens, P, feats = recorder.take(out.prompt_token_ids + out.token_ids)
-            if job.kind != QUESTION:
-                shard.records.append((job, tokens, P, feats))
-            follow = next_jobs(job, out.text or tok.decode(out.token_ids), spec)
-            shard.open += len(follow) - 1
-            for nj in follow:
-                submit(shard, nj)  # at once: the conversation goes on in the running batch
-            close(shard)
-    return finished
-
-
 def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: int = 32, device: str = "auto",
                    dtype: str = "auto", shard_size: int = 64, progress: bool = True, time_limit: float = 0,
                    max_model_len: int = 2048, generate: bool = True) -> tuple[Path, list[str]]:
@@ -333,7 +165,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     ids = PromptIds(Tokenizer.load(resolve_model_path(spec.model)))
     sel = select_rows(spec, ids)
     meta["selection"] = {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}
-    shards = [_Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
+    shards = [Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
     names = [f"shard_{i:05d}.safetensors" for i in range(len(shards))]
     meta.setdefault("selections", {})[str(spec.num_prompts)] = {
         "shards": names, "sizes": [len(s.rows) for s in shards], "selection": meta["selection"]}
@@ -342,7 +174,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if not todo or not generate:
         meta_file.write_text(json.dumps(meta, indent=2))
         return out, [n for s, n in zip(shards, names) if s not in todo]
-    llm, recorder = _engine(spec, device, dtype, max_num_seqs, max_model_len)
+    llm, recorder = engine(spec, device, dtype, max_num_seqs, max_model_len)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -350,7 +182,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
                    initial=len(sel.rows) - sum(len(s.rows) for s in todo))
     t0 = time.perf_counter()
 
-    def write(shard: _Shard) -> None:
+    def write(shard: Shard) -> None:
         name = names[shard.index]
         pos = {r.index: i for i, r in enumerate(shard.rows)}
         # a fixed order, whatever order the answers finished in
@@ -370,35 +202,6 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if done < len(todo):  # out of time: the shards finished so far
         names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
     return out, names
-
-
-#: generation engines kept between ensure_distill calls of one process (training data,
-#: then evaluation data: one engine, one set of CUDA graphs)
-_ENGINES: dict[tuple, tuple] = {}
-
-
-def _engine(spec: DistillSpec, device, dtype, max_num_seqs: int, max_model_len: int):
-    """(LLM with a recorder proposer, the recorder), made once per configuration."""
-    from speculum.engine import LLM
-    key = (spec.model, str(device), str(dtype), tuple(spec.layers), max_num_seqs, max_model_len)
-    if key not in _ENGINES:
-        recorder = Recorder(spec.layers)
-        llm = LLM(spec.model, {"method": "_distill_recorder", "num_speculative_tokens": 1}, device=device,
-                  dtype=dtype, seed=spec.seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                  plugins=[_recorder_plugin(recorder)])
-        _ENGINES[key] = (llm, recorder)
-    llm, recorder = _ENGINES[key]
-    recorder.done.clear()
-    return llm, recorder
-
-
-def release_engines() -> None:
-    """Drop the generation engines and give their (GPU) memory back before training."""
-    import gc
-    _ENGINES.clear()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def mix_counts(recs) -> dict[str, list[int]]:

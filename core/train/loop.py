@@ -30,7 +30,8 @@ import torch
 from speculum.proposers.hidden_head import TargetParts
 from speculum.train.base import Score, Trainer, frequent_tokens
 from speculum.train.data import DistillData
-from speculum.train.distill import DistillSpec, ensure_distill, mix_summary, release_engines
+from speculum.train.distill import DistillSpec, ensure_distill, mix_summary
+from speculum.train.generate import release_engines
 from speculum.train.mix import KINDS
 
 log = logging.getLogger(__name__)
