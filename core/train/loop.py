@@ -283,7 +283,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         if not queue:
             queue = length_buckets(data, train_ids, args.batch_size, rng)
         batch = data.batch(queue.pop(), args.max_len, device, args.prompt_context)
-        factor = lr_factor(step, args.warmup, args.steps, trained_seconds(), args.time_limit)
+        # over the wall-clock budget (validation included): the decay ends when time does
+        factor = lr_factor(step, args.warmup, args.steps, base_s + time.perf_counter() - t1, args.time_limit)
         for g in opt.param_groups:
             g["lr"] = args.lr * factor
         with autocast():
