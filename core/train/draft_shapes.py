@@ -27,10 +27,10 @@ from typing import Sequence
 
 import torch
 
-SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-               num_heads=9, num_kv_heads=3, head_dim=64, rms_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
-               tie_word_embeddings=True, qkv_bias=False, qk_norm=False, max_position_embeddings=8192,
-               eos_token_id=None)
+from speculum.bench.step import SHAPES
+
+#: the default target's shape (SmolLM2-135M-Instruct)
+SMOLLM2 = SHAPES["smollm2-135m"]
 
 
 def target_arch(model: str | None):
