@@ -138,15 +138,6 @@ def figures(score: Score, prefix: str = "") -> dict:
             f"{prefix}expected_acceptance_length": score.acceptance_length()}
 
 
-def expected_length(acc: list[float]) -> float:
-    """1 + sum_j prod_{i<=j} acc_i: the acceptance length if positions were independent."""
-    out, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        out += run
-    return round(out, 3)
-
-
 def distill_spec(args, model_path: Path, layers: tuple[int, ...]) -> DistillSpec:
     """The self-distillation data the arguments ask for (MT-bench and ``--eval-prompts``
     excluded from training)."""
