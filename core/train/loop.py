@@ -131,13 +131,6 @@ def score_of(result) -> Score:
     return Score.coerce(result[1] if len(result) == 2 else result[1:])
 
 
-def figures(score: Score, prefix: str = "") -> dict:
-    """A score as report entries: accuracy and acceptance per position, acceptance length."""
-    return {f"{prefix}accuracy_per_position": score.accuracy(),
-            f"{prefix}acceptance_per_position": score.acceptance(),
-            f"{prefix}expected_acceptance_length": score.acceptance_length()}
-
-
 def distill_spec(args, model_path: Path, layers: tuple[int, ...]) -> DistillSpec:
     """The self-distillation data the arguments ask for (MT-bench and ``--eval-prompts``
     excluded from training)."""
