@@ -257,7 +257,11 @@ def test_generation_time_limit_and_cached_data_only(tiny_llama, prompts, tmp_pat
     assert ensure_distill(s, tmp_path, device="cpu", shard_size=8, generate=False)[1] == []
     full = ensure_distill(s, tmp_path, device="cpu", shard_size=8)[1]
     assert full == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    meta = (d / "meta.json").read_bytes()
     assert ensure_distill(s, tmp_path, device="cpu", shard_size=8, generate=False)[1] == full
+    assert ensure_distill(s, tmp_path, device="cpu", shard_size=8)[1] == full
+    # a cache hit writes nothing: trainers started together read meta.json at the same time
+    assert (d / "meta.json").read_bytes() == meta and not list(d.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -159,20 +160,18 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if known:  # selected before: no need to read and tokenise the prompts again
         finished = [n for n, k in zip(known["shards"], known["sizes"]) if meta["sizes"].get(n) == k]
         if len(finished) == len(known["shards"]) or not generate:
-            meta["selection"] = known["selection"]
-            meta_file.write_text(json.dumps(meta, indent=2))
-            return out, finished
+            return out, finished  # nothing written: other processes may be reading the cache
     ids = PromptIds(Tokenizer.load(resolve_model_path(spec.model)))
     sel = select_rows(spec, ids)
-    meta["selection"] = {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}
     shards = [Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
     names = [f"shard_{i:05d}.safetensors" for i in range(len(shards))]
     meta.setdefault("selections", {})[str(spec.num_prompts)] = {
-        "shards": names, "sizes": [len(s.rows) for s in shards], "selection": meta["selection"]}
+        "shards": names, "sizes": [len(s.rows) for s in shards],
+        "selection": {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}}
     # a shard is done when it holds all its rows (a smaller earlier run may have cut it)
     todo = [s for s, n in zip(shards, names) if meta["sizes"].get(n) != len(s.rows)]
     if not todo or not generate:
-        meta_file.write_text(json.dumps(meta, indent=2))
+        _save_meta(meta_file, meta)
         return out, [n for s, n in zip(shards, names) if s not in todo]
     llm, recorder = engine(spec, device, dtype, max_num_seqs, max_model_len)
     bar = None
@@ -192,16 +191,23 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         meta["sizes"][name] = len(shard.rows)
         meta["mix"][name] = mix_counts(recs)
         shard.records = []
-        meta_file.write_text(json.dumps(meta, indent=2))
+        _save_meta(meta_file, meta)
 
     done = stream_jobs(llm, recorder, todo, spec, ids, write, time_limit, bar)
     if bar is not None:
         bar.close()
     meta["generation_seconds"] = round(meta.get("generation_seconds", 0) + time.perf_counter() - t0, 1)
-    meta_file.write_text(json.dumps(meta, indent=2))
+    _save_meta(meta_file, meta)
     if done < len(todo):  # out of time: the shards finished so far
         names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
     return out, names
+
+
+def _save_meta(path: Path, meta: dict) -> None:
+    """Replace ``meta.json`` atomically (trainers started together read it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, path)
 
 
 def mix_counts(recs) -> dict[str, list[int]]:
@@ -214,10 +220,11 @@ def mix_counts(recs) -> dict[str, list[int]]:
     return out
 
 
-def mix_summary(path: Path, shards: Sequence[str]) -> dict:
-    """The data mix of ``shards`` of a cache: sequences and answer tokens per kind, and the
-    selection's dropped rows (from ``meta.json``)."""
+def mix_summary(path: Path, shards: Sequence[str], num_prompts: int | None = None) -> dict:
+    """The data mix of ``shards`` of a cache: sequences and answer tokens per kind, and what
+    the selection of ``num_prompts`` prompts dropped (from ``meta.json``)."""
     meta = json.loads((Path(path) / "meta.json").read_text())
+    selection = meta.get("selections", {}).get(str(num_prompts), {}).get("selection", {})
     kinds: dict[str, list[int]] = {}
     for n in shards:
         for k, (s, t) in meta.get("mix", {}).get(n, {}).items():
@@ -226,7 +233,7 @@ def mix_summary(path: Path, shards: Sequence[str]) -> dict:
             c[1] += t
     return {"sequences_per_kind": {k: v[0] for k, v in kinds.items()},
             "answer_tokens_per_kind": {k: v[1] for k, v in kinds.items()},
-            **{k: v for k, v in meta.get("selection", {}).items()},
+            **selection,
             "generation_seconds": meta.get("generation_seconds")}
 
 

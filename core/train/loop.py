@@ -186,7 +186,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         from speculum.errors import ConfigError
         raise ConfigError(f"no finished self-distillation shards in {data_dir}; run without --cached-data-only "
                           "(or with a longer --gen-time-limit) first")
-    mix = mix_summary(data_dir, shards)
+    mix = mix_summary(data_dir, shards, spec.num_prompts)
     eval_dir = eval_shards = None
     if getattr(args, "eval_prompts", None):  # another prompt set, answered the same way, never trained on
         espec = attrs.evolve(spec, prompts=str(args.eval_prompts), num_prompts=args.eval_num_prompts,
