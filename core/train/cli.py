@@ -12,6 +12,9 @@ from pathlib import Path
 
 from speculum.errors import ConfigError
 
+AMP = ("bf16", "off")
+
+
 def trainers() -> dict[str, object]:
     """Every registered trainer (plugins' ``speculum_register_trainers``), by method name.
 
@@ -42,19 +45,42 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     g.add_argument("--extra-answers", type=int, default=0,
                    help="sampled answers added per instruction-style prompt (sources other than t0/*)")
-    g.add_argument("--extra-temperature", type=float, default=0.8, help="temperature of the extra answers")
+    g.add_argument("--extra-temperature", default="0.8", metavar="T[,T...]",
+                   help="temperature(s) of the sampled answers, taken in turn (e.g. 0.7,1.0)")
+    g.add_argument("--long-form", type=int, default=0, metavar="N",
+                   help="long-form answers per instruction-style prompt: a request for detail is appended "
+                        "(the first greedy, then sampled)")
+    g.add_argument("--second-turns", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of single-turn prompts that get a second turn: the target writes a follow-up "
+                        "question about its own answer, then answers it (all through the chat template)")
+    g.add_argument("--max-turns", type=int, default=2,
+                   help="user turns answered per conversation (--data conversations, MT-bench's two turns)")
+    g.add_argument("--data", action="append", default=[], metavar="JSONL",
+                   help="your own prompts or conversations, added to --prompts: rows with 'prompt', ShareGPT "
+                        "'conversations' [{'from': 'human'|'gpt', 'value'}] or OpenAI 'messages' [{'role', "
+                        "'content'}]; the target answers every user turn (repeatable)")
     g.add_argument("--data-seed", type=int, default=0, help="seed of prompt selection and sampled answers")
     g.add_argument("--gen-batch", type=int, default=32, help="max_num_seqs while generating")
     g.add_argument("--gen-shard-size", type=int, default=64,
                    help="prompts per cached shard (fixed by the first run that creates a cache)")
     g.add_argument("--gen-device", default=None, help="device for generation (default: --device)")
     g.add_argument("--gen-dtype", default="auto", help="dtype for generation (auto: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--gen-max-model-len", type=int, default=2048, help="context of the generating engine")
+    g.add_argument("--gen-time-limit", type=float, default=0, metavar="SECONDS",
+                   help="stop generating after this long and train on the shards finished (0: no limit)")
+    g.add_argument("--cached-data-only", action="store_true",
+                   help="train on the shards of the cache made before (e.g. by a --prepare-only run with "
+                        "--gen-time-limit); generate nothing")
+    g.add_argument("--prepare-only", action="store_true",
+                   help="make (or check) the self-distillation data, print its mix and exit")
     g.add_argument("--cache-dir", default=None, help="default: $SPECULUM_CACHE/distill")
     g.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation")
     g.add_argument("--val-max-seqs", type=int, default=64, help="at most this many validation sequences")
     g.add_argument("--eval-prompts", default=None, metavar="JSONL",
-                   help="also report accuracy on the target's answers to these prompts (e.g. "
-                        "mt_bench for the shipped MT-bench questions: evaluation only, never trained on)")
+                   help="also report accuracy and acceptance length on the target's answers to these prompts "
+                        "(e.g. mt_bench: the shipped MT-bench questions; training prompts matching them are "
+                        "dropped). "
+                        "MT-bench is always kept out of training")
     g.add_argument("--eval-num-prompts", type=int, default=80, help="prompts of --eval-prompts used")
     g.add_argument("--loss-on", choices=("answer", "all"), default="answer",
                    help="train on answer tokens only, or on every position")
@@ -73,10 +99,16 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     t.add_argument("--eval-every", type=int, default=250, help="validate every N steps (0: only at the end)")
+    t.add_argument("--eval-batch-size", type=int, default=8,
+                   help="sequences per validation batch (validation scores the whole vocabulary: keep it small)")
+    t.add_argument("--eval-seconds", type=float, default=0,
+                   help="also validate every this many seconds of training (the training curve)")
     t.add_argument("--save-every", type=int, default=250, help="write a resumable checkpoint every N steps")
     t.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds of training (then validate and export as at the end)")
     t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    t.add_argument("--amp", choices=sorted(AMP), default="off",
+                   help="bf16: forward and loss under bf16 autocast (fp32 master weights; validation in fp32)")
     t.add_argument("--seed", type=int, default=0, help="seed of initialisation and batch order")
     t.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
     t.add_argument("--threads", type=int, default=None,
@@ -112,9 +144,10 @@ def cmd_train(args) -> int:
     if targs.eval_prompts == "mt_bench":
         from speculum.datasets import MT_BENCH, data_path
         targs.eval_prompts = str(data_path(MT_BENCH))
-    if "mt_bench" in Path(targs.prompts).name:
-        raise ConfigError("MT-bench is for evaluation only; leave --prompts unset to train on the shipped "
-                          "training prompts, or give your own JSONL")
+    for f in [targs.prompts, *targs.data]:
+        if "mt_bench" in Path(f).name:
+            raise ConfigError(f"{f}: MT-bench is for evaluation only; leave --prompts unset to train on the shipped "
+                              "training prompts (and add --data files of your own)")
     targs.argv = ["train", args.method, *args.rest]
     # the distillation data (cached, shared) records the layers every installed method needs
     run(trainer, targs, all_trainers=[trainer] + [t.create() for n, t in found.items() if n != args.method])

@@ -22,17 +22,21 @@ fi
 . scripts/device/common.sh
 B="speculum bench offline --model $M --dtype bfloat16 --max-tokens 256"
 K='"num_speculative_tokens":4'
-chain() { echo "{\"method\":\"$1\",$K}"; }
-tree() { echo "{\"method\":\"$1\",\"tree_topk\":$2,\"tree_depth\":$3,\"num_draft_tokens\":$4}"; }
-# the best tree of a method from the sweep (fallback: top-4, depth 5 (medusa: 4), 16 tokens)
+# the shipped heads, or with HEADS=/tmp/tr those train_heads.sh just trained
+mdl() { [ -n "$HEADS" ] && echo ",\"model\":\"$HEADS/$1\""; }
+chain() { echo "{\"method\":\"$1\"$(mdl $1),$K}"; }
+tree() { echo "{\"method\":\"$1\"$(mdl $1),\"tree_topk\":$2,\"tree_depth\":$3,\"num_draft_tokens\":$4}"; }
+# the best tree of a method from the sweep (fallback: top-8, depth 6 (medusa: 4), 32 tokens)
 best() {
-  python3 - "$1" <<'EOF'
+  python3 - "$1" "$HEADS" <<'EOF'
 import json, sys
-m = sys.argv[1]
+m, heads = sys.argv[1], sys.argv[2]
 try:
     best = json.load(open("/tmp/trees_best.json"))[m]
 except (OSError, KeyError):
-    best = {"method": m, "tree_topk": 4, "tree_depth": 4 if m == "medusa" else 5, "num_draft_tokens": 16}
+    best = {"method": m, "tree_topk": 8, "tree_depth": 4 if m == "medusa" else 6, "num_draft_tokens": 32}
+    if heads:
+        best["model"] = f"{heads}/{m}"
 print(json.dumps(best))
 EOF
 }

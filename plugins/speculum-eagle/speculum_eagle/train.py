@@ -75,7 +75,7 @@ class EagleTrainer(Trainer):
 
         def with_regression(ce, j, o, m):  # the paper's loss: feature regression + weighted CE
             want = batch.hidden[-1][:, j + 1:][m]  # the target's next feature
-            return args.ce_weight * ce + args.reg_weight * F.smooth_l1_loss(o, want)
+            return args.ce_weight * ce + args.reg_weight * F.smooth_l1_loss(o.float(), want.float())
 
         return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab), with_regression)
 
