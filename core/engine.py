@@ -27,6 +27,7 @@ from speculum.scheduler import Scheduler
 from speculum.sequence import Sequence
 from speculum.threads import apply_threads
 from speculum.tokenizer import Tokenizer
+from speculum.tree import TreeProposer, check_tree_support
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +98,22 @@ class LLM:
                 hidden_layers = tuple(proposer.hidden_layers)
         else:
             verifier_name = "rejection_sampler"
+        tree = spec_cfg.tree if spec_cfg is not None else None
+        #: KV positions a step may add per sequence beyond its tokens, in every cache group
+        #: (a tree's draft head may write more than the k nodes the target does)
+        self.lookahead = max(k, proposer.kv_lookahead) if isinstance(proposer, TreeProposer) else k
         try:
-            self.backend.plan_memory(self.max_model_len, self.max_num_seqs, lookahead=k)
+            self.backend.plan_memory(self.max_model_len, self.max_num_seqs, lookahead=self.lookahead)
         except KVCacheFull as exc:
             raise ConfigError(str(exc)) from exc
-        self._capture_graphs(k, hidden_layers)
+        self._capture_graphs(k, hidden_layers, tree is not None)
         self.verifier_spec = self.registry.verifier(verifier_name)
         self.verifier = self.verifier_spec.factory()
+        if tree is not None:
+            check_tree_support(tree, spec_cfg.method, proposer, self.verifier, verifier_name, self.target)
         self.proposer = proposer
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers)
-        self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs, lookahead=k,
+        self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs, lookahead=self.lookahead,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self._seed_gen = make_generator(seed)
         self._ids = itertools.count()
@@ -118,15 +125,18 @@ class LLM:
         #: why the engine refuses work (its device failed), or None
         self.dead: str | None = None
         self.k = k
-        log.info("engine ready: model=%s method=%s k=%d verifier=%s", self.model_path.name,
-                 spec_cfg.method if spec_cfg else None, k, verifier_name)
+        log.info("engine ready: model=%s method=%s k=%d verifier=%s%s", self.model_path.name,
+                 spec_cfg.method if spec_cfg else None, k, verifier_name, f" ({tree.describe()})" if tree else "")
 
-    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = ()) -> None:
+    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = (), tree: bool = False) -> None:
         """Capture CUDA graphs for the common decode/verify shapes up front (others lazily),
         returning the hidden states the proposer asked for, as the loop will request them."""
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs] + [self.max_num_seqs]
         t0 = time.perf_counter()
-        n = self.backend.capture(self.target, sizes, sorted({1, k + 1}), hidden_layers)
+        if tree:  # verify steps are tree forwards
+            n = self.backend.capture(self.target, sizes, [1], hidden_layers, tree_query_lens=[k + 1])
+        else:
+            n = self.backend.capture(self.target, sizes, sorted({1, k + 1}), hidden_layers)
         if n:
             log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 

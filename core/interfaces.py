@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
+from speculum.tree import TokenTree
+
 if TYPE_CHECKING:  # pragma: no cover
     from speculum.sampling import SamplingBatch
 
@@ -42,7 +44,13 @@ class ProposeBatch:
 
 @attrs.define(eq=False)
 class Draft:
-    """Draft tokens for a batch. Rows may hold fewer than k tokens (padded with -1)."""
+    """Draft tokens for a batch. Rows may hold fewer than k tokens (padded with -1).
+
+    With ``tree`` set, ``token_ids[b, i]`` is the token of tree node ``i`` (see
+    :class:`speculum.tree.TokenTree`): nodes in topological order, ``-1`` for padding or
+    for a node the loop dropped (such a node and its subtree are never accepted). Without
+    it the drafts form a chain.
+    """
 
     # [B, k] int64, -1 padded on the right
     token_ids: torch.Tensor
@@ -52,6 +60,10 @@ class Draft:
     # [B] leading valid tokens per row, on the host, when the proposer knows them without
     # reading the device (saves a synchronisation); None = count from token_ids
     lengths: list[int] | None = None
+    # the tree shape (parent of each node), on token_ids' device; None = a chain. With
+    # probs given, node i's token must be drawn from probs[b, i] independently of its
+    # siblings; with probs None the nodes are deterministic (one-hot for the verifier)
+    tree: TokenTree | None = None
 
     @property
     def num_tokens(self) -> torch.Tensor:
@@ -73,6 +85,9 @@ class Verdict:
     token_ids: torch.Tensor
     # [B] number of draft tokens accepted (0..k); emitted = num_accepted + 1
     num_accepted: torch.Tensor
+    # [B, N] for tree drafts: the accepted nodes' indices from the root down, -1 padded
+    # (token_ids holds their tokens); None for chains (the accepted drafts are 0..a-1)
+    path: torch.Tensor | None = None
 
 
 @attrs.define(eq=False)
@@ -129,13 +144,18 @@ class HiddenStateProposer(StatefulProposer, Protocol):
 
 @runtime_checkable
 class Verifier(Protocol):
-    """Decides which draft tokens the target accepts."""
+    """Decides which draft tokens the target accepts.
+
+    A verifier that accepts tree drafts (``Draft.tree``) sets ``supports_trees = True``
+    and returns ``Verdict.path``; the engine refuses tree configs otherwise.
+    """
 
     #: True when output has exactly the target's distribution.
     lossless: bool
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: "SamplingBatch") -> Verdict:
-        """``target_logits``: [B, k+1, V] at the last token and each draft position."""
+        """``target_logits``: [B, k+1, V] at the last token and each draft position (each
+        tree node, for tree drafts)."""
 
 
 @runtime_checkable
@@ -226,6 +246,12 @@ class ModelRunner(Protocol):
         Returns logits [B, q, V] and the requested hidden states. Hidden layer ``i >= 0``
         is the output stream of decoder layer ``i``; ``-1`` is the final normed state (the
         LM head's input).
+
+        A runner with ``supports_trees = True`` also takes ``tree=`` (a
+        :class:`~speculum.tree.TokenTree` of ``q - 1`` nodes: column 0 is the root; each node
+        gets the position root + depth and sees its ancestors only) and has
+        ``move_kv(seq_ids, src, dst)``, which copies the K/V of logical positions ``src[b]``
+        to ``dst[b]`` (the accepted path, into consecutive positions).
         """
 
     def truncate(self, seq_id: int, length: int) -> None:
@@ -284,5 +310,6 @@ class Backend(Protocol):
         """The planned allocators of every bounded cache group (empty: no KV budget)."""
 
     def capture(self, runner: ModelRunner, batch_sizes: Sequence[int], query_lens: Sequence[int],
-                hidden_layers: Sequence[int] = ()) -> int:
-        """Prepare fast paths (CUDA graphs...) for these shapes; returns how many (0: none)."""
+                hidden_layers: Sequence[int] = (), tree_query_lens: Sequence[int] = ()) -> int:
+        """Prepare fast paths (CUDA graphs...) for these shapes, and for token-tree verify
+        forwards of ``tree_query_lens`` tokens; returns how many (0: none)."""

@@ -15,6 +15,11 @@ a stateful one (with ``add_request``/``remove_request``) may have left its per-r
 state half updated, so it is dropped for the requests of that batch, which carry on
 without speculation. A verifier that raises is replaced for the step by plain sampling
 of the first position (lossless: no draft is accepted).
+
+Token trees (``Draft.tree``, see :mod:`speculum.tree`): the forward verifies every node at
+once, the verdict names the accepted path, whose K/V the target moves into consecutive
+positions before the rollback by length, and whose hidden states reach the proposer in
+path order, as a chain's would.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from speculum.interfaces import (Draft, HiddenStateProposer, ModelRunner, Propos
 from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
 from speculum.tokenizer import Tokenizer
+from speculum.tree import TokenTree, gather_path, path_moves
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +128,20 @@ class DraftVerifyLoop:
         sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], device)
         rows = [b for b, s in enumerate(seqs) if s.speculative] if self.k else []
         draft = self._propose(seqs, rows, sampling)
+        tree = draft.tree
         # draft tokens per row (host), capped so no row drafts past what it may emit
         lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
-        drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
+        if tree is None:
+            drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
+        else:  # a tree keeps its nodes; those deeper than a row may emit are never accepted
+            drafted = [n if s.room() > 1 else 0 for n, s in zip(lengths, seqs)]
+            depths = [min(tree.depth_bound, s.room() - 1) if n else 0 for n, s in zip(drafted, seqs)]
         k = draft.token_ids.shape[1]
         ids = draft.token_ids
         if k:
             keep = torch.arange(k, device=ids.device).view(1, k) < torch.tensor(drafted).view(B, 1).to(ids.device)
+            if tree is not None and min(depths) < tree.depth_bound:
+                keep &= tree.depth.to(ids.device) <= torch.tensor(depths).view(B, 1).to(ids.device)
             # token ids outside the vocabulary would crash the embedding: such drafts are dropped
             in_vocab = (ids >= 0) & (ids < self.target.vocab_size)
             if ids.device.type == "cpu" and bool((~in_vocab & (ids != -1)).any()):  # free to say on the host
@@ -149,16 +162,26 @@ class DraftVerifyLoop:
         last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(ids.device)
         inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
         num_tokens = [n + 1 for n in drafted]
-        out = self.target.forward([s.seq_id for s in seqs], inputs, num_tokens, self.hidden_layers)
+        extra = {} if tree is None else {"tree": tree}
+        out = self.target.forward([s.seq_id for s in seqs], inputs, num_tokens, self.hidden_layers, **extra)
         # [B]: rows with NaN/inf logits (padding positions compute on real tokens: finite too)
         bad = ~torch.isfinite(out.logits).all(-1).all(-1)
         verdict, failed_rows = self._verify(out.logits, draft, sampling)
+        if tree is not None and verdict.path is None:  # the plain-sampling fallback: nothing accepted
+            verdict.path = torch.full_like(ids, -1)
         # the host synchronisation of the step (greedy verification has synced already)
         both = _to_host(verdict, bad)
         accepted = [r[0] for r in both]
+        width = verdict.token_ids.shape[1]
+        hidden = out.hidden_states
+        if tree is not None:
+            self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
+                             [bool(r[1]) or b in failed_rows for b, r in enumerate(both)])
+            if hidden:  # the accepted path's states in path order, as for a chain
+                hidden = gather_path(hidden, verdict.path)
         new_lengths = []
         for b, s in enumerate(seqs):
-            a, row_bad, tokens = accepted[b], both[b][1], both[b][2:]
+            a, row_bad, tokens = accepted[b], both[b][1], both[b][2: 2 + width]
             old_len = len(s.token_ids)
             new_lengths.append(old_len + a + 1)
             if row_bad or b in failed_rows:
@@ -167,12 +190,22 @@ class DraftVerifyLoop:
                 continue
             # KV kept: old tokens plus the accepted drafts (the new last token has none yet)
             self.target.truncate(s.seq_id, old_len + a)
-            s.metrics.record_step(drafted[b], a)
+            s.metrics.record_step(drafted[b], a, depths[b] if tree is not None and drafted[b] else None)
             try:
                 s.append(tokens[: a + 1], self.tokenizer)
             except Exception as exc:  # a detokeniser or stop-string failure is this request's
                 s.fail(f"stop check / detokenisation failed: {type(exc).__name__}: {exc}")
-        self._observe(seqs, rows, accepted, new_lengths, out.hidden_states)
+        self._observe(seqs, rows, accepted, new_lengths, hidden)
+
+    def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],
+                    failed: list[bool]) -> None:
+        """Move each accepted tree path's K/V into consecutive positions (the rest is then
+        dropped by the truncation that follows); failed rows are left alone."""
+        moves = [(s.seq_id, *path_moves(p, a, len(s.token_ids) - 1))
+                 for s, a, p, f in zip(seqs, accepted, paths, failed) if not f]
+        moves = [m for m in moves if m[1]]
+        if moves:
+            self.target.move_kv([m[0] for m in moves], [m[1] for m in moves], [m[2] for m in moves])
 
     def _propose(self, seqs: list[Sequence], rows: list[int], sampling: SamplingBatch) -> Draft:
         """Drafts for the speculative ``rows``, scattered into a [B, <=k] draft (others -1)."""
@@ -225,7 +258,17 @@ class DraftVerifyLoop:
             lengths = [0] * B
             for r, b in enumerate(rows):
                 lengths[b] = draft.lengths[r]
-        return Draft(token_ids=token_ids, probs=probs, lengths=lengths)
+        tree = None
+        if draft.tree is not None:  # rows without drafts: no nodes (their parents are the root)
+            t = draft.tree
+            parents = torch.full((B, k), -1, dtype=torch.int64, device=dev)
+            parents[idx] = t.parents
+            depth = torch.ones(B, k, dtype=torch.int64, device=dev)
+            depth[idx] = t.depth
+            anc = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k).clone()
+            anc[idx] = t.ancestors
+            tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=t.max_depth, max_children=t.max_children)
+        return Draft(token_ids=token_ids, probs=probs, lengths=lengths, tree=tree)
 
     def _verify(self, logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> tuple[Verdict, dict[int, str]]:
         """The verifier's verdict, or plain sampling of position 0 if it raised."""
@@ -258,12 +301,14 @@ class DraftVerifyLoop:
 
 
 def _to_host(verdict: Verdict, bad: torch.Tensor) -> list[list[int]]:
-    """Rows of [num_accepted, bad, tokens...] on the host, in one copy where they live together."""
+    """Rows of [num_accepted, bad, tokens..., path...] on the host (the path of a tree
+    verdict only), in one copy where they live together."""
     B = bad.shape[0]
+    tail = [verdict.token_ids] if verdict.path is None else [verdict.token_ids, verdict.path.to(verdict.token_ids.device)]
     if verdict.token_ids.device == bad.device:
         return torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), bad.view(B, 1).to(torch.int64),
-                          verdict.token_ids], dim=1).tolist()
-    head = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), verdict.token_ids.to(torch.int64)], dim=1)
+                          *tail], dim=1).tolist()
+    head = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), *(t.to(torch.int64) for t in tail)], dim=1)
     flags = bad.tolist()
     return [[r[0], int(f), *r[1:]] for r, f in zip(head.tolist(), flags)]
 
@@ -281,6 +326,11 @@ def _malformed(draft, rows: int, k: int, vocab_size: int) -> str | None:
         return f"probs of shape {tuple(draft.probs.shape)}; expected [{rows}, {t.shape[1]}, {vocab_size}]"
     if draft.lengths is not None and (len(draft.lengths) != rows or any(not 0 <= n <= t.shape[1] for n in draft.lengths)):
         return f"lengths {list(draft.lengths)[:8]} do not fit token_ids of shape {tuple(t.shape)}"
+    if draft.tree is not None:
+        try:
+            draft.tree.check(t)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
     return None
 
 

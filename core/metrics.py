@@ -31,6 +31,10 @@ class SpecDecodeMetrics:
     - ``acceptance_histogram[a]``: steps in which exactly ``a`` drafts were accepted
     - ``accepted_per_position[i]``: drafts whose token ``i+1`` was accepted
     - ``drafts_per_position[i]``: drafts with at least ``i+1`` tokens
+    - ``num_tree_steps`` / ``num_tree_nodes``: verify steps that carried a token tree,
+      and the nodes they verified (also counted in ``num_draft_tokens``); for a tree the
+      accepted tokens are the accepted path's depth and positions are depths (a tree
+      reaches position ``i+1`` when it is at least ``i+1`` deep)
     """
 
     num_steps: int = 0
@@ -41,9 +45,15 @@ class SpecDecodeMetrics:
     acceptance_histogram: list[int] = attrs.field(factory=list)
     accepted_per_position: list[int] = attrs.field(factory=list)
     drafts_per_position: list[int] = attrs.field(factory=list)
+    num_tree_steps: int = 0
+    num_tree_nodes: int = 0
 
-    def record_step(self, num_draft: int, num_accepted: int) -> None:
-        """One verify step that drafted ``num_draft`` tokens and accepted ``num_accepted``."""
+    def record_step(self, num_draft: int, num_accepted: int, tree_depth: int | None = None) -> None:
+        """One verify step that drafted ``num_draft`` tokens and accepted ``num_accepted``
+        (a tree of ``num_draft`` nodes, ``tree_depth`` deep, when given)."""
+        if tree_depth is not None:
+            self.num_tree_steps += 1
+            self.num_tree_nodes += num_draft
         self.num_steps += 1
         self.num_drafts += num_draft > 0
         self.num_draft_tokens += num_draft
@@ -54,11 +64,14 @@ class SpecDecodeMetrics:
         _grow(self.accepted_per_position, num_accepted)
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
-        _grow(self.drafts_per_position, num_draft)
-        for i in range(num_draft):
+        reached = num_draft if tree_depth is None else tree_depth
+        _grow(self.drafts_per_position, reached)
+        for i in range(reached):
             self.drafts_per_position[i] += 1
 
     def merge(self, other: "SpecDecodeMetrics") -> None:
+        self.num_tree_steps += other.num_tree_steps
+        self.num_tree_nodes += other.num_tree_nodes
         self.num_steps += other.num_steps
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
@@ -113,6 +126,8 @@ class SpecDecodeMetrics:
             "acceptance_histogram": list(self.acceptance_histogram),
             "accepted_per_position": list(self.accepted_per_position),
             "drafts_per_position": list(self.drafts_per_position),
+            "num_tree_steps": self.num_tree_steps,
+            "num_tree_nodes": self.num_tree_nodes,
         }
 
 

@@ -180,9 +180,11 @@ class TorchBackend:
         """Plan ``group`` (a draft head's KV cache) with the runners' caches."""
         self.caches.append(group)
 
-    def capture(self, runner, batch_sizes, query_lens, hidden_layers=()) -> int:
-        """CUDA graphs of the native runner's decode/verify shapes (none elsewhere)."""
+    def capture(self, runner, batch_sizes, query_lens, hidden_layers=(), tree_query_lens=()) -> int:
+        """CUDA graphs of the native runner's decode/verify shapes (none elsewhere);
+        ``tree_query_lens``: token-tree verify shapes (root + nodes)."""
         from speculum.backends.torch.native.runner import NativeRunner
         if not isinstance(runner, NativeRunner) or not runner.cuda_graphs:
             return 0
-        return runner.capture(batch_sizes, query_lens, max_block_buckets=1, hidden_layers=hidden_layers)
+        return runner.capture(batch_sizes, query_lens, max_block_buckets=1, hidden_layers=hidden_layers,
+                              tree_query_lens=tree_query_lens)

@@ -53,6 +53,8 @@ class MethodResult:
     groups: dict[str, GroupResult]
     total: GroupResult
     texts: list[str] = attrs.field(factory=list)
+    #: more figures for the JSON (e.g. ``profile``: a step's time split)
+    extra: dict = attrs.field(factory=dict)
 
     def speedup(self, base: "MethodResult", group: str | None = None) -> float:
         mine = self.total if group is None else self.groups[group]
@@ -74,13 +76,20 @@ class MethodResult:
                 d.update(speedup=self.speedup(base, name), identical=same == n, num_identical=same)
             return d
         return {"method": self.name, "config": self.config,
-                "categories": {c: entry(c, g) for c, g in self.groups.items()}, "total": entry(None, self.total)}
+                "categories": {c: entry(c, g) for c, g in self.groups.items()}, "total": entry(None, self.total),
+                **self.extra}
 
 
 def method_name(config: dict | None, resolved_method: str | None = None) -> str:
     if config is None:
         return "autoregressive"
-    return f"{resolved_method or config.get('method') or 'detected'}(k={config.get('num_speculative_tokens')})"
+    method = resolved_method or config.get('method') or 'detected'
+    from speculum.tree import tree_from_config
+    tree = tree_from_config(config.get("speculative_token_tree"), config.get("tree_topk"), config.get("tree_depth"),
+                            config.get("num_draft_tokens"))
+    if tree is not None:
+        return f"{method}({tree.label()})"
+    return f"{method}(k={config.get('num_speculative_tokens')})"
 
 
 def _sync(device) -> None:
@@ -114,8 +123,10 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
 
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
-            warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None) -> list[MethodResult]:
-    """Baseline (no speculation) first, then each config; one engine at a time."""
+            warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
+            after: Callable[[Any, MethodResult], Any] | None = None) -> list[MethodResult]:
+    """Baseline (no speculation) first, then each config; one engine at a time.
+    ``after(llm, result)`` runs once a config is measured, before its engine goes."""
     results = []
     warm = [p for ps in groups.values() for p in ps][:1]
     for cfg in [None] + [c for c in configs if c is not None]:
@@ -123,6 +134,8 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
         llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
         resolved = llm.speculative_config.method if llm.speculative_config else None
         results.append(run_method(llm, groups, params, method_name(cfg, resolved), cfg, progress))
+        if after is not None:
+            after(llm, results[-1])
         del llm
         gc.collect()
         if torch.cuda.is_available():

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--mt-bench", default=None,
                    help="MT-bench style JSONL (default: the 80 questions shipped with speculum)")
+    p.add_argument("--profile", action="store_true",
+                   help="also time one step of each config split into draft, verify and host work (first "
+                        "prompt of each category, after the throughput run)")
     p.add_argument("--json", default="results/bench_offline.json", help="where the JSON goes")
     p.set_defaults(func=run)
 
@@ -61,8 +64,19 @@ def run(args) -> int:
         devices.append((str(llm.backend.device), llm.threads.threads))
         return llm
 
-    results = methods.compare([json.loads(m) for m in args.method], groups, params, make, warmup_tokens=32)
+    after = None
+    if args.profile:
+        from speculum.bench.step_profile import profile_steps
+
+        def after(llm, result):
+            result.extra["profile"] = profile_steps(llm, [ps[0] for ps in groups.values()], params)
+
+    results = methods.compare([json.loads(m) for m in args.method], groups, params, make, warmup_tokens=32,
+                              after=after)
     print(methods.table(results))
+    if args.profile:
+        from speculum.bench.step_profile import profile_table
+        print(profile_table([r.as_dict() for r in results]))
     base = results[0]
     for r in results[1:]:
         print(methods.diagnose(base, r))
