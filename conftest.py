@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# tiny models and 2-core CI machines: engines default to one torch thread in the test suite
+# (tests of the default rule itself clear this)
+os.environ.setdefault("SPECULUM_THREADS", "1")
 
 
 @pytest.fixture(scope="module")

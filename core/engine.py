@@ -15,15 +15,19 @@ import torch
 
 from speculum.config import SpeculativeConfig
 from speculum.engine_build import build_speculation, build_verifier
-from speculum.errors import ConfigError, RequestError
+from speculum.errors import ConfigError, EngineDeadError, PluginError, RequestError
+from speculum.interfaces import Backend, HiddenStateProposer, KVCacheFull
 from speculum.loop import DraftVerifyLoop
 from speculum.metrics import SpecDecodeMetrics
 from speculum.model_source import resolve_model_path
 from speculum.outputs import CompletionOutput, RequestOutput
 from speculum.plugins import build_registry
 from speculum.sampling import SamplingParams, make_generator
+from speculum.scheduler import Scheduler
 from speculum.sequence import Sequence
+from speculum.threads import apply_threads
 from speculum.tokenizer import Tokenizer
+from speculum.tree import TreeProposer, check_tree_support
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +48,27 @@ class LLM:
                  backend: str = "torch", max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None,
-                 **backend_options: Any):
+                 threads: int | None = None, **backend_options: Any):
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1 (torch CPU threads), got {threads!r}; "
+                              "leave it None for the default (the CPUs not busy with other processes)")
+        #: torch's CPU threads for this process (logged; see speculum.threads)
+        self.threads = apply_threads(threads)
         if tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet; use 1")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        spec_cfg = SpeculativeConfig.coerce(speculative_config)
+        spec_cfg = SpeculativeConfig.coerce(speculative_config, source="speculative_config")
         self.registry = build_registry(extra_plugins=plugins)
         try:
-            self.backend = self.registry.backend(backend).factory(device=device, dtype=dtype, **backend_options)
+            self.backend: Backend = self.registry.backend(backend).factory(device=device, dtype=dtype,
+                                                                           **backend_options)
         except TypeError as exc:
             raise ConfigError(f"backend {backend!r} does not accept these options: {exc}") from exc
+        if not isinstance(self.backend, Backend):
+            raise PluginError(f"backend {backend!r} ({type(self.backend).__name__}) does not implement the Backend "
+                              "protocol of speculum.interfaces (load_model, register_cache, plan_memory, "
+                              "kv_allocators, capture)")
         self.model_path = resolve_model_path(model)
         self.tokenizer = Tokenizer.load(resolve_model_path(tokenizer) if tokenizer else self.model_path)
         self.target = self.backend.load_model(self.model_path, role="target", max_model_len=max_model_len)
@@ -80,44 +94,52 @@ class LLM:
                 max_model_len=self.max_model_len, tensor_parallel_size=tensor_parallel_size)
             self.speculative_config = spec_cfg
             k = spec_cfg.num_speculative_tokens
-            hidden_layers = tuple(getattr(proposer, "hidden_layers", ()) or ())
+            if isinstance(proposer, HiddenStateProposer):
+                hidden_layers = tuple(proposer.hidden_layers)
         else:
             verifier_name = "rejection_sampler"
-        plan = getattr(self.backend, "plan_memory", None)
-        if plan is not None:
-            from speculum.interfaces import KVCacheFull
-            try:
-                plan(self.max_model_len, self.max_num_seqs)
-            except KVCacheFull as exc:
-                raise ConfigError(str(exc)) from exc
-        self._capture_graphs(k, hidden_layers)
+        tree = spec_cfg.tree if spec_cfg is not None else None
+        #: KV positions a step may add per sequence beyond its tokens, in every cache group
+        #: (a tree's draft head may write more than the k nodes the target does)
+        self.lookahead = max(k, proposer.kv_lookahead) if isinstance(proposer, TreeProposer) else k
+        try:
+            self.backend.plan_memory(self.max_model_len, self.max_num_seqs, lookahead=self.lookahead)
+        except KVCacheFull as exc:
+            raise ConfigError(str(exc)) from exc
+        self._capture_graphs(k, hidden_layers, tree is not None)
         self.verifier_spec, self.verifier = build_verifier(
             self.registry, verifier_name, spec_cfg.verifier_options if spec_cfg is not None else None)
+        if tree is not None:
+            check_tree_support(tree, spec_cfg.method, proposer, self.verifier, verifier_name, self.target)
         self.proposer = proposer
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers)
+        self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs, lookahead=self.lookahead,
+                                   max_num_batched_tokens=max_num_batched_tokens)
         self._seed_gen = make_generator(seed)
         self._ids = itertools.count()
-        self._waiting: list[Sequence] = []
-        self._running: list[Sequence] = []
         self._by_request: dict[str, Sequence] = {}
         self.stats = SpecDecodeMetrics(lossless=self.verifier_spec.lossless)
         self.num_generated_tokens = 0
-        self.num_preemptions = 0
+        #: requests that finished with finish_reason="error"
+        self.num_failed_requests = 0
+        #: why the engine refuses work (its device failed), or None
+        self.dead: str | None = None
         self.k = k
-        log.info("engine ready: model=%s method=%s k=%d verifier=%s (%s)", self.model_path.name,
+        log.info("engine ready: model=%s method=%s k=%d verifier=%s (%s)%s", self.model_path.name,
                  spec_cfg.method if spec_cfg else None, k, verifier_name,
-                 "lossless" if self.verifier_spec.lossless else "LOSSY")
+                 "lossless" if self.verifier_spec.lossless else "LOSSY", f" ({tree.describe()})" if tree else "")
 
-    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = ()) -> None:
+    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = (), tree: bool = False) -> None:
         """Capture CUDA graphs for the common decode/verify shapes up front (others lazily),
         returning the hidden states the proposer asked for, as the loop will request them."""
-        capture = getattr(self.target, "capture", None)
-        if capture is None or not getattr(self.target, "cuda_graphs", False):
-            return
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs] + [self.max_num_seqs]
         t0 = time.perf_counter()
-        n = capture(sizes, sorted({1, k + 1}), max_block_buckets=1, hidden_layers=hidden_layers)
-        log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+        if tree:  # verify steps are tree forwards
+            n = self.backend.capture(self.target, sizes, [1], hidden_layers, tree_query_lens=[k + 1])
+        else:
+            n = self.backend.capture(self.target, sizes, sorted({1, k + 1}), hidden_layers)
+        if n:
+            log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
     # -- requests -----------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -130,13 +152,14 @@ class LLM:
                 bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
                 if bad:
                     raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
-                return prompt.get("prompt"), ids
+                text = prompt.get("prompt")
+                return (text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)), ids
             if "prompt" in prompt:
                 return self.encode_prompt(prompt["prompt"])
             if "messages" in prompt:
-                return None, self.tokenizer.apply_chat_template(list(prompt["messages"]))
+                return self.tokenizer.chat_prompt(list(prompt["messages"]))
         if isinstance(prompt, list) and all(isinstance(m, Mapping) and "role" in m for m in prompt):
-            return None, self.tokenizer.apply_chat_template(list(prompt))
+            return self.tokenizer.chat_prompt(list(prompt))
         raise RequestError(
             "a prompt is a string, a list of chat messages ({'role', 'content'}), or "
             f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}"
@@ -144,6 +167,8 @@ class LLM:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         """Queue a request; it runs on the following ``step()`` calls."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
         params = params or SamplingParams()
         if request_id in self._by_request:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -165,7 +190,7 @@ class LLM:
             gen = make_generator(seed, self.target.device)
         seq = Sequence(request_id, next(self._ids), text, ids, params, gen, self.max_model_len)
         seq.metrics.lossless = self.verifier_spec.lossless
-        self._waiting.append(seq)
+        self.scheduler.add(seq)
         self._by_request[request_id] = seq
 
     def abort_request(self, request_id: str) -> None:
@@ -174,100 +199,101 @@ class LLM:
         if seq is None:
             return
         seq.abort()
-        if seq in self._running:
-            self._running.remove(seq)
+        if self.scheduler.remove(seq):
             self.loop.finish(seq)
-        elif seq in self._waiting:
-            self._waiting.remove(seq)
         del self._by_request[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     def step(self, include_running: bool = True) -> list[RequestOutput]:
         """Admit waiting requests and run one draft-verify step.
 
         Returns an output for every request that advanced: ``finished=False`` while it
         runs (for streaming; left out with ``include_running=False``), ``finished=True``
-        once, at the end.
+        once, at the end. A request that fails finishes with ``finish_reason="error"``
+        and its ``error``; the engine serves on. Only a failed device stops the engine
+        (``EngineDeadError``: every request it held finishes with an error first).
         """
-        self._schedule()
-        if not self._running:
-            return []
-        before = [s.num_output_tokens for s in self._running]
-        self.loop.step(self._running)
-        outputs = []
-        for s, b in zip(list(self._running), before):
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        outputs: list[RequestOutput] = []
+        sched = self.scheduler.schedule()
+        for seq, why in sched.failed:
+            seq.fail(why)
+            outputs.append(self._retire(seq))
+        if sched.admitted:
+            try:
+                self.loop.start(sched.admitted)
+            except Exception as exc:
+                self._batch_failed(sched.admitted, "prefill", exc, outputs)
+        running = self.scheduler.running
+        if not running:
+            return outputs
+        before = [s.num_output_tokens for s in running]
+        try:
+            self.loop.step(running)
+        except Exception as exc:
+            self._batch_failed(list(running), "step", exc, outputs)
+            return outputs
+        for s, b in zip(list(running), before):
             self.num_generated_tokens += s.num_output_tokens - b
             if s.finished:
-                self._running.remove(s)
+                self.scheduler.remove(s)
                 self.loop.finish(s)
-                self.stats.merge(s.metrics)
-                del self._by_request[s.request_id]
-                outputs.append(self._output(s))
+                outputs.append(self._retire(s))
             elif include_running:
                 outputs.append(self._output(s))
         return outputs
 
-    def _blocks_needed(self, seq: Sequence, extra: int) -> int:
-        alloc = self.target.allocator
-        if not hasattr(alloc, "block_table"):
-            return 0
-        have = len(alloc.block_table(seq.seq_id))
-        return max(0, -(-(max(len(seq.token_ids) - 1, 0) + extra) // alloc.block_size) - have)
+    def _retire(self, s: Sequence) -> RequestOutput:
+        """Bookkeeping of a request that left the engine (not running, KV freed)."""
+        self.stats.merge(s.metrics)
+        self._by_request.pop(s.request_id, None)
+        if s.finish_reason == "error":
+            self.num_failed_requests += 1
+            log.warning("request %s failed: %s", s.request_id, s.error)
+        return self._output(s)
 
-    def _schedule(self) -> None:
-        """Admit waiting requests while KV blocks last; preempt the newest when they run out.
+    def _batch_failed(self, seqs: list[Sequence], what: str, exc: Exception, outputs: list) -> None:
+        """A target forward raised: its requests fail; if the device is gone, every request."""
+        log.exception("the target %s failed for %d request(s)", what, len(seqs))
+        broken = self._device_failure()
+        if broken:
+            self.dead = (f"the engine's device failed ({broken}) after {type(exc).__name__}: {exc}; it refuses new "
+                         "work: restart the process")
+            seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for s in seqs:
+            if self.scheduler.remove(s) or what == "prefill":
+                try:
+                    self.loop.finish(s)
+                except Exception:
+                    log.exception("freeing request %s failed", s.request_id)
+            s.fail(self.dead or f"the target model failed on this batch ({type(exc).__name__}: {exc})")
+            outputs.append(self._retire(s))
 
-        Preempted sequences free their KV and go back to the front of the queue; they are
-        recomputed (prefilled again with their output so far) when room returns.
-        """
-        alloc = self.target.allocator
-        paged = hasattr(alloc, "num_free_blocks")
-        lookahead = self.k + 1
-        if paged and not self._waiting:
-            # each running sequence needs at most this many new blocks this step
-            worst = len(self._running) * (-(-lookahead // alloc.block_size) + 1)
-            if alloc.num_free_blocks >= worst:
-                return
-        if paged:
-            while self._running and sum(self._blocks_needed(s, lookahead) for s in self._running) > alloc.num_free_blocks:
-                victim = self._running.pop()
-                self.loop.finish(victim)
-                self._waiting.insert(0, victim)
-                self.num_preemptions += 1
-                log.warning("KV cache full: preempted request %s (will recompute)", victim.request_id)
-        new = []
-        budget = alloc.num_free_blocks - sum(self._blocks_needed(s, lookahead) for s in self._running) if paged else 0
-        prefill_tokens = 0
-        while self._waiting and len(self._running) + len(new) < self.max_num_seqs:
-            s = self._waiting[0]
-            # first come, first served: a long prompt at the head waits for room rather
-            # than being overtaken, so long requests are never starved
-            if (self.max_num_batched_tokens is not None and new
-                    and prefill_tokens + len(s.token_ids) > self.max_num_batched_tokens):
-                break
-            prefill_tokens += len(s.token_ids)
-            if paged:
-                need = self._blocks_needed(s, lookahead)
-                if need > budget:
-                    if not self._running and not new:
-                        raise RequestError(f"request {s.request_id} needs {need} KV blocks but the cache has "
-                                           f"{alloc.num_free_blocks}; raise kv_cache_memory or shorten it")
-                    break
-                budget -= need
-            new.append(self._waiting.pop(0))
-        if new:
-            self.loop.start(new)
-            self._running += new
+    def _device_failure(self) -> str | None:
+        """None if the target's device still computes, else what went wrong."""
+        dev = self.target.device
+        try:
+            x = torch.ones(1, device=dev) + 1
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            return None if float(x) == 2.0 else "a probe computed garbage"
+        except Exception as probe:  # e.g. a CUDA error: the context is lost
+            return f"{type(probe).__name__}: {probe}"
 
     def _output(self, s: Sequence) -> RequestOutput:
         out_ids = s.output_token_ids
@@ -277,8 +303,8 @@ class LLM:
             text = None
         return RequestOutput(
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=list(s.prompt_token_ids),
-            outputs=[CompletionOutput(text, list(out_ids), s.finish_reason, s.stop_reason)],
-            finished=s.finished, metrics=s.metrics,
+            outputs=[CompletionOutput(0, text, list(out_ids), s.finish_reason, s.stop_reason)],
+            finished=s.finished, metrics=s.metrics, error=s.error,
             time_to_first_token=(s.first_token_time - s.arrival_time) if s.first_token_time else None,
             latency=(s.finish_time - s.arrival_time) if s.finish_time else None,
         )
@@ -326,6 +352,17 @@ class LLM:
     def metrics(self) -> SpecDecodeMetrics:
         """Engine-wide speculation totals over finished requests."""
         return self.stats
+
+    def get_tokenizer(self):
+        """The transformers tokenizer of the target (None for a model without one)."""
+        return self.tokenizer.hf
+
+    def get_metrics(self) -> list:
+        """Engine counters in vLLM's ``LLM.get_metrics()`` form: a list of
+        :class:`speculum.metrics_reader.Counter` / ``Gauge`` / ``Vector`` snapshots named
+        like the server's Prometheus metrics (``speculum:spec_decode_num_drafts``...)."""
+        from speculum.metrics_reader import engine_metrics
+        return engine_metrics(self)
 
 
 def _config_eos(path) -> list[int]:

@@ -60,6 +60,17 @@ def speculum_register_backends(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def speculum_register_trainers(register: Callable[..., None]) -> None:
+    """Register trainers for ``speculum train METHOD``: ``register(name, factory, description="")``.
+
+    ``factory`` is a :class:`speculum.train.Trainer` subclass, a callable returning one, or
+    an import path ``"package.module:Trainer"`` loaded only when that method is trained
+    (so listing trainers never imports training code). ``description`` is the line
+    ``speculum train --help`` shows.
+    """
+
+
 @hookspec(firstresult=True)
 def speculum_detect_method(model_path: str, config: Mapping[str, Any]) -> str | None:
     """Name the method a draft checkpoint belongs to, or return None.

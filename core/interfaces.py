@@ -1,4 +1,5 @@
-"""The three interfaces of the draft-verify loop, and the data that crosses them.
+"""The contracts of the draft-verify loop (Proposer, Verifier, KVAllocator, ModelRunner,
+Backend) and the data that crosses them.
 
 Shapes are written as ``# [B, k]`` comments above fields: ``B`` is the number of
 sequences in a step, ``k`` the number of draft tokens, ``V`` the vocabulary size.
@@ -7,10 +8,13 @@ Token tensors use ``-1`` as padding.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
+
+from speculum.tree import TokenTree
 
 if TYPE_CHECKING:  # pragma: no cover
     from speculum.sampling import SamplingBatch
@@ -40,7 +44,13 @@ class ProposeBatch:
 
 @attrs.define(eq=False)
 class Draft:
-    """Draft tokens for a batch. Rows may hold fewer than k tokens (padded with -1)."""
+    """Draft tokens for a batch. Rows may hold fewer than k tokens (padded with -1).
+
+    With ``tree`` set, ``token_ids[b, i]`` is the token of tree node ``i`` (see
+    :class:`speculum.tree.TokenTree`): nodes in topological order, ``-1`` for padding or
+    for a node the loop dropped (such a node and its subtree are never accepted). Without
+    it the drafts form a chain.
+    """
 
     # [B, k] int64, -1 padded on the right
     token_ids: torch.Tensor
@@ -50,6 +60,10 @@ class Draft:
     # [B] leading valid tokens per row, on the host, when the proposer knows them without
     # reading the device (saves a synchronisation); None = count from token_ids
     lengths: list[int] | None = None
+    # the tree shape (parent of each node), on token_ids' device; None = a chain. With
+    # probs given, node i's token must be drawn from probs[b, i] independently of its
+    # siblings; with probs None the nodes are deterministic (one-hot for the verifier)
+    tree: TokenTree | None = None
 
     @property
     def num_tokens(self) -> torch.Tensor:
@@ -71,6 +85,9 @@ class Verdict:
     token_ids: torch.Tensor
     # [B] number of draft tokens accepted (0..k); emitted = num_accepted + 1
     num_accepted: torch.Tensor
+    # [B, N] for tree drafts: the accepted nodes' indices from the root down, -1 padded
+    # (token_ids holds their tokens); None for chains (the accepted drafts are 0..a-1)
+    path: torch.Tensor | None = None
 
 
 @attrs.define(eq=False)
@@ -97,38 +114,73 @@ class Proposer(Protocol):
         """Learn the outcome of verification (roll back draft caches, adapt)."""
 
 
+@runtime_checkable
 class StatefulProposer(Proposer, Protocol):
     """A proposer with per-request state (its own KV cache, for example)."""
 
-    def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
-        """Called once when a sequence starts running (prefill the draft state).
-
-        Proposers that declare ``hidden_layers`` receive ``hidden_states``: the target's
-        prefill hidden states, ``{layer: [len(seq.token_ids) - 1, H]}`` (every position but
-        the last token's, which is the input of the first verify step). Others get none.
-        """
+    def add_request(self, seq: SequenceView) -> None:
+        """Called once when a sequence starts running (prefill the draft state)."""
 
     def remove_request(self, seq_id: int) -> None:
-        """Called when a sequence finishes or is aborted; free its state."""
+        """Called when a sequence finishes, is preempted or aborted; free its state."""
+
+
+@runtime_checkable
+class HiddenStateProposer(StatefulProposer, Protocol):
+    """A proposer that drafts from the target's hidden states (EAGLE, MTP, Medusa...).
+
+    The engine asks the target for ``hidden_layers`` (layer ``i >= 0``: the output of
+    decoder layer ``i``; ``-1``: the final normed state) at prefill, handed to
+    ``add_request(seq, hidden_states={layer: [len - 1, H]})`` (every position but the
+    last token's, which is the input of the first verify step), and at every verify step
+    (``StepFeedback.hidden_states``, ``{layer: [B, k+1, H]}``).
+    """
+
+    hidden_layers: tuple[int, ...]
+
+    def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
+        """Start a sequence from the target's prefill hidden states."""
 
 
 @runtime_checkable
 class Verifier(Protocol):
-    """Decides which draft tokens the target accepts."""
+    """Decides which draft tokens the target accepts.
+
+    A verifier that accepts tree drafts (``Draft.tree``) sets ``supports_trees = True``
+    and returns ``Verdict.path``; the engine refuses tree configs otherwise.
+    """
 
     #: True when output has exactly the target's distribution.
     lossless: bool
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: "SamplingBatch") -> Verdict:
-        """``target_logits``: [B, k+1, V] at the last token and each draft position."""
+        """``target_logits``: [B, k+1, V] at the last token and each draft position (each
+        tree node, for tree drafts)."""
 
 
 @runtime_checkable
 class KVAllocator(Protocol):
-    """Bookkeeping of KV-cache slots per sequence and cache group. Owns no tensors."""
+    """Bookkeeping of one cache group's KV blocks per sequence. Owns no tensors.
 
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` more slots fit for this sequence now."""
+    What the scheduler asks: how many more blocks a sequence needs to hold ``n`` tokens,
+    how many are free; what runners do: allocate, roll back by length, free.
+    """
+
+    group: str
+    block_size: int
+    #: the longest sequence this group holds (None: no limit)
+    max_model_len: int | None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks sequences can hold in all (the scratch block excluded)."""
+
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        """More blocks ``seq_id`` needs to hold ``num_tokens`` tokens in all."""
 
     def allocate(self, seq_id: int, num_tokens: int) -> None:
         """Reserve ``num_tokens`` more slots (raises ``KVCacheFull`` if they do not fit)."""
@@ -145,9 +197,20 @@ class KVAllocator(Protocol):
     def usage(self) -> float:
         """Fraction of the budget in use (0..1)."""
 
+    def check(self) -> None:
+        """Raise AssertionError if a block is leaked or held twice (tests, soaks)."""
+
 
 class KVCacheFull(RuntimeError):
     """Raised when an allocation does not fit the KV budget."""
+
+
+@attrs.define(eq=False)
+class ForwardOutput:
+    # [B, q, V] float32
+    logits: torch.Tensor
+    # layer index -> [B, q, H]; only the layers asked for
+    hidden_states: dict[int, torch.Tensor] = attrs.field(factory=dict)
 
 
 @runtime_checkable
@@ -158,10 +221,13 @@ class ModelRunner(Protocol):
     last token is the input of the next forward.
     """
 
+    name: str
     vocab_size: int
     device: torch.device
+    #: the longest sequence it serves
+    max_model_len: int
 
-    def add(self, seq_id: int, token_ids: Sequence[int], hidden_layers: Sequence[int] = ()) -> Any:
+    def add(self, seq_id: int, token_ids: Sequence[int], hidden_layers: Sequence[int] = ()) -> dict[int, torch.Tensor]:
         """Start a sequence: run the prefill over ``token_ids`` (may be empty).
 
         Returns ``{layer: [len(token_ids), H]}``, the requested hidden states of every
@@ -169,17 +235,23 @@ class ModelRunner(Protocol):
         """
 
     def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
-                 hidden_layers: Sequence[int] = ()) -> Any:
+                 hidden_layers: Sequence[int] = ()) -> dict[int, dict[int, torch.Tensor]]:
         """Prefill several sequences together; returns ``{seq_id: {layer: [len, H]}}``."""
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
-                hidden_layers: Sequence[int] = ()) -> Any:
+                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
         """Append tokens and return logits.
 
         ``token_ids``: [B, q] (padding past ``num_tokens[b]`` is ignored and not kept).
-        Returns a :class:`ForwardOutput`: logits [B, q, V] and requested hidden states.
-        Hidden layer ``i >= 0`` is the output stream of decoder layer ``i``; ``-1`` is the
-        final normed state (the LM head's input).
+        Returns logits [B, q, V] and the requested hidden states. Hidden layer ``i >= 0``
+        is the output stream of decoder layer ``i``; ``-1`` is the final normed state (the
+        LM head's input).
+
+        A runner with ``supports_trees = True`` also takes ``tree=`` (a
+        :class:`~speculum.tree.TokenTree` of ``q - 1`` nodes: column 0 is the root; each node
+        gets the position root + depth and sees its ancestors only) and has
+        ``move_kv(seq_ids, src, dst)``, which copies the K/V of logical positions ``src[b]``
+        to ``dst[b]`` (the accepted path, into consecutive positions).
         """
 
     def truncate(self, seq_id: int, length: int) -> None:
@@ -192,9 +264,52 @@ class ModelRunner(Protocol):
         """Drop the sequence and its KV."""
 
 
-@attrs.define(eq=False)
-class ForwardOutput:
-    # [B, q, V] float32
-    logits: torch.Tensor
-    # layer index -> [B, q, H]; only the layers asked for
-    hidden_states: dict[int, torch.Tensor] = attrs.field(factory=dict)
+@runtime_checkable
+class CacheGroup(Protocol):
+    """Something that keeps KV tensors of its own and is planned with the target's: a
+    draft model's runner, a draft head's cache. The backend gives every group the same
+    number of blocks (:meth:`Backend.plan_memory`) and hands each its allocator."""
+
+    name: str
+    #: bytes of KV one token costs in this group
+    kv_bytes_per_token: int
+    #: bytes of weights it holds (for the memory plan's log)
+    weight_bytes: int
+    #: the longest sequence it holds (a draft runs up to k positions past the target)
+    max_model_len: int
+
+    def attach_cache(self, allocator: KVAllocator) -> None:
+        """Allocate KV tensors for ``allocator``'s blocks."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Runs models for the engine: loads runners, plans their KV memory, captures graphs.
+
+    The engine talks to a backend through this protocol only (``LLM(backend=...)``
+    picks one registered through ``speculum_register_backends``).
+    """
+
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    def load_model(self, path: Path, role: str = "target", max_model_len: int | None = None,
+                   num_layers: int | None = None) -> ModelRunner:
+        """Load a checkpoint as a runner for ``role`` ("target", "draft"...); a paged runner
+        becomes a cache group of the memory plan."""
+
+    def register_cache(self, group: CacheGroup) -> None:
+        """Plan ``group`` (a draft head's cache...) with the runners' caches."""
+
+    def plan_memory(self, max_model_len: int, max_num_seqs: int | None = None, lookahead: int = 0) -> None:
+        """Split the KV budget into equally many blocks for every cache group (after all
+        models are loaded); raises ``KVCacheFull`` when one sequence does not fit."""
+
+    def kv_allocators(self) -> list[KVAllocator]:
+        """The planned allocators of every bounded cache group (empty: no KV budget)."""
+
+    def capture(self, runner: ModelRunner, batch_sizes: Sequence[int], query_lens: Sequence[int],
+                hidden_layers: Sequence[int] = (), tree_query_lens: Sequence[int] = ()) -> int:
+        """Prepare fast paths (CUDA graphs...) for these shapes, and for token-tree verify
+        forwards of ``tree_query_lens`` tokens; returns how many (0: none)."""

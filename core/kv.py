@@ -12,6 +12,11 @@ import numpy as np
 from speculum.interfaces import KVCacheFull
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens (the one place block arithmetic lives)."""
+    return -(-max(int(num_tokens), 0) // block_size)
+
+
 @attrs.define(eq=False)
 class SimpleKVAllocator:
     """Counts KV slots per sequence for one cache group (``"target"``, ``"draft"``...).
@@ -88,7 +93,42 @@ class PagedKVAllocator:
         self._free = list(range(self.num_blocks - 1, 0, -1))
 
     def _blocks_for(self, length: int) -> int:
-        return -(-length // self.block_size)
+        return blocks_for(length, self.block_size)
+
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        """More blocks the sequence needs to hold ``num_tokens`` tokens in all (0 if it has them)."""
+        return max(0, self._blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks sequences can hold (all but the scratch block 0)."""
+        return self.num_blocks - 1
+
+    def seq_ids(self) -> list[int]:
+        """Sequences this allocator tracks (holding blocks or not)."""
+        return list(self._lengths)
+
+    def owners(self) -> dict[int, int]:
+        """Block id -> the sequence holding it (for leak and double-ownership checks)."""
+        out: dict[int, int] = {}
+        for sid, table in self._tables.items():
+            for b in table:
+                if b in out:
+                    raise AssertionError(f"{self.group}: block {b} held by sequences {out[b]} and {sid}")
+                out[b] = sid
+        return out
+
+    def check(self) -> None:
+        """Every usable block is either free or held by exactly one sequence, once."""
+        held = self.owners()
+        free = self._free
+        if len(set(free)) != len(free):
+            raise AssertionError(f"{self.group}: a block is on the free list twice")
+        if set(free) & set(held):
+            raise AssertionError(f"{self.group}: blocks both free and held: {sorted(set(free) & set(held))[:5]}")
+        missing = set(range(1, self.num_blocks)) - set(free) - set(held)
+        if missing:
+            raise AssertionError(f"{self.group}: {len(missing)} blocks leaked (neither free nor held)")
 
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         new_len = self._lengths.get(seq_id, 0) + num_tokens
@@ -167,7 +207,13 @@ class PagedKVAllocator:
 
 @attrs.frozen
 class MemoryPlan:
-    """How the KV budget is split; logged at engine start."""
+    """How the KV budget is split; logged at engine start.
+
+    ``num_blocks`` counts the scratch block 0 too: sequences can use ``num_blocks - 1``.
+    ``overshoot``: tokens a draft cache may hold past ``max_model_len`` (a draft runs up
+    to k - 1 positions ahead of its sequence), so one sequence needs
+    ``max_model_len + overshoot`` tokens of blocks.
+    """
 
     budget_bytes: int
     bytes_per_block: dict[str, int]
@@ -175,42 +221,56 @@ class MemoryPlan:
     block_size: int
     weight_bytes: dict[str, int]
     max_model_len: int
+    overshoot: int = 0
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
 
     @property
     def tokens(self) -> int:
-        return (self.num_blocks - 1) * self.block_size
+        return self.usable_blocks * self.block_size
 
     @property
     def max_seqs_at_max_len(self) -> int:
-        return (self.num_blocks - 1) // -(-self.max_model_len // self.block_size)
+        return self.usable_blocks // blocks_for(self.max_model_len + self.overshoot, self.block_size)
 
     def describe(self) -> str:
         gib = 1 << 30
         w = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in self.weight_bytes.items())
         kv = ", ".join(f"{k} {v * self.num_blocks / gib:.2f} GiB" for k, v in self.bytes_per_block.items())
+        ahead = f" (+{self.overshoot} draft positions)" if self.overshoot else ""
         return (f"memory plan: weights [{w}]; KV budget {self.budget_bytes / gib:.2f} GiB [{kv}]; "
-                f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens; "
-                f"{self.max_seqs_at_max_len} sequences fit at max length {self.max_model_len}")
+                f"{self.num_blocks} blocks x {self.block_size} tokens, {self.usable_blocks} usable (block 0 is "
+                f"scratch) = {self.tokens} tokens; {self.max_seqs_at_max_len} sequences fit at max length "
+                f"{self.max_model_len}{ahead}")
 
 
 def plan_kv_memory(budget_bytes: int, bytes_per_token: dict[str, int], block_size: int,
-                   weight_bytes: dict[str, int], max_model_len: int) -> MemoryPlan:
+                   weight_bytes: dict[str, int], max_model_len: int, overshoot: int = 0) -> MemoryPlan:
     """Split a KV budget into equally many blocks for every cache group.
 
     Every group (target, each draft cache) holds the same tokens, so a block costs the
-    sum of the groups' bytes. Raises KVCacheFull when not even one sequence at
-    ``max_model_len`` fits.
+    sum of the groups' bytes. Raises KVCacheFull when not even one sequence of
+    ``max_model_len`` tokens (plus ``overshoot`` draft positions) fits, naming the
+    largest ``max_model_len`` that would.
     """
     per_block = {g: b * block_size for g, b in bytes_per_token.items()}
     num_blocks = int(budget_bytes // max(sum(per_block.values()), 1))
-    plan = MemoryPlan(int(budget_bytes), per_block, num_blocks, block_size, dict(weight_bytes), max_model_len)
-    need = -(-max_model_len // block_size) + 1
+    plan = MemoryPlan(int(budget_bytes), per_block, num_blocks, block_size, dict(weight_bytes), max_model_len,
+                      overshoot)
+    need = blocks_for(max_model_len + overshoot, block_size) + 1  # + the scratch block
     if num_blocks < need:
         gib = 1 << 30
+        usable = max(num_blocks - 1, 0) * block_size
+        fits = usable - overshoot
+        largest = (f"the largest max_model_len that fits is {fits}" if fits >= 2 else
+                   "not even a 2-token sequence fits")
         raise KVCacheFull(
-            f"KV cache budget {budget_bytes / gib:.3f} GiB holds {max(num_blocks - 1, 0) * block_size} tokens, "
-            f"less than one sequence of max_model_len={max_model_len} (weights: "
-            + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in weight_bytes.items())
-            + "). Raise kv_cache_memory / gpu_memory_utilization, lower max_model_len, or use a smaller draft."
+            f"KV cache budget {budget_bytes / gib:.4f} GiB holds {usable} tokens ({max(num_blocks - 1, 0)} usable "
+            f"blocks of {block_size}), less than one sequence of max_model_len={max_model_len}"
+            + (f" plus {overshoot} draft positions" if overshoot else "") + f": {largest}. Raise kv_cache_memory / "
+            "gpu_memory_utilization, lower max_model_len, or use a smaller draft (weights: "
+            + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in weight_bytes.items()) + ")."
         )
     return plan

@@ -5,18 +5,39 @@
 
 With no proposer the same step is plain autoregressive decoding (k = 0), so speculative
 and baseline runs share every line of code but the draft.
+
+Failures stay local. A request whose row fails (NaN/inf logits, a proposer or verifier
+raising :class:`~speculum.errors.RowError` on it, a detokeniser or stop-string error)
+finishes with ``finish_reason="error"``; the others go on. A proposer that raises for the
+whole batch, or returns a malformed draft, costs only its drafts: the step runs as plain
+decoding (logged once per kind of failure). A stateless proposer drafts again next step;
+a stateful one (with ``add_request``/``remove_request``) may have left its per-request
+state half updated, so it is dropped for the requests of that batch, which carry on
+without speculation. A verifier that raises is replaced for the step by plain sampling
+of the first position (lossless: no draft is accepted).
+
+Token trees (``Draft.tree``, see :mod:`speculum.tree`): the forward verifies every node at
+once, the verdict names the accepted path, whose K/V the target moves into consecutive
+positions before the rollback by length, and whose hidden states reach the proposer in
+path order, as a chain's would.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence as Seq
 
 import torch
 
-from speculum.interfaces import Draft, ModelRunner, ProposeBatch, Proposer, StepFeedback, Verifier
-from speculum.sampling import SamplingBatch
+from speculum.errors import RowError
+from speculum.interfaces import (Draft, HiddenStateProposer, ModelRunner, ProposeBatch, Proposer, StatefulProposer,
+                                 StepFeedback, Verdict, Verifier)
+from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
 from speculum.tokenizer import Tokenizer
+from speculum.tree import TokenTree, gather_path, path_moves
+
+log = logging.getLogger(__name__)
 
 
 class DraftVerifyLoop:
@@ -31,12 +52,25 @@ class DraftVerifyLoop:
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
         self.hidden_layers = tuple(hidden_layers)
+        self.stateful = isinstance(proposer, StatefulProposer)
+        self.wants_hidden = isinstance(proposer, HiddenStateProposer)
+        self._said: set[str] = set()
+        #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
+        self.failures: dict[str, int] = {}
 
+    def _once(self, kind: str, message: str) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+        if message not in self._said:
+            self._said.add(message)
+            log.warning("%s (logged once; the engine serves on)", message)
+
+    # -- sequences entering and leaving -----------------------------------------------
     def start(self, seqs: list[Sequence]) -> None:
         """Prefill new sequences: everything but the last token goes into the KV cache.
 
         A proposer that declared ``hidden_layers`` gets the prefill's hidden states too:
-        ``add_request(view, hidden_states={layer: [len - 1, H]})``.
+        ``add_request(view, hidden_states={layer: [len - 1, H]})``. A proposer that fails
+        to take a request leaves it without speculation.
         """
         if not seqs:
             return
@@ -46,67 +80,266 @@ class DraftVerifyLoop:
             hidden = self.target.add_many(ids, prompts, hidden_layers=self.hidden_layers)
         else:
             self.target.add_many(ids, prompts)
-        add = getattr(self.proposer, "add_request", None)
-        if add is not None:
-            for s in seqs:
-                if hidden is None:
-                    add(s.view())
+        if not self.stateful or not self.k:
+            return
+        for s in seqs:
+            if not s.speculative:
+                continue
+            try:
+                if self.wants_hidden:
+                    self.proposer.add_request(s.view(), hidden_states=hidden[s.seq_id] if hidden else {})
                 else:
-                    add(s.view(), hidden_states=hidden[s.seq_id])
+                    self.proposer.add_request(s.view())
+            except Exception as exc:
+                self._drop_from_proposer([s], f"proposer {type(self.proposer).__name__}.add_request failed "
+                                              f"({type(exc).__name__}: {exc}); the request runs without speculation")
 
     def finish(self, seq: Sequence) -> None:
         """Free a sequence's KV and proposer state."""
         self.target.remove(seq.seq_id)
-        remove = getattr(self.proposer, "remove_request", None)
-        if remove is not None:
-            remove(seq.seq_id)
+        if self.stateful and seq.speculative:
+            try:
+                self.proposer.remove_request(seq.seq_id)
+            except Exception as exc:
+                self._once("proposer", f"proposer {type(self.proposer).__name__}.remove_request failed: {exc!r}")
 
+    def _drop_from_proposer(self, seqs: list[Sequence], message: str) -> None:
+        self._once("proposer", message)
+        for s in seqs:
+            if not s.speculative:
+                continue
+            s.speculative = False
+            if self.stateful:
+                try:
+                    self.proposer.remove_request(s.seq_id)
+                except Exception:
+                    pass  # its state is already broken; the request no longer uses it
+
+    # -- one step ---------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> None:
-        """Advance every sequence in ``seqs`` by one verify step (1..k+1 tokens each)."""
+        """Advance every sequence in ``seqs`` by one verify step (1..k+1 tokens each).
+
+        Rows that fail are finished with ``finish_reason="error"`` (``seq.fail``); the
+        caller frees them with :meth:`finish`. Exceptions out of the target forward
+        itself propagate: they concern the whole batch (the engine decides).
+        """
         B = len(seqs)
         device = self.target.device
         sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], device)
-        draft = self._propose(seqs, sampling)
+        rows = [b for b, s in enumerate(seqs) if s.speculative] if self.k else []
+        draft = self._propose(seqs, rows, sampling)
+        tree = draft.tree
         # draft tokens per row (host), capped so no row drafts past what it may emit
         lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
-        drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
+        if tree is None:
+            drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
+        else:  # a tree keeps its nodes; those deeper than a row may emit are never accepted
+            drafted = [n if s.room() > 1 else 0 for n, s in zip(lengths, seqs)]
+            depths = [min(tree.depth_bound, s.room() - 1) if n else 0 for n, s in zip(drafted, seqs)]
         k = draft.token_ids.shape[1]
         ids = draft.token_ids
-        if k and drafted != [k] * B:
-            n = torch.tensor(drafted).view(B, 1).to(ids.device)
-            ids = torch.where(torch.arange(k, device=ids.device).view(1, k) < n, ids, -1)
+        if k:
+            keep = torch.arange(k, device=ids.device).view(1, k) < torch.tensor(drafted).view(B, 1).to(ids.device)
+            if tree is not None and min(depths) < tree.depth_bound:
+                keep &= tree.depth.to(ids.device) <= torch.tensor(depths).view(B, 1).to(ids.device)
+            # token ids outside the vocabulary would crash the embedding: such drafts are dropped
+            in_vocab = (ids >= 0) & (ids < self.target.vocab_size)
+            if ids.device.type == "cpu" and bool((~in_vocab & (ids != -1)).any()):  # free to say on the host
+                self._once("draft", f"proposer {type(self.proposer).__name__} drafted token ids outside the "
+                                    f"vocabulary (0..{self.target.vocab_size - 1}); those drafts are dropped")
+            keep &= in_vocab
+            if draft.probs is not None:  # drafts whose distribution is not one cannot be verified losslessly
+                q = draft.probs
+                ok = (torch.isfinite(q).all(-1) & (q >= 0).all(-1)).all(-1, keepdim=True)
+                if q.device.type == "cpu" and not bool(ok.all()):
+                    self._once("draft", f"proposer {type(self.proposer).__name__} returned draft probabilities "
+                                        "with NaN/inf or negative entries; those rows' drafts are dropped")
+                keep &= ok.to(keep.device)
+            ids = torch.where(keep, ids, -1)
         draft.token_ids = ids
         # [B, k+1]: last token, then drafts; built where the drafts live (host for
         # model-free proposers, so the runner ships everything in one copy)
         last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(ids.device)
         inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
-        out = self.target.forward([s.seq_id for s in seqs], inputs, [n + 1 for n in drafted], self.hidden_layers)
-        verdict = self.verifier.verify(out.logits, draft, sampling)
-        # the one host synchronisation of the step (none left if the verifier synced)
-        both = torch.cat([verdict.num_accepted.view(B, 1), verdict.token_ids], dim=1).tolist()
+        num_tokens = [n + 1 for n in drafted]
+        extra = {} if tree is None else {"tree": tree}
+        out = self.target.forward([s.seq_id for s in seqs], inputs, num_tokens, self.hidden_layers, **extra)
+        # [B]: rows with NaN/inf logits (padding positions compute on real tokens: finite too)
+        bad = ~torch.isfinite(out.logits).all(-1).all(-1)
+        verdict, failed_rows = self._verify(out.logits, draft, sampling)
+        if tree is not None and verdict.path is None:  # the plain-sampling fallback: nothing accepted
+            verdict.path = torch.full_like(ids, -1)
+        # the host synchronisation of the step (greedy verification has synced already)
+        both = _to_host(verdict, bad)
         accepted = [r[0] for r in both]
-        tokens = [r[1:] for r in both]
+        width = verdict.token_ids.shape[1]
+        hidden = out.hidden_states
+        if tree is not None:
+            self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
+                             [bool(r[1]) or b in failed_rows for b, r in enumerate(both)])
+            if hidden:  # the accepted path's states in path order, as for a chain
+                hidden = gather_path(hidden, verdict.path)
         new_lengths = []
         for b, s in enumerate(seqs):
-            a = accepted[b]
+            a, row_bad, tokens = accepted[b], both[b][1], both[b][2: 2 + width]
             old_len = len(s.token_ids)
+            new_lengths.append(old_len + a + 1)
+            if row_bad or b in failed_rows:
+                s.fail(failed_rows.get(b) or "the model produced NaN/inf logits for this request (numerical "
+                       "overflow: try dtype='float32' or bfloat16 instead of float16)")
+                continue
             # KV kept: old tokens plus the accepted drafts (the new last token has none yet)
             self.target.truncate(s.seq_id, old_len + a)
-            s.metrics.record_step(drafted[b], a)
-            s.append(tokens[b][: a + 1], self.tokenizer)
-            new_lengths.append(old_len + a + 1)
-        if self.proposer is not None:
-            self.proposer.observe(StepFeedback(
-                seq_ids=[s.seq_id for s in seqs], num_accepted=accepted, new_lengths=new_lengths,
-                hidden_states=out.hidden_states or None))
+            s.metrics.record_step(drafted[b], a, depths[b] if tree is not None and drafted[b] else None)
+            try:
+                s.append(tokens[: a + 1], self.tokenizer)
+            except Exception as exc:  # a detokeniser or stop-string failure is this request's
+                s.fail(f"stop check / detokenisation failed: {type(exc).__name__}: {exc}")
+        self._observe(seqs, rows, accepted, new_lengths, hidden)
 
-    def _propose(self, seqs: list[Sequence], sampling: SamplingBatch) -> Draft:
-        if self.proposer is None or self.k == 0:
-            return Draft.empty(len(seqs))
-        draft = self.proposer.propose(ProposeBatch([s.view() for s in seqs], self.k, sampling))
-        if draft.token_ids.shape[0] != len(seqs) or draft.token_ids.shape[1] > self.k:
-            raise RuntimeError(
-                f"proposer {type(self.proposer).__name__} returned draft of shape "
-                f"{tuple(draft.token_ids.shape)}; expected [{len(seqs)}, <= {self.k}]"
-            )
-        return draft
+    def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],
+                    failed: list[bool]) -> None:
+        """Move each accepted tree path's K/V into consecutive positions (the rest is then
+        dropped by the truncation that follows); failed rows are left alone."""
+        moves = [(s.seq_id, *path_moves(p, a, len(s.token_ids) - 1))
+                 for s, a, p, f in zip(seqs, accepted, paths, failed) if not f]
+        moves = [m for m in moves if m[1]]
+        if moves:
+            self.target.move_kv([m[0] for m in moves], [m[1] for m in moves], [m[2] for m in moves])
+
+    def _propose(self, seqs: list[Sequence], rows: list[int], sampling: SamplingBatch) -> Draft:
+        """Drafts for the speculative ``rows``, scattered into a [B, <=k] draft (others -1)."""
+        B = len(seqs)
+        if not rows:
+            return Draft.empty(B)
+        sub = sampling if len(rows) == B else SamplingBatch.from_params(
+            [seqs[b].params for b in rows], [seqs[b].generator for b in rows], sampling.device)
+        name = type(self.proposer).__name__
+        try:
+            draft = self.proposer.propose(ProposeBatch([seqs[b].view() for b in rows], self.k, sub))
+            problem = _malformed(draft, len(rows), self.k, self.target.vocab_size)
+        except RowError as exc:
+            for r in exc.rows:
+                if 0 <= r < len(rows):
+                    seqs[rows[r]].fail(f"the proposer failed on this request: {exc}")
+            self._drop_from_proposer([seqs[b] for b in rows], f"proposer {name} failed on some rows ({exc}); "
+                                     "the step runs without drafts")
+            return Draft.empty(B)
+        except Exception as exc:
+            what = "the step runs as plain decoding" + (
+                "; its requests of this step continue without speculation (its state may be half updated)"
+                if self.stateful else "")
+            msg = f"proposer {name} raised {type(exc).__name__}: {exc}; {what}"
+            if self.stateful:
+                self._drop_from_proposer([seqs[b] for b in rows], msg)
+            else:
+                self._once("proposer", msg)
+            return Draft.empty(B)
+        if problem is not None:
+            msg = f"proposer {name} returned a malformed draft ({problem}); the step runs as plain decoding"
+            if self.stateful:
+                self._drop_from_proposer([seqs[b] for b in rows], msg)
+            else:
+                self._once("draft", msg)
+            return Draft.empty(B)
+        if len(rows) == B:
+            return draft
+        k = draft.token_ids.shape[1]
+        dev = draft.token_ids.device
+        idx = torch.tensor(rows, device=dev)
+        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
+        token_ids[idx] = draft.token_ids
+        probs = None
+        if draft.probs is not None:
+            probs = torch.zeros((B, *draft.probs.shape[1:]), dtype=draft.probs.dtype, device=draft.probs.device)
+            probs[idx.to(probs.device)] = draft.probs
+        lengths = None
+        if draft.lengths is not None:
+            lengths = [0] * B
+            for r, b in enumerate(rows):
+                lengths[b] = draft.lengths[r]
+        tree = None
+        if draft.tree is not None:  # rows without drafts: no nodes (their parents are the root)
+            t = draft.tree
+            parents = torch.full((B, k), -1, dtype=torch.int64, device=dev)
+            parents[idx] = t.parents
+            depth = torch.ones(B, k, dtype=torch.int64, device=dev)
+            depth[idx] = t.depth
+            anc = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k).clone()
+            anc[idx] = t.ancestors
+            tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=t.max_depth, max_children=t.max_children)
+        return Draft(token_ids=token_ids, probs=probs, lengths=lengths, tree=tree)
+
+    def _verify(self, logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> tuple[Verdict, dict[int, str]]:
+        """The verifier's verdict, or plain sampling of position 0 if it raised."""
+        failed: dict[int, str] = {}
+        try:
+            return self.verifier.verify(logits, draft, sampling), failed
+        except RowError as exc:
+            failed = {r: f"the verifier failed on this request: {exc}" for r in exc.rows}
+        except Exception as exc:
+            self._once("verifier", f"verifier {type(self.verifier).__name__} raised {type(exc).__name__}: {exc}; "
+                                   "the step takes no draft (plain sampling of the target)")
+        return plain_verdict(logits, sampling), failed
+
+    def _observe(self, seqs, rows, accepted, new_lengths, hidden) -> None:
+        rows = [b for b in rows if seqs[b].speculative and seqs[b].finish_reason != "error"]
+        if not rows:
+            return
+        B = len(seqs)
+        if hidden and len(rows) != B:
+            idx = torch.tensor(rows)
+            hidden = {layer: h[idx.to(h.device)] for layer, h in hidden.items()}
+        fb = StepFeedback(seq_ids=[seqs[b].seq_id for b in rows], num_accepted=[accepted[b] for b in rows],
+                          new_lengths=[new_lengths[b] for b in rows], hidden_states=hidden or None)
+        try:
+            self.proposer.observe(fb)
+        except Exception as exc:
+            self._drop_from_proposer([seqs[b] for b in rows],
+                                     f"proposer {type(self.proposer).__name__}.observe raised {type(exc).__name__}: "
+                                     f"{exc}; its requests continue without speculation")
+
+
+def _to_host(verdict: Verdict, bad: torch.Tensor) -> list[list[int]]:
+    """Rows of [num_accepted, bad, tokens..., path...] on the host (the path of a tree
+    verdict only), in one copy where they live together."""
+    B = bad.shape[0]
+    tail = [verdict.token_ids] if verdict.path is None else [verdict.token_ids, verdict.path.to(verdict.token_ids.device)]
+    if verdict.token_ids.device == bad.device:
+        return torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), bad.view(B, 1).to(torch.int64),
+                          *tail], dim=1).tolist()
+    head = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), *(t.to(torch.int64) for t in tail)], dim=1)
+    flags = bad.tolist()
+    return [[r[0], int(f), *r[1:]] for r, f in zip(head.tolist(), flags)]
+
+
+def _malformed(draft, rows: int, k: int, vocab_size: int) -> str | None:
+    """What is wrong with a proposer's draft for ``rows`` rows, or None (host-side checks)."""
+    if not isinstance(draft, Draft) or not isinstance(draft.token_ids, torch.Tensor):
+        return f"expected a Draft with a token_ids tensor, got {type(draft).__name__}"
+    t = draft.token_ids
+    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] > k:
+        return f"token_ids of shape {tuple(t.shape)}; expected [{rows}, <= {k}]"
+    if t.dtype not in (torch.int64, torch.int32):
+        return f"token_ids of dtype {t.dtype}; expected int64"
+    if draft.probs is not None and tuple(draft.probs.shape) != (rows, t.shape[1], vocab_size):
+        return f"probs of shape {tuple(draft.probs.shape)}; expected [{rows}, {t.shape[1]}, {vocab_size}]"
+    if draft.lengths is not None and (len(draft.lengths) != rows or any(not 0 <= n <= t.shape[1] for n in draft.lengths)):
+        return f"lengths {list(draft.lengths)[:8]} do not fit token_ids of shape {tuple(t.shape)}"
+    if draft.tree is not None:
+        try:
+            draft.tree.check(t)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+    return None
+
+
+def plain_verdict(logits: torch.Tensor, sampling: SamplingBatch) -> Verdict:
+    """No draft accepted: each row's token sampled from the target at position 0."""
+    from speculum.verifiers.rejection import rejection_sample
+    B = logits.shape[0]
+    p = processed_probs(logits[:, :1], sampling.temperature, sampling.top_k, sampling.top_p,
+                        sampling.flags(logits.shape[-1]))
+    v = rejection_sample(p, None, torch.empty(B, 0, dtype=torch.int64, device=logits.device), sampling.generators)
+    pad = torch.full((B, logits.shape[1] - 1), -1, dtype=torch.int64, device=v.token_ids.device)
+    return Verdict(token_ids=torch.cat([v.token_ids, pad], dim=1), num_accepted=v.num_accepted)

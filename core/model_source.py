@@ -41,19 +41,23 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
+TARGET_HINT = f"or leave it unset for the default {DEFAULT_MODEL}"
+
+
+def resolve_model_path(model: str | os.PathLike | None, what: str = "model", hint: str = TARGET_HINT) -> Path:
     """Return a transformers directory for ``model`` (converting a GGUF once, cached).
 
-    ``None`` or ``"SmolLM2-135M-Instruct"`` means the default model.
+    ``None`` or ``"SmolLM2-135M-Instruct"`` means the default model. ``what`` names the
+    checkpoint in errors ("model", "draft checkpoint"...) and ``hint`` says what else the
+    user can do (for the target: leave it unset for the default model).
     """
     if model is None or str(model) in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
         return gguf_to_dir(default_gguf_path())
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model {str(model)!r} not found: give a local transformers directory (config.json + "
-            f"weights), a .gguf file, or leave it unset for the default {DEFAULT_MODEL}. "
-            "speculum never downloads weights."
+            f"{what} {str(model)!r} not found: give a local transformers directory (config.json + "
+            f"*.safetensors) or a .gguf file, {hint}. speculum never downloads weights."
         )
     if path.is_file() and path.suffix == ".gguf":
         return gguf_to_dir(path)
@@ -63,7 +67,12 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return gguf_to_dir(ggufs[0])
-    raise ModelLoadError(f"{path} is neither a transformers directory (no config.json) nor a .gguf file")
+        found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
+        raise ModelLoadError(
+            f"{what} {str(model)!r} is a folder without config.json (it holds: {found}). A transformers "
+            "checkpoint needs config.json beside its weights (model.save_pretrained(folder) writes both); "
+            f"for a GGUF, give the .gguf file itself; {hint}.")
+    raise ModelLoadError(f"{what} {str(model)!r} is neither a transformers directory nor a .gguf file; {hint}")
 
 
 def gguf_to_dir(gguf: Path) -> Path:

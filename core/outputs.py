@@ -11,10 +11,13 @@ from speculum.metrics import SpecDecodeMetrics
 class CompletionOutput:
     """One generated continuation."""
 
+    #: its index among the request's outputs (always 0: one output per request)
+    index: int
     #: None while the request runs (decode ``token_ids`` yourself to stream text)
     text: str | None
     token_ids: list[int]
-    #: "stop" (EOS, stop string or stop token), "length" (max_tokens / context), "abort"
+    #: "stop" (EOS, stop string or stop token), "length" (max_tokens / context), "abort",
+    #: "error" (this request failed; ``RequestOutput.error`` says why)
     finish_reason: str | None
     #: the stop string or stop token id that ended generation, if any
     stop_reason: str | int | None = None
@@ -25,6 +28,7 @@ class RequestOutput:
     """The result of one request: its prompt, its output and its speculation metrics."""
 
     request_id: str
+    #: the prompt as text: the text given, the rendered chat template, or the decoded ids
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -33,6 +37,8 @@ class RequestOutput:
     #: seconds from admission to the first output token, and to the end
     time_to_first_token: float | None = None
     latency: float | None = None
+    #: why the request failed (``finish_reason == "error"``), else None
+    error: str | None = None
 
     @property
     def text(self) -> str:

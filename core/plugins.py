@@ -24,7 +24,7 @@ from speculum.errors import ConfigError, PluginError
 log = logging.getLogger(__name__)
 
 #: Modules registered as plugins before any entry point (pytest's default_plugins).
-DEFAULT_PLUGINS = ("speculum.verifiers", "speculum.backends.torch")
+DEFAULT_PLUGINS = ("speculum.verifiers", "speculum.backends.torch", "speculum.train")
 ENTRY_POINT_GROUP = "speculum"
 
 
@@ -64,6 +64,26 @@ class BackendSpec:
     plugin: PluginInfo
 
 
+@attrs.frozen
+class TrainerSpec:
+    name: str
+    factory: Callable[[], Any] | str
+    description: str
+    plugin: PluginInfo
+
+    def create(self) -> Any:
+        """A trainer instance (an import path is imported now, with a named error)."""
+        factory = self.factory
+        if isinstance(factory, str):
+            mod, _, attr = factory.partition(":")
+            try:
+                factory = getattr(importlib.import_module(mod), attr)
+            except Exception as exc:
+                raise PluginError(f"trainer {self.name!r} of plugin {self.plugin.name!r} ({self.plugin.distribution}) "
+                                  f"could not be loaded from {self.factory!r}: {type(exc).__name__}: {exc}") from exc
+        return factory()
+
+
 @attrs.define
 class Registry:
     """Everything registered by plugins, keyed by name."""
@@ -72,6 +92,7 @@ class Registry:
     methods: dict[str, MethodSpec] = attrs.field(factory=dict)
     verifiers: dict[str, VerifierSpec] = attrs.field(factory=dict)
     backends: dict[str, BackendSpec] = attrs.field(factory=dict)
+    trainers: dict[str, TrainerSpec] = attrs.field(factory=dict)
 
     def method(self, name: str, backend: str) -> MethodSpec:
         """The method ``name`` for ``backend``, or a ConfigError naming what is installed."""
@@ -201,11 +222,56 @@ def build_registry(pm: pluggy.PluginManager | None = None, extra_plugins: Iterab
                 name, factory, lossless, description, info, options))
     collect("speculum_register_backends", reg.backends,
             lambda name, factory, info, description="": BackendSpec(name, factory, description, info))
+    collect("speculum_register_trainers", reg.trainers,
+            lambda name, factory, info, description="": TrainerSpec(name, factory, description, info))
     return reg
 
 
+def _strict(kind: type, ok: Callable[[Any], bool]) -> Callable[[Any, type], Any]:
+    def structure(value: Any, _type: type) -> Any:
+        if not ok(value):
+            raise TypeError(f"expected {kind.__name__}, got {value!r} ({type(value).__name__})")
+        return kind(value)
+    return structure
+
+
+@functools.lru_cache(maxsize=1)
+def _options_converter():
+    """A cattrs converter that structures JSON-like options into an attrs class by type,
+    without coercion: "x" is no int, 3.5 no int, 1 no bool (JSON's numbers and lists are
+    accepted where the field's type asks for them)."""
+    import cattrs
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool)))
+    conv.register_structure_hook(int, _strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool)))
+    conv.register_structure_hook(float, _strict(float, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)))
+    conv.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str)))
+    return conv
+
+
+def _option_errors(exc: BaseException, path: str = "") -> list[str]:
+    """Flatten a cattrs error tree into 'field: message' lines."""
+    from cattrs.errors import IterableValidationNote
+    subs = getattr(exc, "exceptions", None)
+    if not subs:
+        return [f"{path}: {exc}" if path else str(exc)]
+    out = []
+    for sub in subs:
+        where = path
+        for note in getattr(sub, "__notes__", []):
+            name = getattr(note, "name", None)
+            if isinstance(note, IterableValidationNote):
+                where = f"{where}[{note.index}]"
+            elif name is not None:
+                where = f"{where}.{name}" if where else name
+        out += _option_errors(sub, where)
+    return out
+
+
 def validate_options(spec: MethodSpec | VerifierSpec, options: dict[str, Any], kind: str = "method") -> Any:
-    """Validate a method's (or verifier's) options with its attrs class; unknown keys are an error."""
+    """Structure and validate a method's (``kind="verifier"``: a verifier's) options into
+    its attrs class, by type (cattrs) and by the class's own validators; unknown keys are
+    an error listing the valid ones, a wrong type names the field and the type expected."""
     if spec.options is None:
         if options:
             raise ConfigError(f"{kind} {spec.name!r} takes no options, got: {', '.join(sorted(options))}")
@@ -218,6 +284,7 @@ def validate_options(spec: MethodSpec | VerifierSpec, options: dict[str, Any], k
             f"{', '.join(valid) or '(none)'}"
         )
     try:
-        return spec.options(**options)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid options for {kind} {spec.name!r}: {exc}") from exc
+        return _options_converter().structure(dict(options), spec.options)
+    except Exception as exc:  # cattrs' error tree, or a validator's ValueError / TypeError
+        lines = _option_errors(exc)
+        raise ConfigError(f"invalid options for {kind} {spec.name!r}: {'; '.join(lines)}") from exc

@@ -26,6 +26,10 @@ class Sequence:
     metrics: SpecDecodeMetrics = attrs.field(factory=SpecDecodeMetrics)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    #: why the request failed (``finish_reason == "error"``)
+    error: str | None = None
+    #: drafts are proposed for this request (off: plain decoding in the same batch)
+    speculative: bool = True
     text: str | None = None
     arrival_time: float = attrs.field(factory=time.perf_counter)
     first_token_time: float | None = None
@@ -106,3 +110,9 @@ class Sequence:
     def abort(self) -> None:
         if not self.finished:
             self._finish("abort", None)
+
+    def fail(self, message: str) -> None:
+        """Finish with ``finish_reason="error"`` (the request only; the engine serves on)."""
+        if not self.finished:
+            self.error = message
+            self._finish("error", None)

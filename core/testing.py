@@ -6,7 +6,6 @@ Plugin authors can import these in their own test suites (like pytest's ``pytest
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -39,24 +38,10 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, num_layers: i
     return Path(path)
 
 
-def shared_dir() -> Path:
-    """The project's shared/ folder (MT-bench and training prompts)."""
-    env = os.environ.get("SPECULUM_SHARED")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent.parent / "shared" if parent.name else None
-        if cand is not None and (cand / "data" / "mt_bench.jsonl").exists():
-            return cand
-        if (parent / "shared" / "data" / "mt_bench.jsonl").exists():
-            return parent / "shared"
-    raise FileNotFoundError("shared/data/mt_bench.jsonl not found; set SPECULUM_SHARED")
-
-
 def mt_bench_prompts(n: int | None = None) -> list[dict]:
-    rows = [json.loads(l) for l in (shared_dir() / "data" / "mt_bench.jsonl").read_text().splitlines() if l.strip()]
-    return rows[:n] if n else rows
+    """The shipped MT-bench questions (:func:`speculum.datasets.mt_bench`)."""
+    from speculum.datasets import mt_bench
+    return mt_bench(n)
 
 
 def token_prompts_file(path: Path, n: int = 80, vocab_size: int = TINY_VOCAB, seed: int = 0) -> Path:
@@ -169,13 +154,16 @@ def default_model_baseline(num_prompts: int, max_tokens: int) -> list:
     return _BASELINES[key]
 
 
-def assert_shipped_head_lossless(method: str, baseline: list, num_prompts: int, max_tokens: int, k: int = 4):
+def assert_shipped_head_lossless(method: str, baseline: list, num_prompts: int, max_tokens: int, k: int = 4,
+                                 tree: dict | None = None):
     """Greedy output with ``method``'s shipped head on the default model (fp32, CPU) equals
-    ``baseline`` (:func:`default_model_baseline`), and the head's drafts are accepted."""
+    ``baseline`` (:func:`default_model_baseline`), and the head's drafts are accepted.
+    ``tree``: tree keys of the speculative config (e.g. :data:`TREE_CONFIGS` entries)
+    instead of a chain of ``k``."""
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
-    llm = LLM(speculative_config={"method": method, "num_speculative_tokens": k}, dtype="float32", device="cpu",
-              max_num_seqs=num_prompts)
+    spec = {"method": method, **(tree if tree is not None else {"num_speculative_tokens": k})}
+    llm = LLM(speculative_config=spec, dtype="float32", device="cpu", max_num_seqs=num_prompts)
     outs = llm.generate(mt_bench_chat_prompts(num_prompts),
                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     assert [o.token_ids for o in outs] == [b.token_ids for b in baseline]
@@ -211,3 +199,148 @@ def assert_static_draft_matches_eager(make_llm, spec: dict, prompts, params) -> 
     for (rows_a, ids_a), (rows_b, ids_b) in zip(eager_drafts, static_drafts):
         assert rows_a == rows_b
         assert torch.equal(ids_a, ids_b)
+
+
+# ------------------------------------------------------------------------- token trees
+#: tree configs for tests: dynamic (EAGLE-2), static, and a dynamic tree that is a chain
+TREE_CONFIGS = {
+    "dynamic": {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8},
+    "static": {"speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
+    "chain": {"tree_topk": 1, "tree_depth": 3, "num_draft_tokens": 4},
+}
+
+
+def reference_tree_paths(spec, topk) -> set[tuple[int, ...]]:
+    """The token paths of the tree ``spec`` (a :class:`speculum.tree.TreeSpec`) drafted in
+    plain Python: ``topk(path, width)`` gives (log-probs, token ids) of the ``width`` best
+    children of the node reached by the token tuple ``path`` (``()`` = the root). Static
+    trees follow their ranks; dynamic ones EAGLE-2 (expand the frontier's top-k, keep the
+    top-k by summed log-prob as the next frontier, then the best nodes of all candidates,
+    earlier candidates first on ties)."""
+    if spec.is_static:
+        tok: dict[tuple, tuple] = {}
+        for ranks in spec.paths:
+            prefix = tok[ranks[:-1]] if len(ranks) > 1 else ()
+            _, ids = topk(prefix, ranks[-1] + 1)
+            tok[ranks] = prefix + (int(ids[-1]),)
+        return set(tok.values())
+    K, order, cands = spec.topk, 0, []
+    lp, ids = topk((), K)
+    front = [(float(s), (int(t),)) for s, t in zip(lp, ids)]
+    for s, p in front:
+        cands.append((s, order, p))
+        order += 1
+    for _ in range(1, spec.depth):
+        new = []
+        for s, p in front:
+            lp, ids = topk(p, K)
+            new += [(s + float(v), p + (int(t),)) for v, t in zip(lp, ids)]
+        for s, p in new:
+            cands.append((s, order, p))
+            order += 1
+        front = sorted(new, key=lambda x: -x[0])[:K]
+    return {p for _, _, p in sorted(cands, key=lambda x: (-x[0], x[1]))[: spec.num_nodes]}
+
+
+def tree_token_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """The token path of every node of one drafted tree (nodes with token -1 left out)."""
+    out: list[tuple] = []
+    for t, p in zip(tokens, parents):
+        out.append((out[p] if p >= 0 else ()) + (t,))
+    return {p for p, t in zip(out, tokens) if t >= 0}
+
+
+def record_trees(llm) -> list:
+    """Wrap ``llm.proposer.propose``; returns the list it appends (token rows, tokens,
+    parents) to, for drafts that carry a tree."""
+    seen = []
+    inner = llm.proposer.propose
+
+    def propose(batch):
+        d = inner(batch)
+        if d.tree is not None:
+            seen.append(([list(s.token_ids) for s in batch.seqs], d.token_ids.tolist(), d.tree.parents.tolist(),
+                         list(d.lengths) if d.lengths is not None else None))
+        return d
+
+    llm.proposer.propose = propose
+    return seen
+
+
+def tight_kv_options(bytes_per_token: int, tokens: int, block_size: int = 4) -> dict:
+    """Engine options for a KV budget of about ``tokens`` tokens (all cache groups
+    together cost ``bytes_per_token``): small enough to force preemption."""
+    return dict(block_size=block_size, kv_cache_memory=bytes_per_token * tokens)
+
+
+def assert_tree_greedy_lossless(make_llm, spec: dict, prompts, params, max_num_seqs: int = 2, **kw):
+    """Greedy output with the tree config ``spec`` equals output without speculation
+    (``make_llm(spec, **kw)`` builds an engine), trees were verified, and some of their
+    nodes were accepted and some rejected. Returns the speculative engine."""
+    base = make_llm(None, max_num_seqs=len(prompts)).generate(prompts, params)
+    llm = make_llm(spec, max_num_seqs=max_num_seqs, **kw)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    m = llm.metrics
+    assert m.num_tree_steps > 0 and m.num_tree_nodes == m.num_draft_tokens, m.as_dict()
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens, m.as_dict()
+    assert sum(m.acceptance_histogram) == m.num_steps and sum(m.accepted_per_position) == m.num_accepted_tokens
+    # positions are depths: every tree reaches depth 1, none goes deeper than the config's
+    depth = llm.speculative_config.tree.depth
+    assert m.drafts_per_position[0] == m.num_drafts and len(m.drafts_per_position) <= depth, m.as_dict()
+    assert all(a <= d for a, d in zip(m.accepted_per_position, m.drafts_per_position))
+    return llm
+
+
+class HeadPathReference:
+    """A hidden-state head's best children at the end of any token path, computed the
+    plain way: a fresh prefill of the target, the head's catch-up over it, then a chain of
+    head steps through the path's tokens (own cache, no tree mask)."""
+
+    def __init__(self, head, target: Path, layers):
+        from speculum.proposers.head_cache import HeadKVCache
+        p = next(head.parameters())
+        self.head = head
+        self.cache = HeadKVCache("reference", head.num_layers, head.num_kv_heads, head.head_dim, p.dtype, p.device,
+                                 max_model_len=1024)
+        self.prefill = PrefillHidden(target, layers)
+        self._ids = iter(range(3_000_000, 4_000_000))
+
+    def topk_fn(self, tokens: list[int]):
+        """``topk(path, width)`` for :func:`reference_tree_paths`, after the sequence ``tokens``."""
+        from speculum.proposers.head_graph import head_topk
+        head, cache = self.head, self.cache
+        with torch.inference_mode():
+            feats = head.features(self.prefill(tokens[:-1]))  # [len - 1, H]
+        nxt = torch.tensor([tokens[1:]], device=feats.device)  # x_{t+1} of each t
+
+        def topk(path, width):
+            sid = next(self._ids)
+            cache.add(sid)
+            n = feats.shape[0]
+            with torch.inference_mode():
+                pos, ctx = cache.prepare([sid], [n], n)
+                h = head(feats.unsqueeze(0), nxt, pos, ctx)[0, -1]
+                for t in path:
+                    pos, ctx = cache.prepare([sid], [1], 1)
+                    h = head(h.view(1, 1, -1), torch.tensor([[t]], device=h.device), pos, ctx)[0, 0]
+                lp, ids = head_topk(head, h, width)
+            cache.remove(sid)
+            return lp.tolist(), ids.tolist()
+
+        return topk
+
+
+def assert_trees_follow_reference(seen: list, spec, topk_for, every: int = 3) -> int:
+    """Every ``every``-th recorded tree (:func:`record_trees`) holds exactly the token paths
+    of :func:`reference_tree_paths` with ``topk_for(sequence tokens)``; returns how many
+    trees were compared."""
+    n = 0
+    for rows, tokens, parents, lengths in seen[::every]:
+        for b, toks in enumerate(rows):
+            if lengths is not None and lengths[b] == 0:
+                continue
+            want = reference_tree_paths(spec, topk_for(toks))
+            assert tree_token_paths(tokens[b], parents[b]) == want, f"tree after {len(toks)} tokens"
+            n += 1
+    return n

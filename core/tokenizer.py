@@ -38,15 +38,22 @@ class Tokenizer:
         return list(self._need("a text prompt").encode(text, add_special_tokens=True))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.chat_prompt(messages)[1]
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """(the templated prompt text, its token ids) of a conversation."""
         tok = self._need("a chat prompt")
         if not getattr(tok, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; send a plain text prompt")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # malformed messages: the template's own error, named
+            raise RequestError(f"the chat template could not render these messages ({type(exc).__name__}: "
+                               f"{exc}); each message needs 'role' and 'content'") from exc
+        # the template writes its special tokens itself; tokenizing its text adds none
+        return text, list(tok.encode(text, add_special_tokens=False))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.hf is None:
             return ""
-        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -3,8 +3,9 @@
 A head's cache behaves like a small model runner's: sequences grow by appending
 positions and roll back by length (:meth:`HeadKVCache.truncate`), rejected slots are
 overwritten by the next step. The cache exposes what :meth:`TorchBackend.plan_memory`
-reads (``name``, ``kv_bytes_per_token``, ``weight_bytes``, ``max_model_len``,
-``attach_cache``), so joining ``backend.runners`` gives it as many blocks as the target.
+reads (a :class:`~speculum.interfaces.CacheGroup`: ``name``, ``kv_bytes_per_token``,
+``weight_bytes``, ``max_model_len``, ``attach_cache``); ``backend.register_cache`` gives it
+as many blocks as the target.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from speculum.kv import PagedKVAllocator
+from speculum.kv import PagedKVAllocator, blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,7 @@ class HeadKVCache:
 
     def join_memory_plan(self, backend) -> None:
         """Be planned with the backend's other paged caches (same number of blocks)."""
-        runners = getattr(backend, "runners", None)
-        if isinstance(runners, list) and hasattr(backend, "plan_memory"):
-            runners.append(self)
+        backend.register_cache(self)
 
     def attach_cache(self, allocator: PagedKVAllocator) -> None:
         """Allocate pools for ``allocator``'s blocks (called by the memory plan)."""
@@ -74,7 +73,7 @@ class HeadKVCache:
 
     def _ensure(self) -> None:
         if self.allocator is None:  # a backend without a memory plan: room for 8 full sequences
-            blocks = 8 * -(-self.max_model_len // 16) + 2
+            blocks = 8 * blocks_for(self.max_model_len, 16) + 2
             log.info("%s: no memory plan; own KV cache of %d blocks", self.name, blocks)
             self.attach_cache(PagedKVAllocator(group=self.name, num_blocks=blocks, block_size=16,
                                                max_model_len=self.max_model_len))

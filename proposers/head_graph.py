@@ -15,6 +15,13 @@ host-to-device copy of its metadata, the same scheme as the target runner. With
 ``use_graphs=False`` (CPU, tests) the same function runs eagerly, so the CPU test suite
 checks exactly what the graph computes.
 
+Token trees (:class:`HeadTreeGraphs`): the same catch-up, then the tree is drafted
+level by level (:mod:`speculum.proposers.tree`): one batched head forward per depth over
+every frontier node, each attending to the committed context and its ancestors' K/V in
+a region of the head cache after the catch-up positions. The function returns the
+tree's tokens, parents, depths and ancestor matrix, so no tree bookkeeping is left for
+the host.
+
 Padding: padded columns and rows write their K/V into the cache's scratch block 0 and
 their outputs are ignored; positions past a row's valid ones are masked out of
 attention by position, as in the eager path.
@@ -27,7 +34,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from speculum.kv import blocks_for
 from speculum.proposers.head_cache import HeadKVCache, PagedContext
+from speculum.proposers.tree import StaticPlan, draft_tree, region_size, topk_logprobs
+from speculum.tree import TreeSpec, tree_ancestors, tree_attention_mask
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -54,6 +64,8 @@ class HeadDraftGraphs:
         self.dtype, self.device = dtype, torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.Q = k + 1
+        #: head-cache positions a step appends per row after its catch-up positions
+        self.extra = k - 1
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None
 
@@ -67,8 +79,8 @@ class HeadDraftGraphs:
         """[ctoks | cpos | cwsl | last | dpos | dwsl | blk] as one int64 vector.
 
         Allocates each row's catch-up and draft positions in the head cache first."""
-        alloc, bs, Q, k = self.cache.allocator, self.cache.allocator.block_size, self.Q, self.k
-        D = max(k - 1, 1)
+        alloc, bs, Q, E = self.cache.allocator, self.cache.allocator.block_size, self.Q, self.extra
+        D = max(E, 1)
         ctoks = np.zeros((Bb, Q), np.int64)
         cpos = np.zeros((Bb, Q), np.int64)
         cwsl = np.zeros((Bb, Q), np.int64)
@@ -77,17 +89,17 @@ class HeadDraftGraphs:
         dwsl = np.zeros((Bb, D), np.int64)
         blk = np.zeros((Bb, nb), np.int64)
         for b, (sid, toks, n) in enumerate(zip(seq_ids, tokens, counts)):
-            start = alloc.length(sid) - (n + k - 1)  # allocated by the caller
+            start = alloc.length(sid) - (n + E)  # allocated by the caller
             table = alloc.block_table(sid)
             blk[b, : len(table)] = table
-            p = start + np.arange(n + k - 1, dtype=np.int64)
+            p = start + np.arange(n + E, dtype=np.int64)
             slot = blk[b, p // bs] * bs + p % bs
             ctoks[b, :n] = toks
             cpos[b, :n], cwsl[b, :n] = p[:n], slot[:n]
             cpos[b, n:] = p[n - 1]                 # padding columns: a valid position,
             cwsl[b, n:] = p[n - 1] % bs            # writes into the scratch block
             last[b] = n - 1
-            if k > 1:
+            if E > 0:
                 dpos[b], dwsl[b] = p[n:], slot[n:]
         return np.concatenate([a.reshape(-1) for a in (ctoks, cpos, cwsl, last, dpos, dwsl, blk)])
 
@@ -122,9 +134,9 @@ class HeadDraftGraphs:
         alloc = self.cache.allocator
         R = len(seq_ids)
         for sid, n in zip(seq_ids, counts):
-            alloc.allocate(sid, int(n) + self.k - 1)
+            alloc.allocate(sid, int(n) + self.extra)
         Bb = _bucket(R, BATCH_BUCKETS)
-        need = max(-(-alloc.length(s) // alloc.block_size) for s in seq_ids)
+        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
         nb = 1 << max(0, need - 1).bit_length()  # power-of-two block buckets
         meta_np = self._meta(seq_ids, tokens, counts, Bb, nb)
         H = feats[0].shape[-1]
@@ -167,3 +179,84 @@ class HeadDraftGraphs:
         entry = (graph, x, meta, out, host, None)
         self._graphs[(Bb, nb)] = entry
         return entry
+
+
+# ----------------------------------------------------------------------------- token trees
+def head_topk(head, out: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, target ids) of the head's ``width`` best tokens for outputs [..., H]
+    (over the draft vocabulary when the head has one, as EAGLE-3)."""
+    draft_logits = getattr(head, "draft_logits", None)
+    if draft_logits is not None and hasattr(head, "draft_to_target"):
+        lp, idx = topk_logprobs(draft_logits(out), width)
+        return lp, head.draft_to_target[idx]
+    return topk_logprobs(head.logits(out), width)
+
+
+class HeadExpander:
+    """A head as a :class:`speculum.proposers.tree.Expander` over its paged cache.
+
+    ``h_root`` [B, H]: the head's output at the last catch-up position (its logits give
+    the root's children); ``root_pos`` [B] that position; the tree region starts at
+    logical position ``region_start`` [B] and its slots are written at ``region_wsl``
+    [B, S]."""
+
+    def __init__(self, head, pools, read: torch.Tensor, h_root: torch.Tensor, root_pos: torch.Tensor,
+                 region_start: torch.Tensor, region_wsl: torch.Tensor):
+        self.head, self.pools, self.read = head, pools, read
+        self.h_root, self.root_pos = h_root, root_pos
+        self.region_start, self.region_wsl = region_start, region_wsl
+        self.device = h_root.device
+        self.prev = h_root.unsqueeze(1)
+
+    def root(self, width: int):
+        return head_topk(self.head, self.h_root, width)
+
+    def expand(self, level, parent, tokens, vis, slots, width):
+        B, F = tokens.shape
+        src = self.h_root.unsqueeze(1) if level == 1 else self.prev
+        feats = src.gather(1, parent.unsqueeze(-1).expand(B, F, src.shape[-1]))  # the parent's output
+        pos = (self.root_pos + level).view(B, 1).expand(B, F)
+        own = torch.zeros(F, vis.shape[-1], dtype=torch.bool, device=self.device)
+        own[torch.arange(F, device=self.device), slots] = True
+        mask = tree_attention_mask(self.read.shape[1], self.region_start, vis | own)
+        ctx = PagedContext(self.pools, self.region_wsl[:, slots], self.read, mask)
+        self.prev = self.head(feats, tokens, pos, ctx)
+        return head_topk(self.head, self.prev, width)
+
+
+class HeadTreeGraphs(HeadDraftGraphs):
+    """Static-shape tree drafting (see the module doc); same capture and replay as chains.
+
+    ``run`` returns [R, 3N + N*N] int64: tokens, parents, depths and the ancestor matrix
+    of each row's tree (:meth:`unpack`)."""
+
+    def __init__(self, head, cache: HeadKVCache, tree: TreeSpec, dtype: torch.dtype, device: torch.device,
+                 use_graphs: bool):
+        super().__init__(head, cache, tree.num_nodes, dtype, device, use_graphs)
+        self.tree = tree
+        self.Q = tree.depth + 1  # pending positions after a step: accepted path + 1
+        self.extra = region_size(tree)
+        self.plan = StaticPlan(tree, self.device) if tree.is_static else None
+
+    def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
+        Q, bs, N = self.Q, self.cache.allocator.block_size, self.tree.num_nodes
+        D = max(self.extra, 1)
+        sizes = [Bb * Q, Bb * Q, Bb * Q, Bb, Bb * D, Bb * D, Bb * nb]
+        ctoks, cpos, cwsl, last, rpos, rwsl, blk = meta.split(sizes)
+        ctoks, cpos, cwsl = ctoks.view(Bb, Q), cpos.view(Bb, Q), cwsl.view(Bb, Q)
+        rpos, rwsl, blk = rpos.view(Bb, D), rwsl.view(Bb, D), blk.view(Bb, nb)
+        read = (blk.unsqueeze(-1) * bs + torch.arange(bs, device=meta.device)).reshape(Bb, -1)
+        keys = torch.arange(read.shape[1], device=meta.device).view(1, 1, 1, -1)
+        ctx = PagedContext(self.cache.pools, cwsl, read, keys <= cpos.unsqueeze(1).unsqueeze(-1))
+        out = self.head(x, ctoks, cpos, ctx)
+        rows = torch.arange(Bb, device=meta.device)
+        ex = HeadExpander(self.head, self.cache.pools, read, out[rows, last], cpos[rows, last], rpos[:, 0], rwsl)
+        tokens, parents = draft_tree(ex, self.tree, self.plan)
+        anc = tree_ancestors(parents)
+        return torch.cat([tokens, parents, anc.sum(-1), anc.reshape(Bb, N * N).to(torch.int64)], dim=1)
+
+    def unpack(self, out: torch.Tensor):
+        """[R, 3N + N*N] -> tokens, parents, depths [R, N] and ancestors [R, N, N] (bool)."""
+        N = self.tree.num_nodes
+        tokens, parents, depth, anc = out.split([N, N, N, N * N], dim=1)
+        return tokens, parents, depth, anc.reshape(-1, N, N).bool()

@@ -19,6 +19,13 @@ not consumed yet (the prefill's, then those of the accepted verify positions). E
 Heads implement :class:`ChainHead`. Drafts are the head's argmax, or samples from its
 processed distribution (returned as ``probs``) for sampled requests, so the rejection
 sampler keeps output lossless either way.
+
+With a token tree in the config (``speculative_token_tree``, or ``tree_topk`` /
+``tree_depth`` / ``num_draft_tokens``) step 2 drafts a tree instead: one batched head
+forward per depth over the frontier nodes (:class:`speculum.proposers.head_graph.HeadTreeGraphs`),
+deterministic top-k children for greedy and sampled requests alike (``probs=None``;
+the tree verifier treats them as one-hot, which is exact). The verify step hands back
+the accepted path's target states in path order, so step 3 is unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.head_cache import HeadKVCache
 from speculum.proposers.head_checkpoint import find_shipped_head, shipped_names, target_fingerprint
 from speculum.sampling import SamplingBatch, processed_probs, sample_rows
+from speculum.tree import TokenTree, TreeSpec
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +134,15 @@ class TargetParts:
 
 def head_checkpoint_path(ctx, method: str, shipped_root: Path) -> Path:
     """``model`` of the speculative config, or the shipped head made for this target."""
+    have = shipped_names(shipped_root, method)
     if ctx.config.model:
-        return ctx.resolve_draft_path()
+        shipped = (f"or leave 'model' unset to use the {method} head shipped for {', '.join(have)}" if have
+                   else "")
+        return ctx.resolve_draft_path(hint=f"{shipped}{', ' if shipped else 'or '}train one with "
+                                           f"`speculum train {method} --model <target>`")
     fp = TargetParts.from_runner(ctx.target).fingerprint()
     found = find_shipped_head(shipped_root, method, fp)
     if found is None:
-        have = shipped_names(shipped_root, method)
         raise ConfigError(
             f"method {method!r} needs 'model': the path of a {method} checkpoint for this target. "
             f"The plugin ships heads only for: {', '.join(have) or '(none)'}; train one with "
@@ -159,10 +170,14 @@ def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBat
 
 
 class ChainHeadProposer:
-    """Chain drafting with a :class:`ChainHead` over its own paged KV cache."""
+    """Chain (or tree) drafting with a :class:`ChainHead` over its own paged KV cache."""
+
+    #: drafts token trees when the config asks for one
+    supports_trees = True
 
     def __init__(self, head, hidden_layers: Sequence[int], cache: HeadKVCache, sample: bool = True,
-                 k: int | None = None, cuda_graphs: bool = False, static_draft: bool | None = None):
+                 k: int | None = None, cuda_graphs: bool = False, static_draft: bool | None = None,
+                 tree: TreeSpec | None = None):
         self.head = head
         #: target layers whose hidden states the engine hands over
         self.hidden_layers = tuple(hidden_layers)
@@ -175,9 +190,19 @@ class ChainHeadProposer:
         # CUDA graph (``static_draft`` forces the static function on or off; tests run it
         # eagerly on the CPU)
         self.graphs = None
-        if k and (cuda_graphs if static_draft is None else static_draft):
+        #: the tree drafted each step (None: chains); trees always use the static function
+        self.tree = tree
+        if tree is not None:
+            from speculum.proposers.head_graph import HeadTreeGraphs
+            self.graphs = HeadTreeGraphs(head, cache, tree, self.dtype, self.device, use_graphs=cuda_graphs)
+        elif k and (cuda_graphs if static_draft is None else static_draft):
             from speculum.proposers.head_graph import HeadDraftGraphs
             self.graphs = HeadDraftGraphs(head, cache, k, self.dtype, self.device, use_graphs=cuda_graphs)
+
+    @property
+    def kv_lookahead(self) -> int:
+        """Head-cache positions a step may append beyond the sequence (engine KV accounting)."""
+        return self.graphs.extra + 1 if self.tree is not None else 0
 
     @classmethod
     def for_head(cls, ctx, head, hidden_layers: Sequence[int], name: str) -> "ChainHeadProposer":
@@ -185,12 +210,17 @@ class ChainHeadProposer:
         p = next(head.parameters())
         # the head's own weights (the target's embedding / LM head are not its parameters)
         weight_bytes = sum(t.numel() * t.element_size() for t in head.parameters())
+        tree = ctx.config.tree
+        extra = ctx.config.num_speculative_tokens
+        if tree is not None:
+            from speculum.proposers.tree import region_size
+            extra = max(extra, region_size(tree) + 1)
         cache = HeadKVCache(name, head.num_layers, head.num_kv_heads, head.head_dim, p.dtype, p.device,
-                            max_model_len=ctx.max_model_len + ctx.config.num_speculative_tokens,
-                            weight_bytes=weight_bytes)
+                            max_model_len=ctx.max_model_len + extra, weight_bytes=weight_bytes)
         cache.join_memory_plan(ctx.backend)
         return cls(head, hidden_layers, cache, sample=ctx.config.draft_sample_method == "sample",
-                   k=ctx.config.num_speculative_tokens, cuda_graphs=bool(getattr(ctx.target, "cuda_graphs", False)))
+                   k=ctx.config.num_speculative_tokens, cuda_graphs=bool(getattr(ctx.target, "cuda_graphs", False)),
+                   tree=tree)
 
     # -- per-request state ------------------------------------------------------------------
     def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
@@ -211,6 +241,8 @@ class ChainHeadProposer:
         return self.head(feats, tokens, positions, ctx)
 
     def propose(self, batch: ProposeBatch) -> Draft:
+        if self.tree is not None:
+            return self._propose_tree(batch)
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
@@ -258,6 +290,48 @@ class ChainHeadProposer:
             q = torch.zeros(B, k, V, dtype=probs[0].dtype, device=self.device)
             q[idx] = torch.stack(probs, dim=1)
         return Draft(token_ids=token_ids, probs=q, lengths=lengths)
+
+    def _propose_tree(self, batch: ProposeBatch) -> Draft:
+        """A token tree per sequence (the rows with pending target states)."""
+        seqs, spec, graphs = batch.seqs, self.tree, self.graphs
+        B, N, dev = len(seqs), spec.num_nodes, self.device
+        rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
+                and self.pending[s.seq_id].shape[0] > 0]
+        lengths = [0] * B
+        if len(rows) < B:  # rows without a tree: no nodes
+            token_ids = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+            parents = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+            depth = torch.ones(B, N, dtype=torch.int64, device=dev)
+            anc = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
+        if rows:
+            sids = [seqs[b].seq_id for b in rows]
+            feats = [self.pending[s] for s in sids]
+            counts = [f.shape[0] for f in feats]
+            toks = [seqs[b].token_ids[-n:] for b, n in zip(rows, counts)]  # x_{t+1} of each pending t
+            over = [i for i, n in enumerate(counts) if n > graphs.Q]
+            if over:  # a first step: the catch-up beyond what the static function takes, eagerly
+                pre = [counts[i] - graphs.Q for i in over]
+                x = torch.zeros(len(over), max(pre), feats[0].shape[-1], dtype=self.dtype, device=dev)
+                t = torch.zeros(len(over), max(pre), dtype=torch.int64)
+                for j, (i, n) in enumerate(zip(over, pre)):
+                    x[j, :n] = feats[i][:n]
+                    t[j, :n] = torch.tensor(toks[i][:n], dtype=torch.int64)
+                with torch.inference_mode():
+                    self._run([sids[i] for i in over], x, t.to(dev), pre)
+                for i, n in zip(over, pre):
+                    feats[i], toks[i], counts[i] = feats[i][n:], toks[i][n:], graphs.Q
+            out = graphs.unpack(graphs.run(sids, feats, toks, counts))
+            if len(rows) == B:  # every row drafted (the usual case): no scatter
+                token_ids, parents, depth, anc = out
+            else:
+                idx = torch.tensor(rows, device=dev)
+                token_ids[idx], parents[idx], depth[idx], anc[idx] = out
+            for s in sids:
+                self.pending[s] = None  # consumed: the cache now holds them
+            for b in rows:
+                lengths[b] = N
+        tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
+        return Draft(token_ids=token_ids, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:
         hs = feedback.hidden_states

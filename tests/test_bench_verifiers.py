@@ -41,7 +41,7 @@ def test_paired_expectation_matches_the_realized_acceptance(tiny_llama, verifier
     llm.generate(prompts, params)
     m = llm.metrics
     paired = shadow.mal()
-    assert shadow.steps == m.num_steps > 500
+    assert shadow.steps == m.num_drafts > 500
     assert abs(paired[rule] - m.mean_acceptance_length) < 5 * _se(m), (paired, m.mean_acceptance_length)
     assert paired["block"] >= paired["token_wise"] - 0.01  # block is never worse in expectation
     assert paired["token_wise"] >= paired["one_hot"]  # min(1, p/q) >= p for every draft

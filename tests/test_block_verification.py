@@ -36,6 +36,7 @@ import pytest
 import torch
 from scipy import stats
 
+import speculum
 from speculum.interfaces import Draft
 from speculum.sampling import SamplingBatch, SamplingParams, make_generator, processed_probs
 from speculum.verifiers import BlockVerifier, RejectionSampler, block_verify, block_weights, greedy_verify
@@ -370,3 +371,30 @@ def test_greedy_rows_are_argmax_matching_and_seeds_reproduce():
         one = BlockVerifier().verify(pl[r:r + 1], Draft(x[r:r + 1], q[r:r + 1]),
                                      SamplingBatch.from_params([params[r]], [make_generator(r)]))
         assert torch.equal(one.token_ids[0], a.token_ids[r])
+
+
+class _TreeDrafter:
+    """Claims to draft trees (the engine checks the verifier next)."""
+
+    supports_trees = True
+
+    def propose(self, batch):
+        return Draft.empty(len(batch.seqs))
+
+    def observe(self, feedback):
+        pass
+
+
+class _TreePlugin:
+    @staticmethod
+    @speculum.hookimpl
+    def speculum_register_proposers(register):
+        register("treeish", lambda ctx: _TreeDrafter(), description="claims trees")
+
+
+def test_a_tree_config_with_block_verification_is_refused(tiny_llama):
+    """Trees are verified by rejection_sampler and greedy; block's tree variant is not built."""
+    with pytest.raises(speculum.ConfigError, match="verifier 'block' does not handle token trees"):
+        speculum.LLM(str(tiny_llama), {"method": "treeish", "tree_topk": 2, "tree_depth": 2, "num_draft_tokens": 4,
+                                       "acceptance_method": "block"},
+                     device="cpu", dtype="float32", kv_cache_memory=4 << 20, plugins=[_TreePlugin])

@@ -169,8 +169,11 @@ def test_verifier_options_round_trip():
 
 @pytest.mark.parametrize("text", ["{method: ngram}", "{\"method\": \"ngram\",}", "ngram", "{"])
 def test_invalid_json(text):
-    for parse in (SpeculativeConfig.from_json, SpeculativeConfig.from_cli, SpeculativeConfig.coerce):
-        with pytest.raises(ConfigError, match="--speculative-config is not valid JSON"):
+    """Each parser names what the user wrote: the CLI flag, or the Python argument."""
+    for parse, name in ((SpeculativeConfig.from_json, "the speculative config"),
+                        (SpeculativeConfig.from_cli, "--speculative-config"),
+                        (SpeculativeConfig.coerce, "speculative_config")):
+        with pytest.raises(ConfigError, match=f"^{name} is not valid JSON"):
             parse(text)
 
 

@@ -6,9 +6,10 @@ probabilities are the ones it sampled from, that rollback leaves the caches righ
 next token, that per-request seeds are independent. Setting: one fixed prompt, N requests
 with seeds 0..N-1, temperature 1 and top-k 5, ``max_tokens=4``; the law of the first two
 tokens (25 possible pairs) is tested. With k = 3 both come out of the first verify step
-when its first draft is accepted, from two steps otherwise. The exact joint law of (x1, x2) is computed from
+when its first draft is accepted, from two steps otherwise (likewise for the EAGLE token
+tree, whose first step accepts a path of 0 to 3 nodes). The exact joint law of (x1, x2) is computed from
 the target alone with transformers (``p(x1) p(x2 | x1)``, top-k then softmax). The
-model-based proposers run with the rejection sampler and with block verification.
+model-based chain proposers run with the rejection sampler and with block verification.
 
 Statistic: Pearson's chi-square of the 25 joint counts against N times the exact law,
 level ``ALPHA = 1e-4`` (false-alarm rate per test; runs are seeded, so reproducible).
@@ -113,6 +114,9 @@ METHODS = {
                                             "num_speculative_tokens": 3, "options": {"num_layers": 1}},
     "eagle": lambda tgt, draft, tmp: {"method": "eagle", "model": str(train_tiny("eagle", tgt, tmp)),
                                       "num_speculative_tokens": 3},
+    # a dynamic token tree: deterministic top-k nodes, recursive rejection over siblings
+    "eagle_tree": lambda tgt, draft, tmp: {"method": "eagle", "model": str(train_tiny("eagle", tgt, tmp)),
+                                           "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8},
 }
 
 
@@ -120,7 +124,7 @@ METHODS = {
                          + [("draft_model", "block"), ("eagle", "block")])
 def test_sampled_output_follows_the_target_through_the_engine(tiny_llama, tiny_llama_draft, prompt, exact, method,
                                                               verifier, tmp_path):
-    if method == "eagle" and importlib.util.find_spec("speculum_eagle") is None:
+    if method.startswith("eagle") and importlib.util.find_spec("speculum_eagle") is None:
         pytest.skip("speculum-eagle is not installed")
     spec = {**METHODS[method](tiny_llama, tiny_llama_draft, tmp_path), "acceptance_method": verifier}
     llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)

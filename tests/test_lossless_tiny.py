@@ -68,7 +68,12 @@ def check_metrics(m, num_output_tokens: int) -> None:
         assert m.draft_acceptance_rate == m.num_accepted_tokens / m.num_draft_tokens
     else:
         assert m.draft_acceptance_rate is None
-    assert m.mean_acceptance_length == pytest.approx(1 + m.num_accepted_tokens / m.num_steps)
+    assert m.tokens_per_step == pytest.approx(1 + m.num_accepted_tokens / m.num_steps)
+    if m.num_drafts:
+        assert m.mean_acceptance_length == pytest.approx(1 + m.num_accepted_tokens / m.num_drafts)
+    else:
+        assert m.mean_acceptance_length is None and m.acceptance_rate_per_position() == []
+    assert sum(m.drafts_per_position) == m.num_draft_tokens
 
 
 def check_engine_metrics(llm: LLM, outs) -> None:

@@ -154,7 +154,18 @@ class MisspelledPlugin:
         register("never", make_echo_last)
 
 
-TEST_PLUGINS = [EchoPlugin, MyHeadDetector, SilentDetector, VerifierPlugin, BackendPlugin, NgramImpostor]
+class TrainerPlugin:
+    """A trainer registered by import path (never imported unless used) and one that is broken."""
+
+    @staticmethod
+    @speculum.hookimpl
+    def speculum_register_trainers(register):
+        register("echo", "speculum.train.draft:DraftTrainer", description="the draft trainer under another name")
+        register("broken", "no_such_package.train:Trainer", description="cannot be imported")
+
+
+TEST_PLUGINS = [EchoPlugin, MyHeadDetector, SilentDetector, VerifierPlugin, BackendPlugin, NgramImpostor,
+                TrainerPlugin]
 
 
 # ------------------------------------------------------------------------- fixtures
@@ -352,8 +363,9 @@ def test_disable_ngram(monkeypatch, tiny_llama):
     assert reg.methods == {}
     with pytest.raises(ConfigError, match=r"installed methods: \(none\)"):
         reg.method("ngram", "torch")
+    assert reg.verifiers.keys() == {"rejection_sampler", "block", "greedy"}  # the built-ins only
     # built-ins can be disabled by module name too (and then are missing)
-    monkeypatch.setenv("SPECULUM_DISABLE_PLUGINS", "speculum.verifiers")
+    monkeypatch.setenv("SPECULUM_DISABLE_PLUGINS", ",".join(["speculum.verifiers", *sorted(every)]))
     assert build_registry().verifiers == {}
 
 
@@ -379,7 +391,7 @@ def hookspec_names() -> set[str]:
 def test_every_hookspec_is_documented_and_exercised():
     names = hookspec_names()
     assert names == {"speculum_register_proposers", "speculum_register_verifiers",
-                     "speculum_register_backends", "speculum_detect_method"}
+                     "speculum_register_backends", "speculum_register_trainers", "speculum_detect_method"}
     for name in names:
         doc = getattr(hooks, name).__doc__
         assert doc and len(doc.strip()) > 40, f"hookspec {name} needs a docstring"
@@ -396,3 +408,15 @@ def test_misspelled_hook_fails_loudly(tiny_llama):
         make_plugin_manager(extra_plugins=[MisspelledPlugin])
     with pytest.raises(pluggy.PluginValidationError, match="unknown hook"):
         make_llm(tiny_llama, plugins=[MisspelledPlugin])
+
+
+def test_trainers_register_through_the_hook_and_load_lazily(monkeypatch):
+    reg = build_registry(extra_plugins=[TrainerPlugin])
+    assert reg.trainers["draft"].plugin.name == "speculum.train"  # the built-in is a default plugin
+    assert reg.trainers["echo"].description and isinstance(reg.trainers["echo"].factory, str)
+    assert type(reg.trainers["echo"].create()).__name__ == "DraftTrainer"
+    with pytest.raises(PluginError, match=r"trainer 'broken' of plugin .* could not be loaded"):
+        reg.trainers["broken"].create()
+    # the disable list applies to trainers like to every other plugin part
+    monkeypatch.setenv("SPECULUM_DISABLE_PLUGINS", "speculum.train")
+    assert "draft" not in build_registry().trainers

@@ -320,7 +320,8 @@ def test_per_request_metrics_summary_shape(served):
     assert "num_draft_tokens_per_step" not in spec
     assert sum(spec["acceptance_histogram"]) == spec["num_steps"]
     assert spec["num_draft_tokens"] > 0, "the repetitive prompt should be drafted by ngram"
-    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_steps"])
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    assert spec["tokens_per_step"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_steps"])
 
 
 def test_per_request_metrics_detailed_has_per_step_lists(tiny_llama):

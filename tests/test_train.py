@@ -189,7 +189,7 @@ def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
     # the same figure from the exported module on the cached answers of the eval prompts
     from speculum_mtp.formats import load_mtp
     target = TargetParts.from_checkpoint(tiny_llama, torch.float32, "cpu")
-    trainer = trainers()["mtp"]
+    trainer = trainers()["mtp"].create()
     import argparse
     p = argparse.ArgumentParser()
     common_arguments(p)
@@ -199,7 +199,8 @@ def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
     data = [DistillData.load(d, layers=(-1,)) for d in edir]
     data = [d for d in data if len(d) == 6][0]
     head = load_mtp(tmp_path / "out", target, None, 0).float()
-    assert evaluate(trainer, head, data, list(range(6)), target, args, "cpu") == ev
+    score = evaluate(trainer, head, data, list(range(6)), target, args, "cpu")
+    assert score.accuracy() == ev and score.acceptance_length() == report["eval_expected_acceptance_length"]
 
 
 def test_batches_gather_padded_rows_with_masks():
@@ -229,3 +230,80 @@ def test_batches_gather_padded_rows_with_masks():
                 assert torch.equal(b.hidden[l][r, :n], data.hidden[l][s:e].float()) and not b.hidden[l][r, n:].any()
         b2 = data.to("cpu").batch(ids, max_len, "cpu", ctx)
         assert torch.equal(b2.tokens, b.tokens) and torch.equal(b2.hidden[-1], b.hidden[-1])
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "mtp", "draft"])
+def test_every_method_trains_under_bf16_autocast(tiny_llama, prompts, tmp_path, method):
+    """--amp bf16 (what the GPU runs use): every method's loss runs under autocast; the
+    report and validation (fp32) are written."""
+    if method != "draft":
+        pytest.importorskip(f"speculum_{method.rstrip('3')}")
+    out = tmp_path / method
+    assert train([method, "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12",
+                  "--max-tokens", "12", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--out", str(out),
+                  "--steps", "3", "--batch-size", "4", "--eval-every", "0", "--amp", "bf16",
+                  "--save-dtype", "float32"]) == 0
+    report = json.loads((out / "training.json").read_text())
+    assert report["amp"] == "bf16" and report["steps"] == 3 and report["val_accuracy_per_position"]
+
+
+def test_generation_time_limit_and_cached_data_only(tiny_llama, prompts, tmp_path):
+    """Out of generation time, only finished shards are returned; ``generate=False`` (what
+    --cached-data-only trainers use after a --prepare-only run) returns the finished ones
+    and never starts an engine."""
+    s = spec(tiny_llama, prompts, 12)
+    d, names = ensure_distill(s, tmp_path, device="cpu", shard_size=8, time_limit=1e-9)
+    assert names == [] and not list(d.glob("*.safetensors"))
+    assert ensure_distill(s, tmp_path, device="cpu", shard_size=8, generate=False)[1] == []
+    full = ensure_distill(s, tmp_path, device="cpu", shard_size=8)[1]
+    assert full == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    meta = (d / "meta.json").read_bytes()
+    assert ensure_distill(s, tmp_path, device="cpu", shard_size=8, generate=False)[1] == full
+    assert ensure_distill(s, tmp_path, device="cpu", shard_size=8)[1] == full
+    # a cache hit writes nothing: trainers started together read meta.json at the same time
+    assert (d / "meta.json").read_bytes() == meta and not list(d.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft"])
+def test_validation_acceptance_length_is_what_the_engine_measures(tmp_path, method):
+    """The expected acceptance length validation reports (a replay of greedy chain drafting
+    over the target's greedy answers) matches the engine's mean acceptance length on the
+    same prompts, greedy, fp32, k = 3: up to the odd argmax that the verify step's
+    numerics flip (hidden states of a (k+1)-token forward, not the recorded 1-token ones)."""
+    import argparse
+
+    from speculum.proposers.hidden_head import TargetParts
+    from speculum.testing import tiny_model_dir, train_tiny
+    from speculum.train.cli import common_arguments, trainers
+    from speculum.train.loop import evaluate
+    if method != "draft":
+        pytest.importorskip(f"speculum_{method}")
+    tiny_llama = tiny_model_dir(tmp_path / "target", "llama", seed=0, num_layers=4)  # heads learn it well enough
+    head = train_tiny(method, tiny_llama, tmp_path / "tr", extra=("--save-dtype", "float32"))
+    K, trainer = 3, trainers()[method].create()
+    p = argparse.ArgumentParser()
+    common_arguments(p)
+    trainer.add_arguments(p)
+    args = p.parse_args(["--num-positions", str(K)])
+    evals = token_prompts_file(tmp_path / "eval.jsonl", n=16, seed=7)
+    d, shards = ensure_distill(DistillSpec(model=str(tiny_llama), prompts=str(evals), num_prompts=16, max_tokens=24),
+                               tmp_path / "c", device="cpu", progress=False)
+    data = DistillData.load(d, shards=shards)
+    parts = TargetParts.from_checkpoint(tiny_llama)
+    if method == "mtp":
+        from speculum_mtp.formats import load_mtp
+        module = load_mtp(head, parts, None, 0)
+    else:
+        from transformers import AutoModelForCausalLM
+        module = AutoModelForCausalLM.from_pretrained(str(head))
+    score = evaluate(trainer, module.float(), data, list(range(len(data))), parts, args, "cpu")
+    prompts = [{"prompt_token_ids": data.tokens[data.offsets[i]: data.offsets[i] + data.prompt_lens[i]].tolist()}
+               for i in range(len(data))]
+    llm = LLM(str(tiny_llama), {"model": str(head), "num_speculative_tokens": K}, device="cpu", dtype="float32",
+              kv_cache_memory=32 << 20)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert [o.prompt_token_ids + o.token_ids for o in outs] == \
+        [data.tokens[data.offsets[i]: data.offsets[i + 1]].tolist() for i in range(len(data))]
+    m = llm.metrics
+    assert score.tokens == m.num_emitted_tokens and abs(score.steps - m.num_steps) <= 0.02 * m.num_steps
+    assert 1.1 < score.acceptance_length() and abs(score.acceptance_length() - m.mean_acceptance_length) < 0.03

@@ -142,6 +142,8 @@ class BlockVerifier:
     """
 
     lossless = True
+    #: token trees: not yet (the weights are per path; see the module doc)
+    supports_trees = False
 
     def __init__(self) -> None:
         self._told_one_hot = False

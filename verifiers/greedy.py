@@ -43,6 +43,7 @@ class GreedyVerifier:
     """Exact argmax matching. Lossless for temperature 0; refuses sampled requests."""
 
     lossless = True
+    supports_trees = True
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
         if not sampling.all_greedy:
@@ -50,4 +51,7 @@ class GreedyVerifier:
                 "the greedy verifier only serves temperature 0 requests; use "
                 "acceptance_method='rejection_sampler' for sampled requests"
             )
+        if draft.tree is not None:
+            from speculum.verifiers.tree import tree_greedy_verify
+            return tree_greedy_verify(target_logits, draft.token_ids, draft.tree)
         return greedy_verify(target_logits, draft.token_ids)

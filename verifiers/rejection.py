@@ -77,9 +77,14 @@ class RejectionSampler:
 
     Temperature, top-k and top-p are applied identically to target and draft logits
     (drafts arrive already processed as ``draft.probs``). Greedy rows use exact argmax.
+    Tree drafts go to :func:`speculum.verifiers.tree.verify_tree`.
     """
 
     lossless = True
+    supports_trees = True
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
+        if draft.tree is not None:
+            from speculum.verifiers.tree import verify_tree
+            return verify_tree(target_logits, draft, sampling)
         return verify_sampled(rejection_sample, target_logits, draft, sampling)

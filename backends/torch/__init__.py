@@ -1,10 +1,31 @@
-"""The torch backend (default plugin)."""
+"""The torch backend (a default plugin), and its public API.
 
-from speculum.backends.torch.backend import TorchBackend
+Public (what core tools and plugins may import from here): :class:`TorchBackend`,
+:class:`HFRunner`, ``resolve_device``, ``resolve_dtype``, ``read_state_dict`` (a
+checkpoint's tensors), and the native Llama runner's ``NativeRunner``, ``LlamaArch``
+(a Llama-family config) and ``random_native`` (a random model of a shape, for
+benchmarks). The draft-head building blocks are :mod:`speculum.backends.torch.heads`.
+Everything else under this package (``native/``...) is internal.
+"""
+
+from speculum.backends.torch.backend import TorchBackend, resolve_device, resolve_dtype
 from speculum.backends.torch.hf_runner import HFRunner
 from speculum.hooks import hookimpl
 
-__all__ = ["TorchBackend", "HFRunner"]
+__all__ = ["TorchBackend", "HFRunner", "resolve_device", "resolve_dtype", "read_state_dict", "NativeRunner",
+           "LlamaArch", "random_native"]
+
+_LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
+         "random_native": "speculum.backends.torch.native.weights",
+         "NativeRunner": "speculum.backends.torch.native.runner",
+         "LlamaArch": "speculum.backends.torch.native.arch"}
+
+
+def __getattr__(name):  # the native model (and Triton on CUDA) load only when asked for
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)
 
 
 @hookimpl

@@ -15,7 +15,8 @@ import torch
 
 from speculum.backends.torch.hf_runner import HFRunner
 from speculum.errors import ConfigError, ModelLoadError
-from speculum.kv import PagedKVAllocator, SimpleKVAllocator, plan_kv_memory
+from speculum.interfaces import CacheGroup
+from speculum.kv import PagedKVAllocator, SimpleKVAllocator, blocks_for, plan_kv_memory
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ class TorchBackend:
         self.block_size = block_size
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization
+        #: every loaded runner; the paged ones and the registered caches are the cache groups
         self.runners: list = []
+        self.caches: list = []
         self.plan = None
+        self._allocators: list[PagedKVAllocator] = []
 
     def load_model(self, path: Path, role: str = "target", max_model_len: int | None = None,
                    num_layers: int | None = None):
@@ -134,29 +138,53 @@ class TorchBackend:
         avail = int(free - total * (1 - self.gpu_memory_utilization) - activation_reserve)
         return min(avail, cap) if cap else avail
 
-    def plan_memory(self, max_model_len: int, max_num_seqs: int | None = None) -> None:
+    def plan_memory(self, max_model_len: int, max_num_seqs: int | None = None, lookahead: int = 0) -> None:
         """Give every paged runner an allocator with the same number of blocks.
 
-        Without an explicit ``kv_cache_memory`` the budget is capped at what
-        ``max_num_seqs`` sequences of ``max_model_len`` can use (plus slack), so several
-        engines can share a device.
+        ``lookahead``: draft tokens per step (k). A draft cache runs up to k positions
+        ahead of its sequence, so with draft caches one sequence needs ``max_model_len +
+        k`` tokens of blocks; the target never holds more than ``max_model_len``. Without
+        an explicit ``kv_cache_memory`` the budget is capped at what ``max_num_seqs``
+        sequences can use (plus slack), so several engines can share a device.
         """
-        paged = [r for r in self.runners if hasattr(r, "attach_cache")]
+        paged = [r for r in self.runners if isinstance(r, CacheGroup)] + self.caches
         if not paged:
             return
+        overshoot = lookahead if len(paged) > 1 else 0
         cap = None
         if max_num_seqs:
-            blocks = max_num_seqs * (-(-max_model_len // self.block_size) + 1) + 2
+            blocks = max_num_seqs * (blocks_for(max_model_len + overshoot, self.block_size) + 1) + 2
             cap = blocks * self.block_size * sum(r.kv_bytes_per_token for r in paged)
         plan = plan_kv_memory(
             self.kv_budget_bytes(cap),
             {f"{r.name}#{i}": r.kv_bytes_per_token for i, r in enumerate(paged)},
             self.block_size,
             {f"{r.name}#{i}": r.weight_bytes for i, r in enumerate(paged)},
-            max_model_len,
+            max_model_len, overshoot,
         )
         self.plan = plan
         log.info(plan.describe())
+        self._allocators = []
         for r in paged:
-            r.attach_cache(PagedKVAllocator(group=r.name, num_blocks=plan.num_blocks, block_size=self.block_size,
-                                            max_model_len=r.max_model_len))  # never below the engine's
+            limit = max_model_len if r.name == "target" else max_model_len + lookahead
+            alloc = PagedKVAllocator(group=r.name, num_blocks=plan.num_blocks, block_size=self.block_size,
+                                     max_model_len=min(r.max_model_len, limit))
+            r.attach_cache(alloc)
+            self._allocators.append(alloc)
+
+    def kv_allocators(self) -> list[PagedKVAllocator]:
+        """The planned allocators of every paged cache group (target first), for the scheduler."""
+        return list(self._allocators)
+
+    def register_cache(self, group: CacheGroup) -> None:
+        """Plan ``group`` (a draft head's KV cache) with the runners' caches."""
+        self.caches.append(group)
+
+    def capture(self, runner, batch_sizes, query_lens, hidden_layers=(), tree_query_lens=()) -> int:
+        """CUDA graphs of the native runner's decode/verify shapes (none elsewhere);
+        ``tree_query_lens``: token-tree verify shapes (root + nodes)."""
+        from speculum.backends.torch.native.runner import NativeRunner
+        if not isinstance(runner, NativeRunner) or not runner.cuda_graphs:
+            return 0
+        return runner.capture(batch_sizes, query_lens, max_block_buckets=1, hidden_layers=hidden_layers,
+                              tree_query_lens=tree_query_lens)

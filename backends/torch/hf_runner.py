@@ -6,6 +6,10 @@ and its logical positions are passed explicitly as ``position_ids``. Rolling a s
 back just marks its newest columns invalid (no copy); the attention mask hides them.
 When invalid columns pile up, the cache is compacted. This works for every model that
 accepts a 2D attention mask and position ids, which is why it is the generic fallback.
+
+Token trees: the verify forward passes a 4D mask (each node sees the context, the root
+and its ancestors) and depth-based position ids; accepting a path relabels the columns'
+positions (:meth:`HFRunner.move_kv`), no K/V is copied.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import torch
 
 from speculum.interfaces import ForwardOutput
 from speculum.kv import SimpleKVAllocator
+from speculum.tree import TokenTree, column_tree
 
 log = logging.getLogger(__name__)
 
 
 class HFRunner:
     """A transformers model plus a batched, roll-back-able KV cache."""
+
+    #: verifies token trees (``forward(..., tree=...)`` and :meth:`move_kv`)
+    supports_trees = True
 
     def __init__(self, model, allocator: SimpleKVAllocator | None = None, name: str = "target"):
         self.model = model.eval()
@@ -55,18 +63,26 @@ class HFRunner:
     def _kv_from_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
-    def _run(self, input_ids, position_ids, col_pos_new, kv, col_pos_old, hidden_layers=(), logits_to_keep=0):
-        """Forward ``input_ids`` [R, q] on top of ``kv``; returns (output, new kv, col_pos)."""
+    def _run(self, input_ids, position_ids, col_pos_new, kv, col_pos_old, hidden_layers=(), logits_to_keep=0,
+             new_vis: torch.Tensor | None = None):
+        """Forward ``input_ids`` [R, q] on top of ``kv``; returns (output, new kv, col_pos).
+
+        ``new_vis`` [R, q, q] bool: which new columns each new column sees (a tree); None =
+        causal. Old columns are seen where valid."""
         R, q = input_ids.shape
         valid_old = col_pos_old >= 0
         mask = torch.cat([valid_old, torch.ones(R, q, dtype=torch.bool, device=self.device)], dim=1)
+        if new_vis is not None:  # 4D [R, 1, q, C + q], additive (0 = attend)
+            seen = torch.cat([valid_old.unsqueeze(1).expand(R, q, -1), new_vis], dim=2).unsqueeze(1)
+            dtype = self.model.dtype
+            mask = torch.zeros(seen.shape, dtype=dtype, device=self.device).masked_fill(~seen, torch.finfo(dtype).min)
         C = col_pos_old.shape[1]
         cache = self._cache_from_kv(kv)
         with torch.inference_mode():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                attention_mask=mask.to(torch.int64),
+                attention_mask=mask if new_vis is not None else mask.to(torch.int64),
                 **{self._cache_kw: cache},
                 use_cache=True,
                 cache_position=torch.arange(C, C + q, device=self.device),
@@ -161,11 +177,12 @@ class HFRunner:
         self.rows += list(seq_ids)
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
-                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+                hidden_layers: Sequence[int] = (), tree: TokenTree | None = None) -> ForwardOutput:
         """Append ``token_ids`` [B, q] (first ``num_tokens[b]`` valid) for each listed sequence.
 
         Every running sequence must be listed (rows not listed would need padding work
-        and are an error). Returns logits [B, q, V] in the order of ``seq_ids``.
+        and are an error). Returns logits [B, q, V] in the order of ``seq_ids``. ``tree``:
+        column 0 is the root, column ``c`` tree node ``c - 1`` (see the module doc).
         """
         B, q = token_ids.shape
         if sorted(seq_ids) != sorted(self.rows):
@@ -183,7 +200,15 @@ class HFRunner:
         ar = torch.arange(q, device=self.device).view(1, q)
         pos = lengths.view(R, 1) + ar
         new_pos = torch.where(ar < n.view(R, 1), pos, torch.full_like(pos, -1))
-        out, self.kv, self.col_pos = self._run(ids, pos, new_pos, self.kv, self.col_pos, hidden_layers)
+        vis = None
+        if tree is not None:  # tree positions (root + depth) and visibility, in cache-row order
+            depth, seen = column_tree(tree, q)
+            col_depth = torch.zeros(R, q, dtype=torch.int64, device=self.device)
+            col_depth[idx] = depth.to(self.device)
+            vis = (ar.view(q, 1) >= ar).expand(R, q, q).clone()
+            vis[idx] = seen.to(self.device)
+            pos = lengths.view(R, 1) + col_depth
+        out, self.kv, self.col_pos = self._run(ids, pos, new_pos, self.kv, self.col_pos, hidden_layers, new_vis=vis)
         logits = out.logits.float()[idx]
         hidden = {}
         if hidden_layers:
@@ -191,6 +216,22 @@ class HFRunner:
                 hidden[layer] = self._hidden(out, layer)[idx]
         self._maybe_compact()
         return ForwardOutput(logits=logits, hidden_states=hidden)
+
+    def move_kv(self, seq_ids: Sequence[int], src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]]) -> None:
+        """Let the K/V at logical positions ``src[b]`` stand for positions ``dst[b]`` (the
+        accepted path of a tree): a relabelling of cache columns, nothing is copied."""
+        for sid, a, b in zip(seq_ids, src, dst):
+            if not a:
+                continue
+            r = self._row(sid)
+            row = self.col_pos[r]
+            s_t = torch.tensor(list(a), device=self.device)
+            d_t = torch.tensor(list(b), device=self.device)
+            src_cols = (row.view(-1, 1) == s_t.view(1, -1)).int().argmax(0)  # column holding each source
+            dst_hit = (row.view(-1, 1) == d_t.view(1, -1)).any(1)  # columns holding a destination now
+            row = torch.where(dst_hit, torch.full_like(row, -1), row)
+            row[src_cols] = d_t
+            self.col_pos[r] = row
 
     def truncate(self, seq_id: int, length: int) -> None:
         r = self._row(seq_id)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 #: further ``speculum bench`` subcommands: modules with ``add_parser(bench_subparsers)``
-OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step",
+OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step", "speculum.bench.soak",
                   "speculum.bench.verifiers")
 
 
@@ -47,9 +47,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="model name to request (default: the server's first); with --compare, the model to serve")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help='one {"prompt": "text" or [token ids]} per line (default: MT-bench questions)')
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=32, help="requests sent per request rate")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (0: greedy)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (fixed output lengths)")
     p.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")
@@ -57,7 +57,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=_rates, default=None, metavar="R1,R2,...",
                    help="run once per request rate, e.g. 1,2,4,8 (inf allowed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")
     p.add_argument("--extra-body", default=None, metavar="JSON",
                    help='fields added to every request, e.g. \'{"top_k": 1}\'')
     p.add_argument("--result-json", default=None, metavar="PATH", help="write the results as JSON")
@@ -67,10 +67,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--compare", action="store_true",
                    help="start `speculum serve` without and with --speculative-config, sweep both, plot, and "
                         "print a baseline vs speculation table")
-    c.add_argument("--speculative-config", default=None, metavar="JSON")
+    c.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculation of the second server (the first runs without)")
     c.add_argument("--max-num-seqs", type=int, default=32, help="for the servers --compare starts")
-    c.add_argument("--dtype", default="auto")
-    c.add_argument("--device", default="auto")
+    c.add_argument("--dtype", default="auto", help="of the servers --compare starts")
+    c.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads of each server (default: the servers' own rule, speculum.threads)")
+    c.add_argument("--device", default="auto", help="of the servers --compare starts")
     c.add_argument("--plot-dir", default=None, help="where the PNGs go (default: beside --result-json, or .)")
     c.add_argument("--server-log-dir", default=None, help="keep each server's log here")
     p.set_defaults(func=cmd_bench_serve)
@@ -149,6 +152,7 @@ def _compare(args, prompts, rates, extra) -> int:
     for label, spec in (("baseline", None), ("speculative", args.speculative_config)):
         print(f"bench: starting the {label} server", file=sys.stderr, flush=True)
         with served(args.model, spec, served_name=name, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                    extra_args=["--threads", str(args.threads)] if args.threads else None,
                     device=args.device, log_path=log_dir / f"{label}.log" if log_dir else None) as url:
             results[label] = asyncio.run(_sweep(url, prompts, rates, args, extra, name))
     base, spec_runs = results["baseline"], results["speculative"]

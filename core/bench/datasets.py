@@ -15,8 +15,8 @@ def load_prompts(dataset: str | None = None, num_prompts: int | None = None) -> 
     ids); MT-bench style lines (``turns``) work too. None: the MT-bench questions.
     """
     if dataset is None:
-        from speculum.testing import mt_bench_prompts
-        prompts: list = [r["turns"][0] for r in mt_bench_prompts()]
+        from speculum.datasets import first_turn, mt_bench
+        prompts: list = [first_turn(r) for r in mt_bench()]
     else:
         path = Path(dataset)
         if not path.exists():

@@ -12,13 +12,15 @@ PREFIXES = ("speculum:", "vllm:")
 COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
             "spec_decode_num_accepted_tokens_total", "spec_decode_num_emitted_tokens_total",
             "request_success_total", "prompt_tokens_total", "generation_tokens_total")
-PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+PER_POS = {"spec_decode_num_accepted_tokens_per_pos_total": "accepted_per_pos",
+           "spec_decode_num_drafts_per_pos_total": "drafts_per_pos"}
 
 
 def parse_metrics(text: str) -> dict:
-    """Counter totals (summed over labels, prefix removed) and accepted tokens per position."""
+    """Counter totals (summed over labels, prefix removed), and per position the accepted
+    tokens and the drafts that reached it (the latter is speculum's own counter)."""
     out: dict = {name: 0.0 for name in COUNTERS}
-    per_pos: dict[int, float] = {}
+    per_pos: dict[str, dict[int, float]] = {key: {} for key in PER_POS.values()}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -38,11 +40,13 @@ def parse_metrics(text: str) -> dict:
             continue
         if name in out:
             out[name] += v
-        elif name == PER_POS:
+        elif name in PER_POS:
             pm = _POS.search(labels)
             if pm:
-                per_pos[int(pm.group(1))] = per_pos.get(int(pm.group(1)), 0.0) + v
-    out["accepted_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+                d = per_pos[PER_POS[name]]
+                d[int(pm.group(1))] = d.get(int(pm.group(1)), 0.0) + v
+    for key, d in per_pos.items():
+        out[key] = [d[i] for i in sorted(d)]
     return out
 
 
@@ -60,9 +64,11 @@ async def scrape(client: httpx.AsyncClient, base_url: str, headers: dict | None 
 def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
     """Acceptance over a run: the counters' differences between two scrapes.
 
-    ``mean_acceptance_length`` = emitted / verify steps, the steps being emitted - accepted
-    (every step emits its accepted drafts plus one token); without the emitted counter,
-    1 + accepted / drafts.
+    Defined as in :mod:`speculum.metrics`: ``mean_acceptance_length`` = 1 + accepted /
+    drafts (vLLM's); ``tokens_per_step`` = emitted / verify steps, the steps being emitted -
+    accepted (every step emits its accepted drafts plus one token; None for a server
+    without the emitted counter); per position, accepted / drafts that reached it (vLLM's
+    servers have no such counter: accepted / drafts).
     """
     if before is None or after is None:
         return None
@@ -72,22 +78,24 @@ def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
     emitted = d["spec_decode_num_emitted_tokens_total"]
     steps = emitted - accepted
     drafts = d["spec_decode_num_drafts_total"]
-    if steps > 0:
-        mal = emitted / steps
-    elif drafts:  # a server without the emitted counter: per drafting step, as vLLM reports it
-        mal = 1 + accepted / drafts
-    else:
-        mal = None
-    pos_b, pos_a = before["accepted_per_pos"], after["accepted_per_pos"]
-    per_pos = [a - (pos_b[i] if i < len(pos_b) else 0.0) for i, a in enumerate(pos_a)]
+
+    def delta(key):
+        b, a = before[key], after[key]
+        return [x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(a)]
+    per_pos, reached = delta("accepted_per_pos"), delta("drafts_per_pos")
+    if not reached and drafts:  # vLLM: every draft reaches every position
+        reached = [drafts] * len(per_pos)
     return {
         "num_drafts": int(d["spec_decode_num_drafts_total"]),
         "num_draft_tokens": int(drafted),
         "num_accepted_tokens": int(accepted),
         "num_emitted_tokens": int(emitted),
         "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": mal,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "tokens_per_step": emitted / steps if steps > 0 else None,
+        "acceptance_rate_per_position": [a / r for a, r in zip(per_pos, reached) if r],
         "accepted_per_position": [int(x) for x in per_pos],
+        "drafts_per_position": [int(x) for x in reached],
         "requests": int(d["request_success_total"]),
         "generation_tokens": int(d["generation_tokens_total"]),
     }

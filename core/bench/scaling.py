@@ -15,23 +15,23 @@ import torch
 
 def add_parser(sub) -> None:
     p = sub.add_parser("scaling", help="throughput at batch 1 vs N concurrent requests, same outputs")
-    p.add_argument("--model", default=None)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--batch-sizes", default="1,64")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--speculative-config", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", default="results/bench_scaling.json")
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests (MT-bench turns, repeated)")
+    p.add_argument("--batch-sizes", default="1,64", help="comma separated max_num_seqs to compare")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--speculative-config", default=None, metavar="JSON", help="speculation (default: none)")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--json", default="results/bench_scaling.json", help="where the JSON goes")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
-    from speculum.testing import mt_bench_prompts
+    from speculum.datasets import mt_bench
 
-    rows = mt_bench_prompts()
+    rows = mt_bench()
     prompts = [[{"role": "user", "content": rows[i % len(rows)]["turns"][i // len(rows) % len(rows[i % len(rows)]["turns"])]}]
                for i in range(args.num_requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

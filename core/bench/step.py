@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from speculum.kv import blocks_for
+
 SHAPES = {
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_eps=1e-5,
@@ -27,22 +29,19 @@ SHAPES = {
 
 def add_parser(sub) -> None:
     p = sub.add_parser("step", help="time decode and verify steps of a (random) native model")
-    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    p.add_argument("--batch-sizes", default="1,32")
-    p.add_argument("--query-lens", default="1,2,4,6,8")
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="model shape (random weights)")
+    p.add_argument("--batch-sizes", default="1,32", help="comma separated batch sizes")
+    p.add_argument("--query-lens", default="1,2,4,6,8", help="comma separated query tokens per sequence")
     p.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
     p.add_argument("--bandwidth", type=float, default=3.8e12, help="bytes/s for the floor (H200 copy: 3.8e12)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--json", default="results/bench_step.json")
+    p.add_argument("--dtype", default="bfloat16", help="weights and KV dtype")
+    p.add_argument("--iters", type=int, default=50, help="timed replays per shape")
+    p.add_argument("--json", default="results/bench_step.json", help="where the JSON goes")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from speculum.backends.torch.backend import resolve_dtype
-    from speculum.backends.torch.native.arch import LlamaArch
-    from speculum.backends.torch.native.runner import NativeRunner
-    from speculum.backends.torch.native.weights import random_native
+    from speculum.backends.torch import LlamaArch, NativeRunner, random_native, resolve_dtype
     from speculum.kv import PagedKVAllocator
 
     if not torch.cuda.is_available():
@@ -56,7 +55,7 @@ def run(args) -> int:
     floor = wbytes / args.bandwidth
     bss = [int(x) for x in args.batch_sizes.split(",")]
     qs = [int(x) for x in args.query_lens.split(",")]
-    need_blocks = max(bss) * (-(-(args.context + max(qs) + 1) // 16)) + 2
+    need_blocks = max(bss) * blocks_for(args.context + max(qs) + 1, 16) + 2
     runner.attach_cache(PagedKVAllocator("target", need_blocks, 16, 4096))
     rows = []
     print(f"{args.shape}: {wbytes / 1e9:.2f} GB weights, HBM floor {floor * 1e3:.3f} ms/step")

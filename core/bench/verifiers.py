@@ -57,27 +57,18 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--runner", default=None, help="auto, native or hf")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--mt-bench", default=None, help="MT-bench JSONL (default: shared/data/mt_bench.jsonl)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the CPUs not busy with other processes)")
+    p.add_argument("--mt-bench", default=None, help="MT-bench JSONL (default: the shipped MT-bench questions)")
     p.add_argument("--json", default="results/bench_verifiers.json")
     p.set_defaults(func=run)
 
 
 def _prompts(args) -> list[list[dict]]:
-    from speculum.testing import shared_dir
-    path = Path(args.mt_bench) if args.mt_bench else shared_dir() / "data" / "mt_bench.jsonl"
+    from speculum.datasets import first_turn, mt_bench, per_category
     wanted = set(args.categories.split(",")) if args.categories else None
-    per: dict[str, int] = {}
-    out = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        c = r.get("category", "-")
-        if (wanted and c not in wanted) or per.get(c, 0) >= args.prompts_per_category:
-            continue
-        per[c] = per.get(c, 0) + 1
-        out.append([{"role": "user", "content": r["turns"][0]}])
-    return out
+    groups = per_category(mt_bench(path=args.mt_bench), args.prompts_per_category, wanted)
+    return [[{"role": "user", "content": first_turn(r)}] for rows in groups.values() for r in rows]
 
 
 class PairedShadow:
@@ -89,7 +80,8 @@ class PairedShadow:
         self.reset()
 
     def reset(self) -> None:
-        #: verify-step rows seen, sums of E[accepted | drafts] per rule, seconds spent here
+        #: drafting steps seen (rows with at least one draft), sums of E[accepted | drafts]
+        #: per rule, seconds spent here
         self.steps = 0
         self.sums = {"one_hot": 0.0, "token_wise": 0.0, "block": 0.0}
         #: sum and sum of squares of the per-step difference block - token-wise
@@ -105,8 +97,8 @@ class PairedShadow:
                                 sampling.flags(target_logits.shape[-1]))
             ids = draft.token_ids.to(p.device)
             q = draft.probs.to(p.device) if draft.probs is not None else None
-            self.steps += ids.shape[0]
             if ids.shape[1]:
+                self.steps += int((ids[:, 0] >= 0).sum())  # drafting steps, as MAL counts them
                 self.sums["one_hot"] += float(expected_accepted_tokenwise(p, None, ids).sum())
                 tw, blk = expected_accepted_tokenwise(p, q, ids), expected_accepted_block(p, q, ids)
                 self.sums["token_wise"] += float(tw.sum())
@@ -118,7 +110,7 @@ class PairedShadow:
         return self.inner.verify(target_logits, draft, sampling)
 
     def mal(self) -> dict[str, float | None]:
-        """1 + mean E[accepted | drafts] per verify step, per rule."""
+        """1 + mean E[accepted | drafts] per drafting step, per rule (MAL as vLLM defines it)."""
         return {r: (1 + s / self.steps if self.steps else None) for r, s in self.sums.items()}
 
     def gain(self) -> tuple[float | None, float | None]:
@@ -190,7 +182,7 @@ def run(args) -> int:
     verifiers = [v.strip() for v in args.verifier.split(",") if v.strip()]
     vopts = json.loads(args.verifier_options) if args.verifier_options else {}
     opts = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
-                cuda_graphs=not args.enforce_eager)
+                cuda_graphs=not args.enforce_eager, threads=args.threads)
     if args.runner:
         opts["runner"] = args.runner
     S = args.samples
@@ -224,12 +216,13 @@ def run(args) -> int:
                 row = {"method": name, "config": cfg, "verifier": ver, "lossless": llm.verifier_spec.lossless,
                        "temperature": t, "requests": len(outs), "tokens": ntok, "seconds": dt,
                        "tokens_per_s": ntok / dt, "mean_acceptance_length": m.mean_acceptance_length,
+                       "tokens_per_step": m.tokens_per_step, "drafts": m.num_drafts,
                        "draft_acceptance_rate": m.draft_acceptance_rate,
                        "acceptance_per_position": m.acceptance_rate_per_position(),
                        "paired_mal_one_hot": paired["one_hot"], "paired_mal_token_wise": paired["token_wise"],
                        "paired_mal_block": paired["block"], "paired_block_gain": gain, "paired_block_gain_se": gain_se,
                        "verify_steps": m.num_steps, "acceptance_histogram": list(m.acceptance_histogram),
-                       "mal_standard_error": _mal_se(m.acceptance_histogram)}
+                       "mal_standard_error": _mal_se(m.acceptance_histogram, m.num_steps - m.num_drafts)}
                 if args.logprobs:
                     lp = _target_logprobs(llm.model_path, outs, t, llm.backend.device)
                     lps[(name, t, ver)] = lp
@@ -259,8 +252,12 @@ def run(args) -> int:
     return 0
 
 
-def _mal_se(hist: list[int]) -> float | None:
-    """Standard error of the realized MAL from the histogram of accepted drafts per step."""
+def _mal_se(hist: list[int], steps_without_draft: int = 0) -> float | None:
+    """Standard error of the realized MAL from the histogram of accepted drafts per step
+    (steps without a draft, all in bin 0, left out: MAL counts drafting steps)."""
+    hist = list(hist)
+    if hist:
+        hist[0] -= steps_without_draft
     n = sum(hist)
     if n < 2:
         return None

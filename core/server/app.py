@@ -137,6 +137,8 @@ def build_app(engine: AsyncEngine, *, model_names: list[str], api_key: str | Non
     async def health():
         if not engine.is_alive:
             return JSONResponse(error_body("the engine thread is not running", "server_error"), 503)
+        if getattr(engine.llm, "dead", None):
+            return JSONResponse(error_body(engine.llm.dead, "server_error"), 503)
         return Response(status_code=200)
 
     @app.get("/v1/models")

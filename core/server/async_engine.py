@@ -9,8 +9,10 @@ answers each request through its own ``asyncio.Queue`` (``loop.call_soon_threads
     per-request asyncio.Queue <--EngineUpdate------------ (new tokens, final output)
 
 A request that cannot be added (``RequestError`` and the like) gets an error update and
-never reaches the engine. If ``step()`` raises, every request the engine holds is aborted
-with an error to its client, the failure is logged, and the thread keeps serving.
+never reaches the engine. A request the engine fails (``finish_reason="error"``) gets an
+error update (HTTP 500 with the reason); the others go on. If ``step()`` itself raises
+(the device is gone: ``EngineDeadError``), every request the engine holds is failed with
+an error to its client and new requests are refused with 503.
 """
 
 from __future__ import annotations
@@ -285,6 +287,11 @@ class AsyncEngine:
                 m = out.metrics
                 live.steps.append((m.num_draft_tokens - live.prev_drafted, m.num_accepted_tokens - live.prev_accepted))
                 live.prev_drafted, live.prev_accepted = m.num_draft_tokens, m.num_accepted_tokens
+            if out.finished and out.finish_reason == "error":  # this request failed; the engine serves on
+                del self._live[out.request_id]
+                self._record_finished(live, "error", now)
+                live.push(EngineUpdate("error", error=EngineStepError(f"the request failed: {out.error}")))
+                continue
             if out.finished:
                 del self._live[out.request_id]
                 reason = out.finish_reason or "stop"

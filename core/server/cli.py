@@ -20,17 +20,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculation settings, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $SPECULUM_API_KEY if set)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: MODEL as given)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests decoded together (default 32)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output) (default: the model's context length)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")
     p.add_argument("--per-request-spec-decode-metrics", choices=("none", "summary", "detailed"), default="none",
                    help="add metrics.speculative_decoding to each response (needs --speculative-config)")
     p.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",

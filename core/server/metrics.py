@@ -58,8 +58,12 @@ class ServerMetrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Verify steps in which the draft token at this position was accepted.",
                                         ["position"])
+        self.drafts_per_pos = counter("spec_decode_num_drafts_per_pos",
+                                      "Drafts that reached this position (the denominator of per-position "
+                                      "acceptance).", ["position"])
         self.acceptance_rate = gauge("spec_decode_draft_acceptance_rate",
-                                     "Accepted / drafted tokens since the server started.")
+                                     "Accepted / drafted tokens since the server started (absent until "
+                                     "something was drafted).")
         self.request_success = counter("request_success", "Requests that left the engine, by finish reason.",
                                        ["finished_reason"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that left the engine.")
@@ -77,11 +81,13 @@ class ServerMetrics:
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_emitted_tokens,
                   self.prompt_tokens, self.generation_tokens):
             c.labels(model_name)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(model_name, str(pos))
-        for g in (self.acceptance_rate, self.running, self.waiting, self.kv_usage):
+            self.drafts_per_pos.labels(model_name, str(pos))
+        # the acceptance rate gauge stays absent until something is drafted (no rate, not 0)
+        for g in (self.running, self.waiting, self.kv_usage):
             g.labels(model_name)
         self._lock = threading.Lock()
         self.totals = SpecDecodeMetrics()
@@ -133,6 +139,8 @@ class ServerMetrics:
         self.num_emitted_tokens.labels(m).inc(spec.num_emitted_tokens)
         for pos, n in enumerate(spec.accepted_per_position):
             self.accepted_per_pos.labels(m, str(pos)).inc(n)
+        for pos, n in enumerate(spec.drafts_per_position):
+            self.drafts_per_pos.labels(m, str(pos)).inc(n)
         if drafted:
             self.acceptance_rate.labels(m).set(accepted / drafted)
 
@@ -153,7 +161,7 @@ class ServerMetrics:
             return {"requests": self.total_requests, "prompt_tokens": self.prompt_tokens_live,
                     "generation_tokens": self.tokens_generated_live,
                     "draft_tokens": self.totals.num_draft_tokens, "accepted_tokens": self.totals.num_accepted_tokens,
-                    "steps": self.totals.num_steps}
+                    "drafts": self.totals.num_drafts}
 
 
 class StatsLogger:
@@ -184,7 +192,7 @@ class StatsLogger:
                 f"waiting: {m.num_waiting}, KV cache usage: {100 * m.kv_cache_usage:.1f}%")
         if self.speculative:
             rate = d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else None
-            mal = 1 + d["accepted_tokens"] / d["steps"] if d["steps"] else None
+            mal = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else None
             text += (f", draft acceptance rate: {'-' if rate is None else f'{rate:.3f}'}"
                      f", mean acceptance length: {'-' if mal is None else f'{mal:.2f}'}")
         return text

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from speculum.errors import RequestError
+from speculum.errors import EngineDeadError, RequestError
 from speculum.server import protocol as P
 from speculum.server.async_engine import AsyncEngine, EngineStepError, EngineStoppedError, EngineUpdate, RequestStream
 from speculum.server.detokenize import IncrementalDetokenizer
@@ -275,6 +275,8 @@ def _as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, (RequestError, ValueError)):
         return APIError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503, type="server_error", code="engine_dead")
     if isinstance(exc, EngineStoppedError):
         return APIError(str(exc), 503, type="server_error", code="server_shutting_down")
     if isinstance(exc, EngineStepError):

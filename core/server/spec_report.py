@@ -20,6 +20,8 @@ def speculative_decoding_report(m: SpecDecodeMetrics | None, steps: list[tuple[i
     out = {
         "draft_acceptance_rate": m.draft_acceptance_rate,
         "mean_acceptance_length": m.mean_acceptance_length,
+        "tokens_per_step": m.tokens_per_step,
+        "acceptance_rate_per_position": m.acceptance_rate_per_position(),
         "acceptance_histogram": list(m.acceptance_histogram),
         "num_draft_tokens": m.num_draft_tokens,
         "num_accepted_tokens": m.num_accepted_tokens,
@@ -27,6 +29,7 @@ def speculative_decoding_report(m: SpecDecodeMetrics | None, steps: list[tuple[i
         "num_drafts": m.num_drafts,
         "num_emitted_tokens": m.num_emitted_tokens,
         "accepted_per_position": list(m.accepted_per_position),
+        "drafts_per_position": list(m.drafts_per_position),
     }
     if level == "detailed":
         steps = steps or []

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,14 +45,149 @@ class Trainer:
         raise NotImplementedError
 
     def loss(self, module: nn.Module, batch: Batch, target: TargetParts,
-             args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(scalar loss, correct [K], counted [K]): top-1 agreement with the target per position."""
+             args: argparse.Namespace) -> tuple[torch.Tensor, "Score"]:
+        """(scalar loss, :class:`Score`): top-1 agreement with the target per draft position
+        and chain acceptance (:func:`chain_score`). A 3-tuple (loss, correct [K], counted
+        [K]) is accepted too (no acceptance length then)."""
         raise NotImplementedError
 
     def export(self, module: nn.Module, out: Path, target: TargetParts, args: argparse.Namespace,
                meta: dict[str, Any]) -> None:
         """Write the trained module in its public checkpoint format."""
         raise NotImplementedError
+
+
+@attrs.define(eq=False)
+class Score:
+    """Top-1 agreement with the target per draft position, and greedy-chain acceptance.
+
+    An *anchor* ``t`` is a position whose token ``x_{t+1}`` is known: a chain drafted
+    there predicts ``x_{t+2}, x_{t+3}, ...`` (draft positions ``0, 1, ...``).
+    ``correct[j] / count[j]`` is the agreement at draft position ``j`` over every answer
+    anchor. On a greedy answer the tokens are the target's argmax, so a chain from ``t``
+    is accepted through position ``j`` exactly when positions ``0..j`` agree: ``runs[j]``
+    counts such anchors among ``anchors`` (greedy-answer anchors scored at every position).
+
+    ``tokens / steps`` replays greedy chain drafting over each greedy answer, as the
+    engine runs it: from the first answer anchor, accept the leading agreeing drafts
+    (at most ``K``, and never past the answer), emit them plus the target's token, and
+    continue from there. That is the mean acceptance length the engine measures on these
+    answers with the same numerics: :meth:`acceptance_length`. (Averaging chains over every
+    anchor instead overstates it, since acceptance comes in bursts: an easy stretch holds
+    many anchors but the engine starts few chains in it.)
+    """
+
+    correct: torch.Tensor  # [K]
+    count: torch.Tensor    # [K]
+    runs: torch.Tensor     # [K]
+    anchors: torch.Tensor  # []
+    #: answer tokens and verify steps of the replay (0 when not replayed, e.g. in training)
+    tokens: float = 0.0
+    steps: float = 0.0
+
+    @classmethod
+    def zeros(cls, K: int) -> "Score":
+        return cls(torch.zeros(K), torch.zeros(K), torch.zeros(K), torch.zeros(()))
+
+    @classmethod
+    def coerce(cls, value) -> "Score":
+        """A Score, or one from a trainer's (correct, count) pair (no chain figures)."""
+        if isinstance(value, Score):
+            return value
+        correct, count = value
+        return cls(correct.float(), count.float(), torch.zeros_like(correct.float()), torch.zeros(()))
+
+    def __add__(self, other: "Score") -> "Score":
+        return Score(self.correct + other.correct, self.count + other.count, self.runs + other.runs,
+                     self.anchors + other.anchors, self.tokens + other.tokens, self.steps + other.steps)
+
+    def accuracy(self) -> list[float]:
+        """Agreement per position."""
+        return [round(float(c / n), 4) if n else 0.0 for c, n in zip(self.correct, self.count)]
+
+    def acceptance(self) -> list[float]:
+        """Per position: the chance a greedy chain from an answer anchor is accepted there,
+        given it was accepted up to there."""
+        prev = [self.anchors] + list(self.runs[:-1])
+        return [round(float(r / p), 4) if p else 0.0 for r, p in zip(self.runs, prev)]
+
+    def acceptance_length(self) -> float | None:
+        """Mean acceptance length of greedy chain drafting with ``K`` drafts per step over the
+        greedy answers (the replay; None when nothing was replayed)."""
+        if not self.steps:
+            return None
+        return round(self.tokens / self.steps, 3)
+
+
+def replay_chains(lead: torch.Tensor, first: torch.Tensor, remaining: torch.Tensor) -> tuple[float, float]:
+    """(tokens, steps) of greedy chain drafting over rows of answers.
+
+    ``lead`` [B, T]: leading agreeing drafts from each anchor; ``first`` [B]: a row's first
+    answer anchor (-1: none); ``remaining`` [B]: tokens after the first anchor's known token.
+    Each step accepts ``min(lead[t], left - 1)`` drafts and emits them plus one target token.
+    """
+    lead_l, first_l, rem_l = lead.tolist(), first.tolist(), remaining.tolist()
+    tokens = steps = 0
+    for row, t, left in zip(lead_l, first_l, rem_l):
+        if t < 0:
+            continue
+        T = len(row)
+        while left > 0:
+            a = min(row[t] if t < T else 0, left - 1)
+            steps += 1
+            tokens += a + 1
+            left -= a + 1
+            t += a + 1
+    return float(tokens), float(steps)
+
+
+def chain_score(ok: Sequence[torch.Tensor], scored: Sequence[torch.Tensor], greedy: torch.Tensor | None,
+                valid: torch.Tensor | None = None) -> Score:
+    """A :class:`Score` from per-position results aligned at anchors.
+
+    ``ok[j]`` / ``scored[j]`` ([B, T_j] bool, anchor ``t`` at column ``t``): the draft for
+    position ``j`` from anchor ``t`` agrees with the target / is scored (a target token of
+    the answer). ``greedy`` [B]: rows whose answer is greedy (None: all). ``valid`` [B, T]
+    (the batch's positions with a hidden state) turns on the replay of chain drafting.
+    """
+    K = len(ok)
+    T = min(o.shape[1] for o in ok)
+    correct = torch.stack([(o & s).sum() for o, s in zip(ok, scored)]).float().cpu()
+    count = torch.stack([s.sum() for s in scored]).float().cpu()
+    every = scored[0][:, :T].clone()
+    for s in scored[1:]:
+        every &= s[:, :T]
+    rows = torch.ones(ok[0].shape[0], dtype=torch.bool, device=every.device) if greedy is None \
+        else greedy.to(every.device)
+    every &= rows.view(-1, 1)
+    run = every
+    runs = []
+    for j in range(K):
+        run = run & ok[j][:, :T]
+        runs.append(run.sum())
+    score = Score(correct, count, torch.stack(runs).float().cpu(), every.sum().float().cpu())
+    if valid is not None:
+        Tf = valid.shape[1]
+        pad = lambda x: torch.nn.functional.pad(x, (0, Tf - x.shape[1]))  # noqa: E731
+        lead = torch.zeros(valid.shape, dtype=torch.int64, device=valid.device)
+        on = torch.ones(valid.shape, dtype=torch.bool, device=valid.device)
+        for o, s in zip(ok, scored):
+            on = on & pad(o & s)
+            lead += on
+        s0 = pad(scored[0]) & rows.view(-1, 1)
+        has = s0.any(dim=1)
+        first = torch.where(has, s0.int().argmax(dim=1), -1)
+        # tokens after anchor t's known token x_{t+1}: positions t + 2 .. n - 1 (n - 1 = valid count)
+        remaining = torch.where(has, valid.sum(dim=1) - first - 1, 0)
+        score.tokens, score.steps = replay_chains(lead.cpu(), first.cpu(), remaining.cpu())
+    return score
+
+
+def scatter_rows(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A bool tensor shaped like ``mask`` holding ``values`` where ``mask`` is set."""
+    out = torch.zeros_like(mask)
+    out[mask] = values
+    return out
 
 
 def soft_ce(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -123,7 +259,7 @@ def chain_unroll(head, batch: Batch, steps: int):
 
 
 def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tensor | None, score,
-               extra=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               extra=None) -> tuple[torch.Tensor, Score]:
     """The unrolled loss of a chain head (EAGLE, EAGLE-3, MTP) and its agreement per step.
 
     At step ``j`` the output at anchor ``t`` is scored (``score(o) -> logits`` over
@@ -136,7 +272,7 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
     td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not head.training)
     T = batch.tokens.shape[1]
     total = torch.zeros((), device=batch.tokens.device)
-    correct, count = torch.zeros(K), torch.zeros(K)
+    ok, scored = [], []
     for j, out in chain_unroll(head, batch, K):
         m = batch.target_mask(j + 1, args.loss_on)
         rows = td.rows(j + 1, m)
@@ -147,8 +283,9 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
             step = extra(step, j, o, m)
         total = total + args.step_decay ** j * step
         pred = logits.argmax(-1)
-        correct[j], count[j] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
-    return total, correct, count
+        ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
+        scored.append(m)
+    return total, chain_score(ok, scored, batch.greedy, None if head.training else batch.valid)
 
 
 def layer_from_target(layer, target_state: dict[str, torch.Tensor], index: int) -> None:

@@ -28,6 +28,9 @@ class Batch:
     valid: torch.Tensor
     # [B, T] the token after position t belongs to the answer (t + 1 >= P)
     answer_next: torch.Tensor
+    # [B] the row's answer is the target's greedy one (its tokens are the argmax: what a
+    # greedy chain drafts when every earlier draft was accepted)
+    greedy: torch.Tensor | None = None
 
     def target_mask(self, shift: int, loss_on: str = "answer") -> torch.Tensor:
         """[B, T - shift] anchors ``t`` whose position ``t + shift`` is a training target.
@@ -55,32 +58,69 @@ class DistillData:
     tokens: torch.Tensor        # [N] int64
     offsets: torch.Tensor       # [S + 1]
     prompt_lens: torch.Tensor   # [S]
-    prompt_index: torch.Tensor  # [S] row of the prompt file
+    prompt_index: torch.Tensor  # [S] group id of the source row (its row in the prompt file)
     hidden: dict[int, torch.Tensor]  # layer -> [N, H] bfloat16
+    #: [S] kind of each answer (index in speculum.train.mix.KINDS; 0 for older caches)
+    kind: torch.Tensor | None = None
+    #: [S] sampling temperature of each answer (0: greedy; 0 for older caches)
+    temperature: torch.Tensor | None = None
 
     @classmethod
-    def load(cls, path: Path, layers: Sequence[int] | None = None, shards: Sequence[str] | None = None) -> "DistillData":
-        """Read ``shards`` (default: every shard in ``meta.json``), keeping only ``layers``."""
-        from safetensors.torch import load_file
+    def load(cls, path: Path, layers: Sequence[int] | None = None, shards: Sequence[str] | None = None,
+             device="cpu") -> "DistillData":
+        """Read ``shards`` (default: every shard in ``meta.json``), keeping only ``layers``.
+
+        Tokens and hidden states go into tensors of their final size on ``device`` one
+        shard at a time, so the host never holds more than one shard beyond them.
+        """
+        from safetensors import safe_open
         if shards is None:
             shards = json.loads((Path(path) / "meta.json").read_text())["shards"]
-        toks, offs, plens, pidx, hid = [], [0], [], [], {}
-        for name in shards:
-            d = load_file(str(Path(path) / name))
-            base = offs[-1]
-            toks.append(d["tokens"].long())
-            offs += (d["offsets"][1:] + base).tolist()
-            plens.append(d["prompt_lens"].long())
-            pidx.append(d["prompt_index"].long())
-            for k, v in d.items():
-                if k.startswith("hidden."):
-                    layer = int(k.split(".", 1)[1])
-                    if layers is None or layer in layers:
-                        hid.setdefault(layer, []).append(v)
-        if not toks:
-            raise ValueError(f"no distillation shards in {path}")
-        return cls(torch.cat(toks), torch.tensor(offs), torch.cat(plens), torch.cat(pidx),
-                   {k: torch.cat(v) for k, v in hid.items()})
+        files = [str(Path(path) / n) for n in shards]
+        sizes, keep = [], None
+        for f in files:  # sizes first (headers only)
+            with safe_open(f, "pt") as h:
+                sizes.append(h.get_slice("tokens").get_shape()[0])
+                names = [k for k in h.keys() if k.startswith("hidden.")]
+                found = {int(k.split(".", 1)[1]): h.get_slice(k).get_shape()[-1] for k in names}
+                keep = keep or {l: H for l, H in found.items() if layers is None or l in layers}
+        if not sum(sizes):
+            raise ValueError(f"no distillation data in the shards of {path}")
+        N = sum(sizes)
+        tokens = torch.empty(N, dtype=torch.int64, device=device)
+        hidden = {l: torch.empty(N, H, dtype=torch.bfloat16, device=device) for l, H in keep.items()}
+        offs, plens, pidx, kinds, temps, at = [0], [], [], [], [], 0
+        for f, n in zip(files, sizes):
+            if n == 0:  # every prompt of the shard was skipped
+                continue
+            with safe_open(f, "pt") as h:
+                S = h.get_slice("prompt_lens").get_shape()[0]
+                tokens[at: at + n] = h.get_tensor("tokens").long()
+                offs += (h.get_tensor("offsets")[1:] + at).tolist()
+                plens.append(h.get_tensor("prompt_lens").long())
+                pidx.append(h.get_tensor("prompt_index").long())
+                have = set(h.keys())
+                kinds.append(h.get_tensor("kind").long() if "kind" in have else torch.zeros(S, dtype=torch.int64))
+                temps.append(h.get_tensor("temperature").float() if "temperature" in have else torch.zeros(S))
+                for l, t in hidden.items():
+                    t[at: at + n] = h.get_tensor(f"hidden.{l}")
+            at += n
+        return cls(tokens, torch.tensor(offs), torch.cat(plens), torch.cat(pidx), hidden, torch.cat(kinds),
+                   torch.cat(temps))
+
+    @staticmethod
+    def nbytes(path: Path, layers: Sequence[int] | None, shards: Sequence[str]) -> int:
+        """Bytes :meth:`load` would hold (tokens as int64, hidden states as bf16)."""
+        from safetensors import safe_open
+        total = 0
+        for n in shards:
+            with safe_open(str(Path(path) / n), "pt") as h:
+                N = h.get_slice("tokens").get_shape()[0]
+                total += N * 8
+                for k in h.keys():
+                    if k.startswith("hidden.") and (layers is None or int(k.split(".", 1)[1]) in layers):
+                        total += 2 * N * h.get_slice(k).get_shape()[-1]
+        return total
 
     def __len__(self) -> int:
         return self.prompt_lens.shape[0]
@@ -102,9 +142,15 @@ class DistillData:
         return pick(keys[n_val:]), pick(keys[:n_val])
 
     def answer_tokens(self, ids: Sequence[int]) -> torch.Tensor:
-        """All answer tokens of the sequences ``ids`` (for vocabulary statistics)."""
-        parts = [self.tokens[self.offsets[i] + self.prompt_lens[i]: self.offsets[i + 1]] for i in ids]
-        return torch.cat(parts) if parts else self.tokens[:0]
+        """All answer tokens of the sequences ``ids`` (for vocabulary statistics), gathered in one op."""
+        i = torch.as_tensor(list(ids), dtype=torch.int64)
+        if i.numel() == 0:
+            return self.tokens[:0]
+        starts = self.offsets[i] + self.prompt_lens[i]
+        lens = self.offsets[i + 1] - starts
+        first = torch.cumsum(lens, 0) - lens  # where each answer starts in the output
+        idx = torch.repeat_interleave(starts - first, lens) + torch.arange(int(lens.sum()))
+        return self.tokens[idx.to(self.tokens.device)]
 
     def num_tokens(self, ids: Sequence[int]) -> int:
         return int(sum(int(self.offsets[i + 1] - self.offsets[i]) for i in ids))
@@ -137,4 +183,6 @@ class DistillData:
         tokens = torch.where(keep, self.tokens[idx], 0)
         hidden = {l: h[idx].float() * keep.unsqueeze(-1) for l, h in self.hidden.items()}
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next))
+        temps = self.temperature if self.temperature is not None else torch.zeros(len(self))
+        greedy = torch.tensor([float(temps[i]) == 0.0 for i in ids])
+        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next), to(greedy))

@@ -1,16 +1,20 @@
 """Self-distillation data: the target answers training prompts, its hidden states recorded.
 
-Generation runs through :class:`speculum.LLM` (batched, greedy or sampled, on any device)
-with an in-process *recorder* proposer: it drafts nothing and declares the hidden layers
-to keep, so the engine hands it the prefill's states and those of every decode step, the
-same plumbing the EAGLE/Medusa/MTP proposers use at inference.
+Generation runs through :class:`speculum.LLM` (batched, greedy or sampled, on any device,
+with CUDA graphs on a GPU) with an in-process *recorder* proposer that drafts nothing and
+keeps the target's hidden states, the same plumbing the EAGLE/Medusa/MTP proposers use
+at inference (:mod:`speculum.train.generate`). What is answered is the data mix of
+:mod:`speculum.train.mix`; this module selects the rows, keys and fills the cache.
 
 The result is cached under ``$SPECULUM_CACHE/distill/<model>-<key>/`` in shards of
-``shard_size`` prompts (``shard_00000.safetensors`` ...); an interrupted run resumes at
-the first missing shard, and a run asking for more prompts extends the same cache. Each shard holds, for its ``S`` sequences of ``N`` tokens in all:
+``shard_size`` source rows (``shard_00000.safetensors`` ...) with all their answers; an
+interrupted run resumes at the missing shards, and a run asking for more prompts extends
+the same cache. Each shard holds, for its ``S`` sequences of ``N`` tokens in all:
 ``tokens`` [N] int32, ``offsets`` [S + 1] int64, ``prompt_lens`` [S] int32, ``prompt_index``
-[S] int32 (row of the prompt file) and ``hidden.<layer>`` [N, H] bfloat16: the target's
-state at each position (the last token of a sequence has none and gets zeros).
+[S] int32 (the row's group id: its row in the prompt file), ``kind`` [S] int32 (index in
+:data:`speculum.train.mix.KINDS`), ``temperature`` [S] float32 and ``hidden.<layer>``
+[N, H] bfloat16: the target's state at each position (the last token of a sequence has
+none and gets zeros).
 """
 
 from __future__ import annotations
@@ -18,17 +22,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
+import os
+import time
 from pathlib import Path
 from typing import Sequence
 
 import attrs
 import torch
 
-import speculum
-from speculum.interfaces import Draft
+from speculum.train.generate import PromptIds, Shard, engine, stream_jobs
+from speculum.train.mix import DATA_BASE, KINDS, Row, drop_overlaps, eval_texts, order_rows, read_rows
 
 log = logging.getLogger(__name__)
+
+#: fields keyed as they are (caches made before the others existed stay valid)
+_ALWAYS_KEYED = ("model", "prompts", "max_prompt_tokens", "max_tokens", "temperature", "seed", "layers", "chat")
 
 
 @attrs.frozen
@@ -46,99 +54,81 @@ class DistillSpec:
     chat: bool = True
     #: extra sampled answers per instruction-style prompt (sources other than ``t0/...``)
     extra_answers: int = 0
-    extra_temperature: float = 0.8
+    #: their temperature, or temperatures taken in turn
+    extra_temperature: float | tuple[float, ...] = 0.8
+    #: long-form answers per instruction-style prompt (a request for detail appended)
+    long_form: int = 0
+    #: fraction of single-turn prompts answered again after a follow-up the target writes
+    second_turns: float = 0.0
+    #: user turns answered per conversation (MT-bench and ``data`` rows may have several)
+    max_turns: int = 1
+    #: the user's own prompts or conversations (JSONL), all of them, before ``prompts``
+    data: tuple[str, ...] = ()
+    #: evaluation sets: rows whose user turns match one of theirs are dropped
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def extra_temperatures(self) -> tuple[float, ...]:
+        t = self.extra_temperature
+        return tuple(float(x) for x in t) if isinstance(t, (tuple, list)) else (float(t),)
 
     def key(self) -> str:
         """Everything but ``num_prompts``: shards are a prefix-stable sequence, so a larger
-        run extends a smaller one's cache and a smaller run reuses its first shards."""
-        d = attrs.asdict(self)
-        d.pop("num_prompts")
-        if not self.extra_answers:  # caches made before these fields existed stay valid
-            d.pop("extra_answers")
-            d.pop("extra_temperature")
-        p = Path(self.prompts)
-        d["prompts"] = [p.name, p.stat().st_size] if p.exists() else self.prompts
+        run extends a smaller one's cache and a smaller run reuses its first shards. Fields
+        added later enter the key only when they differ from their defaults."""
+        defaults = {f.name: f.default for f in attrs.fields(type(self))}
+        d = {k: v for k, v in attrs.asdict(self).items()
+             if k != "num_prompts" and (k in _ALWAYS_KEYED or v != defaults[k])}
+
+        def file_id(f: str):
+            p = Path(f)
+            return [p.name, p.stat().st_size] if p.exists() else f
+        d["prompts"] = file_id(self.prompts)
+        for k in ("data", "exclude"):
+            if k in d:
+                d[k] = [file_id(f) for f in d[k]]
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-class Recorder:
-    """A proposer that drafts nothing and records the target's hidden states."""
+@attrs.define
+class Selection:
+    """The source rows of a spec, in cache order, and what the checks dropped."""
 
-    def __init__(self, layers: Sequence[int]):
-        self.hidden_layers = tuple(layers)
-        self.live: dict[int, tuple[list[int], int, dict[int, list[torch.Tensor]]]] = {}
-        self.done: dict[int, tuple[list[int], int, dict[int, torch.Tensor]]] = {}
-
-    def add_request(self, seq, hidden_states=None):
-        parts = {l: [hidden_states[l].to("cpu", torch.bfloat16)] for l in self.hidden_layers}
-        self.live[seq.seq_id] = (seq.token_ids, seq.num_prompt_tokens, parts)
-
-    def propose(self, batch):
-        B = len(batch.seqs)
-        return Draft(token_ids=torch.empty(B, 0, dtype=torch.int64), lengths=[0] * B)
-
-    def observe(self, feedback):
-        hs = {l: feedback.hidden_states[l][:, 0].to("cpu", torch.bfloat16) for l in self.hidden_layers}
-        for b, sid in enumerate(feedback.seq_ids):
-            for l in self.hidden_layers:
-                self.live[sid][2][l].append(hs[l][b: b + 1])
-
-    def remove_request(self, seq_id):
-        tokens, P, parts = self.live.pop(seq_id)
-        tokens = list(tokens)
-        n = len(tokens)
-        feats = {}
-        for l, ps in parts.items():
-            h = torch.cat(ps)[: n - 1]
-            feats[l] = torch.cat([h, h.new_zeros(n - h.shape[0], h.shape[1])])  # the last token: none
-        self.done[seq_id] = (tokens, P, feats)  # a preempted sequence is recorded again later
+    rows: list[Row]
+    #: rows dropped because they match an evaluation prompt
+    dropped_overlaps: int = 0
+    #: rows skipped because their first prompt is longer than ``max_prompt_tokens``
+    too_long: int = 0
 
 
-def _recorder_plugin(recorder: Recorder):
-    class RecorderPlugin:
-        @staticmethod
-        @speculum.hookimpl
-        def speculum_register_proposers(register):
-            register("_distill_recorder", lambda ctx: recorder, description="records hidden states (training)")
-    return RecorderPlugin
-
-
-def is_instruction(row: dict) -> bool:
-    """An open-ended instruction (user-oriented or seed task), not a T0 template."""
-    return not str(row.get("source", "")).startswith("t0")
-
-
-def select_prompts(spec: DistillSpec, tokenizer) -> list[tuple[int, object]]:
-    """(row, prompt) pairs: instruction-style sources first, then the others, all shuffled,
-    keeping prompts of at most ``max_prompt_tokens`` tokens, ``num_prompts`` in all; an
-    instruction-style prompt is repeated ``extra_answers`` times after itself (sampled).
-
-    Rows have ``prompt`` (text, sent through the chat template unless ``chat`` is off) or
-    ``prompt_token_ids``."""
-    rows = [json.loads(l) for l in Path(spec.prompts).read_text().split("\n") if l.strip()]
-    rng = random.Random(spec.seed)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    # sources that look like MT-bench (user instructions, seed tasks) before T0 templates
-    order.sort(key=lambda i: not is_instruction(rows[i]))
-    out, taken = [], 0
-    for i in order:
-        if "prompt_token_ids" in rows[i]:  # token ids (models without a tokenizer, tests)
-            prompt = {"prompt_token_ids": [int(t) for t in rows[i]["prompt_token_ids"]]}
-            n = len(prompt["prompt_token_ids"])
+def select_rows(spec: DistillSpec, ids: PromptIds) -> Selection:
+    """Rows to answer: every row of the ``data`` files, then ``num_prompts`` rows of the
+    prompt file (shuffled with the seed, instruction-style first); rows matching an
+    ``exclude`` set are dropped, rows whose first prompt exceeds ``max_prompt_tokens`` skipped."""
+    texts = eval_texts(spec.exclude)
+    data_rows = []
+    for n, f in enumerate(spec.data):
+        data_rows += read_rows(f, base=DATA_BASE * (n + 1), source=f"data:{Path(f).name}")
+    data_rows, d1 = drop_overlaps(data_rows, texts)
+    prompt_rows, d2 = drop_overlaps(order_rows(read_rows(spec.prompts), spec.seed), texts)
+    out, too_long, taken = [], 0, 0
+    for r in data_rows:
+        if len(ids.first_prompt(r, spec.chat)) <= spec.max_prompt_tokens:
+            out.append(r)
         else:
-            text = rows[i].get("prompt") or rows[i].get("text") or (rows[i].get("turns") or [""])[0]
-            prompt = [{"role": "user", "content": text}] if spec.chat else text
-            n = len(tokenizer.apply_chat_template(prompt) if spec.chat else tokenizer.encode(text))
-        if n <= spec.max_prompt_tokens:
-            taken += 1
-            out.append((i, prompt))
-            # open-ended prompts also get sampled answers: more of the long-form text that
-            # chat benchmarks ask for (the target's own distribution is the label either way)
-            out += [(i, prompt)] * (spec.extra_answers if is_instruction(rows[i]) else 0)
+            too_long += 1
+    for r in prompt_rows:
         if taken >= spec.num_prompts:
             break
-    return out
+        if len(ids.first_prompt(r, spec.chat)) <= spec.max_prompt_tokens:
+            out.append(r)
+            taken += 1
+        else:
+            too_long += 1
+    if d1 + d2:
+        log.warning("self-distillation: dropped %d prompts that match the evaluation prompts (%s)", d1 + d2,
+                    ", ".join(Path(e).name for e in spec.exclude))
+    return Selection(out, d1 + d2, too_long)
 
 
 def cache_dir(spec: DistillSpec, root: Path | None = None) -> Path:
@@ -148,75 +138,117 @@ def cache_dir(spec: DistillSpec, root: Path | None = None) -> Path:
 
 
 def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: int = 32, device: str = "auto",
-                   dtype: str = "auto", shard_size: int = 64, progress: bool = True) -> tuple[Path, list[str]]:
+                   dtype: str = "auto", shard_size: int = 64, progress: bool = True, time_limit: float = 0,
+                   max_model_len: int = 2048, generate: bool = True) -> tuple[Path, list[str]]:
     """Generate (or reuse) the cached distillation data of ``spec``.
 
-    Returns the cache directory and the shard files that make up ``spec.num_prompts``.
+    Returns the cache directory and the finished shard files that make up
+    ``spec.num_prompts`` (all of them, unless ``time_limit`` seconds of generation ran out
+    first; with ``generate=False``, those made before, nothing new). ``meta.json`` there records the data mix (sequences and answer tokens per
+    kind), the rows dropped as evaluation prompts and the generation time.
     """
-    from speculum.engine import LLM
-    from speculum.sampling import SamplingParams
+    from speculum.model_source import resolve_model_path
+    from speculum.tokenizer import Tokenizer
     out = cache_dir(spec, root)
     out.mkdir(parents=True, exist_ok=True)
     meta_file = out / "meta.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {
         "spec": {k: v for k, v in attrs.asdict(spec).items() if k != "num_prompts"}, "shard_size": shard_size,
-        "shards": [], "sizes": {}}
+        "shards": [], "sizes": {}, "mix": {}}
     shard_size = meta["shard_size"]
-    from speculum.model_source import resolve_model_path
-    from speculum.tokenizer import Tokenizer
-    prompts = select_prompts(spec, Tokenizer.load(resolve_model_path(spec.model)))
-    starts = list(range(0, len(prompts), shard_size))
-    shards = [prompts[i: i + shard_size] for i in starts]
-    params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens,
-                            seed=spec.seed if spec.temperature > 0 else None)
-
-    def item_params(pos: int) -> SamplingParams:
-        """The first answer of a prompt uses ``temperature``; repeats are sampled."""
-        if pos == 0 or prompts[pos - 1][0] != prompts[pos][0]:
-            return params
-        return SamplingParams(temperature=spec.extra_temperature, max_tokens=spec.max_tokens,
-                              seed=spec.seed * 1_000_003 + pos)
+    known = meta.get("selections", {}).get(str(spec.num_prompts))
+    if known:  # selected before: no need to read and tokenise the prompts again
+        finished = [n for n, k in zip(known["shards"], known["sizes"]) if meta["sizes"].get(n) == k]
+        if len(finished) == len(known["shards"]) or not generate:
+            return out, finished  # nothing written: other processes may be reading the cache
+    ids = PromptIds(Tokenizer.load(resolve_model_path(spec.model)))
+    sel = select_rows(spec, ids)
+    shards = [Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
     names = [f"shard_{i:05d}.safetensors" for i in range(len(shards))]
-    # a shard is done when it holds all its prompts (a smaller earlier run may have cut it)
-    todo = [i for i, n in enumerate(names) if meta["sizes"].get(n) != len(shards[i])]
-    if not todo:
-        return out, names
-    recorder = Recorder(spec.layers)
-    llm = LLM(spec.model, {"method": "_distill_recorder", "num_speculative_tokens": 1}, device=device, dtype=dtype,
-              seed=spec.seed, max_num_seqs=max_num_seqs, plugins=[_recorder_plugin(recorder)])
+    meta.setdefault("selections", {})[str(spec.num_prompts)] = {
+        "shards": names, "sizes": [len(s.rows) for s in shards],
+        "selection": {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}}
+    # a shard is done when it holds all its rows (a smaller earlier run may have cut it)
+    todo = [s for s, n in zip(shards, names) if meta["sizes"].get(n) != len(s.rows)]
+    if not todo or not generate:
+        _save_meta(meta_file, meta)
+        return out, [n for s, n in zip(shards, names) if s not in todo]
+    llm, recorder = engine(spec, device, dtype, max_num_seqs, max_model_len)
     bar = None
-    if progress and todo:
+    if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt",
-                   initial=len(prompts) - sum(len(shards[i]) for i in todo))
-    for i in todo:
-        shard, name = shards[i], names[i]
-        recorder.done.clear()
-        shard_params = [item_params(starts[i] + j) for j in range(len(shard))]
-        outs = llm.generate([p for _, p in shard], shard_params)  # continuous batching over the shard
-        if bar is not None:
-            bar.update(len(shard))
-        recs = [recorder.done[s] for s in sorted(recorder.done)]
-        for (tokens, P, _), o in zip(recs, outs):
-            assert tokens[:P] == o.prompt_token_ids and tokens[P:] == o.token_ids, "recorder out of order"
-        _write_shard(out / name, recs, [r for r, _ in shard])
+        bar = tqdm(total=len(sel.rows), desc="self-distillation", unit="prompt",
+                   initial=len(sel.rows) - sum(len(s.rows) for s in todo))
+    t0 = time.perf_counter()
+
+    def write(shard: Shard) -> None:
+        name = names[shard.index]
+        pos = {r.index: i for i, r in enumerate(shard.rows)}
+        # a fixed order, whatever order the answers finished in
+        recs = sorted(shard.records, key=lambda r: (pos[r[0].row.index], r[0].turn, r[0].kind, r[0].seed))
+        _write_shard(out / name, recs, spec.layers)
         meta["shards"] = sorted(set(meta["shards"]) | {name})
-        meta["sizes"][name] = len(shard)
-        meta_file.write_text(json.dumps(meta, indent=2))
+        meta["sizes"][name] = len(shard.rows)
+        meta["mix"][name] = mix_counts(recs)
+        shard.records = []
+        _save_meta(meta_file, meta)
+
+    done = stream_jobs(llm, recorder, todo, spec, ids, write, time_limit, bar)
     if bar is not None:
         bar.close()
+    meta["generation_seconds"] = round(meta.get("generation_seconds", 0) + time.perf_counter() - t0, 1)
+    _save_meta(meta_file, meta)
+    if done < len(todo):  # out of time: the shards finished so far
+        names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
     return out, names
 
 
-def _write_shard(path: Path, recs, prompt_rows: list[int]) -> None:
+def _save_meta(path: Path, meta: dict) -> None:
+    """Replace ``meta.json`` atomically (trainers started together read it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, path)
+
+
+def mix_counts(recs) -> dict[str, list[int]]:
+    """{kind: [sequences, answer tokens]} of a shard's records."""
+    out: dict[str, list[int]] = {}
+    for job, tokens, P, _ in recs:
+        c = out.setdefault(KINDS[job.kind], [0, 0])
+        c[0] += 1
+        c[1] += len(tokens) - P
+    return out
+
+
+def mix_summary(path: Path, shards: Sequence[str], num_prompts: int | None = None) -> dict:
+    """The data mix of ``shards`` of a cache: sequences and answer tokens per kind, and what
+    the selection of ``num_prompts`` prompts dropped (from ``meta.json``)."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    selection = meta.get("selections", {}).get(str(num_prompts), {}).get("selection", {})
+    kinds: dict[str, list[int]] = {}
+    for n in shards:
+        for k, (s, t) in meta.get("mix", {}).get(n, {}).items():
+            c = kinds.setdefault(k, [0, 0])
+            c[0] += s
+            c[1] += t
+    return {"sequences_per_kind": {k: v[0] for k, v in kinds.items()},
+            "answer_tokens_per_kind": {k: v[1] for k, v in kinds.items()},
+            **selection,
+            "generation_seconds": meta.get("generation_seconds")}
+
+
+def _write_shard(path: Path, recs, layers: Sequence[int]) -> None:
     from safetensors.torch import save_file
-    tokens = torch.tensor([t for toks, _, _ in recs for t in toks], dtype=torch.int32)
-    lens = torch.tensor([0] + [len(toks) for toks, _, _ in recs], dtype=torch.int64)
-    data = {"tokens": tokens, "offsets": lens.cumsum(0), "prompt_lens": torch.tensor([P for _, P, _ in recs],
-                                                                                     dtype=torch.int32),
-            "prompt_index": torch.tensor(prompt_rows, dtype=torch.int32)}
-    for layer in recs[0][2]:
-        data[f"hidden.{layer}"] = torch.cat([f[layer] for _, _, f in recs]).contiguous()
+    tokens = torch.tensor([t for _, toks, _, _ in recs for t in toks], dtype=torch.int32)
+    lens = torch.tensor([0] + [len(toks) for _, toks, _, _ in recs], dtype=torch.int64)
+    data = {"tokens": tokens, "offsets": lens.cumsum(0),
+            "prompt_lens": torch.tensor([P for _, _, P, _ in recs], dtype=torch.int32),
+            "prompt_index": torch.tensor([j.row.index for j, _, _, _ in recs], dtype=torch.int32),
+            "kind": torch.tensor([j.kind for j, _, _, _ in recs], dtype=torch.int32),
+            "temperature": torch.tensor([j.temperature for j, _, _, _ in recs], dtype=torch.float32)}
+    for layer in layers:
+        parts = [f[layer] for _, _, _, f in recs]
+        data[f"hidden.{layer}"] = torch.cat(parts).contiguous() if parts else torch.zeros(0, 1, dtype=torch.bfloat16)
     tmp = path.with_suffix(".tmp")
     save_file(data, str(tmp))
     tmp.rename(path)

@@ -1,24 +1,37 @@
 """``speculum train draft``: a small standalone Llama that drafts for its target.
 
-The draft has the target's tokenizer, vocabulary and width, and ``--num-layers`` decoder
-layers copied from evenly spaced target layers (first and last included), with the
-target's embedding, final norm and LM head. It learns the target's next-token
-distribution on the distillation data (teacher forcing, soft cross-entropy) and is saved
-as a transformers directory (with the target's tokenizer), usable as
-``{"method": "draft_model", "model": <out>}``.
+The draft has the target's tokenizer and vocabulary, ``--num-layers`` decoder layers and
+a width of the caller's choosing (``--hidden-size`` ...; or ``--shape FILE``, the shape
+:mod:`speculum.train.draft_shapes` recommends from step costs measured on the device).
+
+- Same width as the target: its layers start as copies of evenly spaced target layers
+  (first and last included), with the target's embedding, final norm and LM head; the
+  embedding and LM head stay frozen (``--train-embeddings`` trains them too).
+- Another width: the embedding and LM head are the target's projected onto their top
+  principal directions (``E @ P``, ``P`` [H_target, H] from the SVD of the embedding),
+  trained with the rest; the layers start at random.
+
+It learns the target's next-token distribution on the distillation data (teacher
+forcing, soft cross-entropy) and is saved as a transformers directory (with the target's
+tokenizer), usable as ``{"method": "draft_model", "model": <out>}``. Validation reports
+agreement and the acceptance length of a ``--num-positions``-token greedy chain.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import torch
 
-from speculum.train.base import TargetDist, Trainer, agreement, loss_vocab, soft_ce
+from speculum.errors import ConfigError
+from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, soft_ce
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "generation_config.json")
+SHAPE_KEYS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
 
 
 def spaced(n: int, L: int) -> list[int]:
@@ -28,56 +41,130 @@ def spaced(n: int, L: int) -> list[int]:
     return [round(i * (L - 1) / (n - 1)) for i in range(n)]
 
 
+def draft_shape(args, target_cfg: dict) -> dict[str, int]:
+    """The draft's shape: explicit options, else ``--shape``'s recommendation, else the
+    target's width with ``--num-layers`` layers. Heads keep the target's head size and its
+    query / KV head ratio unless given."""
+    from_file = {}
+    if getattr(args, "shape", None):
+        p = Path(args.shape)
+        if not p.exists():
+            raise ConfigError(f"--shape {p}: no such file; run `python -m speculum.train.draft_shapes --json {p}` "
+                              "on the device first")
+        doc = json.loads(p.read_text())
+        from_file = doc.get("recommended", doc)
+    Ht = int(target_cfg["hidden_size"])
+    heads_t = int(target_cfg["num_attention_heads"])
+    kv_t = int(target_cfg.get("num_key_value_heads") or heads_t)
+    head_dim = int(target_cfg.get("head_dim") or Ht // heads_t)
+
+    def pick(key: str, default):
+        v = getattr(args, key, None)
+        return int(v) if v else int(from_file.get(key) or default)
+    H = pick("hidden_size", Ht)
+    heads = pick("num_heads", max(1, H // head_dim))
+    kv = pick("num_kv_heads", max(1, heads * kv_t // heads_t))
+    inter_default = int(target_cfg["intermediate_size"]) if H == Ht else 64 * round(H * 8 / 3 / 64)
+    shape = {"num_layers": pick("num_layers", 2), "hidden_size": H,
+             "intermediate_size": pick("intermediate_size", inter_default), "num_heads": heads, "num_kv_heads": kv}
+    if H % heads or heads % kv:
+        raise ConfigError(f"draft shape {shape}: hidden_size must be a multiple of num_heads, and num_heads of "
+                          "num_kv_heads")
+    return shape
+
+
+def projection(embed: torch.Tensor, width: int) -> torch.Tensor:
+    """[H_target, width]: the top ``width`` right singular vectors of the embedding [V, H_target]."""
+    _, _, vh = torch.linalg.svd(embed.float(), full_matrices=False)
+    return vh[:width].T.contiguous()
+
+
 class DraftTrainer(Trainer):
     name = "draft"
-    description = "a small standalone Llama (target's tokenizer and embeddings) trained on the target's outputs"
+    description = "a small standalone Llama (target's tokenizer and vocabulary) trained on the target's outputs"
 
     def add_arguments(self, p) -> None:
         g = p.add_argument_group("draft model")
-        g.add_argument("--num-layers", type=int, default=2, help="decoder layers of the draft")
-        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+        g.add_argument("--num-layers", type=int, default=None, help="decoder layers of the draft (default 2)")
+        g.add_argument("--hidden-size", type=int, default=None, help="width (default: the target's)")
+        g.add_argument("--intermediate-size", type=int, default=None,
+                       help="MLP width (default: the target's at its width, else 8/3 x width)")
+        g.add_argument("--num-heads", type=int, default=None, help="attention heads (default: the target's head size)")
+        g.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default: the target's ratio)")
+        g.add_argument("--shape", default=None, metavar="JSON",
+                       help="the shape recommended in a `python -m speculum.train.draft_shapes` result "
+                            "(options given explicitly win)")
+        g.add_argument("--train-embeddings", action="store_true",
+                       help="also train the embedding and LM head (always trained when the width differs)")
+        g.add_argument("--num-positions", type=int, default=4,
+                       help="chain length the validation acceptance figures are for")
+        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=3e-4)
-
-    def positions(self, args) -> int:
-        return 1  # a standalone model sees true tokens: one conditional accuracy
 
     def build(self, args, target, state, data, train_ids):
         from transformers import AutoConfig, AutoModelForCausalLM
         cfg = dict(target.config)
         L = int(cfg["num_hidden_layers"])
-        cfg["num_hidden_layers"] = args.num_layers
+        shape = draft_shape(args, cfg)
+        same_width = shape["hidden_size"] == int(cfg["hidden_size"])
+        cfg.update(num_hidden_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+                   intermediate_size=shape["intermediate_size"], num_attention_heads=shape["num_heads"],
+                   num_key_value_heads=shape["num_kv_heads"], head_dim=shape["hidden_size"] // shape["num_heads"])
         for k in ("layer_types", "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype"):
             cfg.pop(k, None)
+        torch.manual_seed(args.seed)
         config = AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
         model = AutoModelForCausalLM.from_config(config)
-        sd = {}
-        for i, src in enumerate(spaced(args.num_layers, L)):
-            pre = f"model.layers.{src}."
-            sd.update({f"model.layers.{i}." + k[len(pre):]: v for k, v in state.items() if k.startswith(pre)})
-        for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            if k in state:
-                sd[k] = state[k]
+        tcfg = target.config
+        target_shape = {"hidden_size": int(tcfg["hidden_size"]), "intermediate_size": int(tcfg["intermediate_size"]),
+                        "num_heads": int(tcfg["num_attention_heads"]),
+                        "num_kv_heads": int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])}
+        copy_layers = all(shape[k] == v for k, v in target_shape.items())
+        sd = {k: v for k, v in state.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
+        if copy_layers:  # evenly spaced target layers, the target's final norm
+            layers = spaced(shape["num_layers"], L)
+            for i, src in enumerate(layers):
+                pre = f"model.layers.{src}."
+                sd.update({f"model.layers.{i}." + k[len(pre):]: v for k, v in state.items() if k.startswith(pre)})
+            if "model.norm.weight" in state:
+                sd["model.norm.weight"] = state["model.norm.weight"]
+            model.config.speculum_init_layers = layers
+        if not same_width:  # the target's embedding / LM head, projected onto its top directions
+            P = projection(state["model.embed_tokens.weight"], shape["hidden_size"])  # [Ht, H]
+            sd = {k: v.float() @ P for k, v in sd.items()}
         missing, unexpected = model.load_state_dict(sd, strict=False)
-        bad = [m for m in missing if m != "lm_head.weight" or not config.tie_word_embeddings]
+        allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        if not copy_layers:  # random layers and final norm
+            allowed |= {k for k in model.state_dict() if k.startswith("model.layers.") or k == "model.norm.weight"}
+        bad = [m for m in missing if m not in allowed]
         if bad or unexpected:
             raise RuntimeError(f"draft init from the target: missing {bad}, unexpected {unexpected}")
-        model.config.speculum_init_layers = spaced(args.num_layers, L)
-        return model.float()
+        model.config.speculum_shape = shape
+        model = model.float()
+        if same_width and not args.train_embeddings:  # the target's own: keep them
+            model.get_input_embeddings().weight.requires_grad_(False)
+            model.get_output_embeddings().weight.requires_grad_(False)
+        return model
 
     def loss(self, model, batch, target, args):
         vocab = loss_vocab(model, target, args)
         td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not model.training)
-        m = batch.target_mask(0, args.loss_on)
+        m = batch.target_mask(0, args.loss_on)  # [B, T]
         h = model.model(input_ids=batch.tokens).last_hidden_state[m]  # [N, H]
         w = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab]
         logits = torch.nn.functional.linear(h, w)
         rows = td.rows(0, m)
         pred = logits.argmax(-1)
-        c, n = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
-        return soft_ce(logits, td.probs[rows]), c.view(1), n.view(1)
+        ok = scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows])  # [B, T]
+        # a chain from anchor t (x_{t+1} known) drafts from positions t + 1, t + 2, ...: the
+        # same teacher-forced predictions, shifted (on a greedy answer, accepted drafts are
+        # its tokens)
+        K = args.num_positions
+        score = chain_score([ok[:, j + 1:] for j in range(K)], [m[:, j + 1:] for j in range(K)], batch.greedy,
+                            None if model.training else batch.valid)
+        return soft_ce(logits, td.probs[rows]), score
 
     def export(self, model, out, target, args, meta):
-        import json
         from speculum.model_source import resolve_model_path
         model.config.speculum = meta
         model.to(DTYPES[args.save_dtype]).save_pretrained(str(out))

@@ -1,16 +1,21 @@
 """The generic training loop: distillation data, optimiser, checkpoints, validation, export.
 
 ``run(trainer, args)`` makes (or reuses) the self-distillation data, builds the method's
-module, trains it with AdamW (linear warm-up, cosine decay, gradient clipping) under a
-tqdm progress bar, checkpoints every ``--save-every`` steps to ``<out>/checkpoint.pt``
-(``--resume`` continues from there: module, optimiser, schedule, sampler state), reports
-validation top-1 agreement with the target per draft position, and writes the public
-checkpoint format plus ``<out>/training.json``.
+module, trains it with AdamW (linear warm-up, then cosine decay over ``--steps`` or, with
+``--time-limit``, over the time budget, whichever ends first; gradient clipping;
+optionally bf16 autocast) under a tqdm progress bar, checkpoints to
+``<out>/checkpoint.pt`` (``--resume`` continues from there: module, optimiser, sampler
+state, history), validates on held-apart prompts' answers (top-1 agreement with the
+target per draft position and the expected acceptance length of a greedy chain,
+:class:`speculum.train.base.Score`), and writes the public checkpoint format plus
+``<out>/training.json`` (the report, with the training curve in ``history``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import logging
 import math
 import random
@@ -24,11 +29,15 @@ import attrs
 import torch
 
 from speculum.proposers.hidden_head import TargetParts
-from speculum.train.base import Trainer, frequent_tokens
+from speculum.train.base import Score, Trainer, frequent_tokens
 from speculum.train.data import DistillData
-from speculum.train.distill import DistillSpec, ensure_distill
+from speculum.train.distill import DistillSpec, ensure_distill, mix_summary
+from speculum.train.generate import release_engines
+from speculum.train.mix import KINDS
 
 log = logging.getLogger(__name__)
+
+AMP = {"off": None, "bf16": torch.bfloat16}
 
 
 def record_layers(trainers: Iterable[Trainer], args, num_target_layers: int) -> tuple[int, ...]:
@@ -49,23 +58,32 @@ def model_name(model: str) -> str:
     return re.sub(r"(\.(q\d\w*|f16|f32|bf16))?\.gguf$", "", name, flags=re.IGNORECASE)
 
 
-def on_device(data: DistillData | None, device) -> DistillData | None:
-    """Data moved to a GPU when it takes at most a third of the free memory (batches are
-    then gathered there); left on the host otherwise."""
-    if data is None or torch.device(device).type != "cuda":
-        return data
-    size = data.tokens.numel() * 8 + sum(h.numel() * h.element_size() for h in data.hidden.values())
+def placement(size: int, device) -> str | torch.device:
+    """Where distillation data of ``size`` bytes lives: on a GPU when it takes at most a
+    third of its free memory (batches are then gathered there), else on the host."""
+    if torch.device(device).type != "cuda":
+        return "cpu"
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     if size > free // 3:
         log.info("distillation data (%.1f GiB) stays on the host", size / 2**30)
-        return data
-    return data.to(device)
+        return "cpu"
+    return device
 
 
-def _schedule(step: int, warmup: int, total: int) -> float:
+def load_data(path: Path, layers, shards, device) -> DistillData:
+    """The cached data, loaded straight to where it will live (:func:`placement`)."""
+    return DistillData.load(path, layers=layers, shards=shards,
+                            device=placement(DistillData.nbytes(path, layers, shards), device))
+
+
+def lr_factor(step: int, warmup: int, total: int, elapsed: float = 0.0, time_limit: float = 0.0) -> float:
+    """Learning-rate multiplier: linear warm-up over ``warmup`` steps, then cosine from 1 to
+    0.1 over the rest of ``total`` steps, or of ``time_limit`` seconds when that ends first."""
     if step < warmup:
         return (step + 1) / warmup
     frac = (step - warmup) / max(1, total - warmup)
+    if time_limit:
+        frac = max(frac, elapsed / time_limit)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
@@ -88,44 +106,71 @@ def length_buckets(data: DistillData, ids: list[int], batch_size: int, rng: rand
 
 
 def evaluate(trainer: Trainer, module, data: DistillData, ids: list[int], target: TargetParts, args,
-             device) -> list[float]:
-    """Validation top-1 agreement with the target per draft position, on answer tokens
-    (what drafting is about, whatever ``--loss-on`` trains on)."""
+             device) -> Score:
+    """Top-1 agreement with the target per draft position and greedy-chain acceptance on
+    the answers of sequences ``ids`` (answer tokens only, whatever ``--loss-on`` trains
+    on; fp32, the whole vocabulary)."""
     import copy
     K = trainer.positions(args)
-    correct, total = torch.zeros(K), torch.zeros(K)
+    total = Score.zeros(K)
     eval_args = copy.copy(args)
     eval_args.loss_on = "answer"
     lens = (data.offsets[1:] - data.offsets[:-1]).tolist()
     ids = sorted(ids, key=lambda j: lens[j])  # batches of similar lengths: little padding
     module.eval()
     with torch.no_grad():
-        for i in range(0, len(ids), args.batch_size):
-            batch = data.batch(ids[i: i + args.batch_size], args.max_len, device, args.prompt_context)
-            _, c, n = trainer.loss(module, batch, target, eval_args)
-            correct += c
-            total += n
+        bs = getattr(args, "eval_batch_size", 0) or args.batch_size
+        for i in range(0, len(ids), bs):
+            batch = data.batch(ids[i: i + bs], args.max_len, device, args.prompt_context)
+            total = total + score_of(trainer.loss(module, batch, target, eval_args))
     module.train()
-    return [round(float(c / n), 4) if n else 0.0 for c, n in zip(correct, total)]
+    return total
 
 
-def expected_length(acc: list[float]) -> float:
-    """1 + sum_j prod_{i<=j} acc_i: the mean acceptance length if positions were independent."""
-    out, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        out += run
-    return round(out, 3)
+def score_of(result) -> Score:
+    """The Score of a trainer's loss() result: (loss, Score) or (loss, correct, count)."""
+    return Score.coerce(result[1] if len(result) == 2 else result[1:])
+
+
+def distill_spec(args, model_path: Path, layers: tuple[int, ...]) -> DistillSpec:
+    """The self-distillation data the arguments ask for (MT-bench and ``--eval-prompts``
+    excluded from training)."""
+    temps = tuple(float(t) for t in str(args.extra_temperature).split(",") if t.strip())
+    from speculum.datasets import MT_BENCH, data_path
+    exclude = [str(data_path(MT_BENCH))]  # shipped with the package: always checked
+    if getattr(args, "eval_prompts", None):
+        exclude.append(str(args.eval_prompts))
+    return DistillSpec(model=str(model_path), prompts=str(args.prompts), num_prompts=args.num_prompts,
+                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+                       temperature=args.temperature, seed=args.data_seed, layers=layers,
+                       extra_answers=args.extra_answers, extra_temperature=temps[0] if len(temps) == 1 else temps,
+                       long_form=args.long_form, second_turns=args.second_turns, max_turns=args.max_turns,
+                       data=tuple(str(d) for d in args.data or ()), exclude=tuple(sorted(set(exclude))))
+
+
+def _gen_kwargs(args) -> dict:
+    return dict(max_num_seqs=args.gen_batch, device=args.gen_device or args.device, dtype=args.gen_dtype,
+                shard_size=args.gen_shard_size, max_model_len=args.gen_max_model_len)
+
+
+def normalize_modes(folder: Path) -> None:
+    """Give every file in ``folder`` the mode a new file gets (0644 under umask 022):
+    safetensors writes its files 0600, everything else is written 0644."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(folder).rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
-    from speculum.backends.torch.backend import resolve_device
-    from speculum.backends.torch.native.weights import read_state_dict
+    from speculum.backends.torch import read_state_dict, resolve_device
     from speculum.model_source import DEFAULT_MODEL, resolve_model_path
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from speculum.threads import apply_threads
+    apply_threads(args.threads)
     torch.manual_seed(args.seed)
+    random.seed(args.seed)
     device = resolve_device(args.device)
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 master weights, TF32 matmuls
@@ -135,30 +180,39 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     target.name = DEFAULT_MODEL if args.model in (None, DEFAULT_MODEL) else model_name(args.model)
     L = target.num_layers
     out = Path(args.out or f"trained/{trainer.name}-{target.name}")
-    out.mkdir(parents=True, exist_ok=True)
 
     # 1. self-distillation data (cached; shared by every method)
     t0 = time.perf_counter()
     layers = record_layers(list(all_trainers) or [trainer], args, L)
-    spec = DistillSpec(model=str(model_path), prompts=str(args.prompts), num_prompts=args.num_prompts,
-                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-                       temperature=args.temperature, seed=args.data_seed, layers=layers,
-                       extra_answers=args.extra_answers, extra_temperature=args.extra_temperature)
-    data_dir, shards = ensure_distill(spec, args.cache_dir, max_num_seqs=args.gen_batch,
-                                      device=args.gen_device or args.device, dtype=args.gen_dtype,
-                                      shard_size=getattr(args, "gen_shard_size", 64))
-    data = DistillData.load(data_dir, layers=trainer.data_layers(args, L), shards=shards)
-    gen_s = time.perf_counter() - t0
-    train_ids, val_ids = data.split(args.val_fraction, args.data_seed)
-    eval_data = None
+    spec = distill_spec(args, model_path, layers)
+    data_dir, shards = ensure_distill(spec, args.cache_dir, time_limit=args.gen_time_limit,
+                                      generate=not args.cached_data_only, **_gen_kwargs(args))
+    if not shards:
+        from speculum.errors import ConfigError
+        raise ConfigError(f"no finished self-distillation shards in {data_dir}; run without --cached-data-only "
+                          "(or with a longer --gen-time-limit) first")
+    mix = mix_summary(data_dir, shards, spec.num_prompts)
+    eval_dir = eval_shards = None
     if getattr(args, "eval_prompts", None):  # another prompt set, answered the same way, never trained on
         espec = attrs.evolve(spec, prompts=str(args.eval_prompts), num_prompts=args.eval_num_prompts,
-                             max_prompt_tokens=max(args.max_prompt_tokens, 1024), extra_answers=0)
-        edir, eshards = ensure_distill(espec, args.cache_dir, max_num_seqs=args.gen_batch,
-                                       device=args.gen_device or args.device, dtype=args.gen_dtype,
-                                       shard_size=getattr(args, "gen_shard_size", 64))
-        eval_data = DistillData.load(edir, layers=trainer.data_layers(args, L), shards=eshards)
-    data, eval_data = on_device(data, device), on_device(eval_data, device)
+                             max_prompt_tokens=max(args.max_prompt_tokens, 1024), extra_answers=0, long_form=0,
+                             second_turns=0.0, data=(), exclude=(), max_turns=args.max_turns)
+        eval_dir, eval_shards = ensure_distill(espec, args.cache_dir, generate=not args.cached_data_only,
+                                               **_gen_kwargs(args))
+        if not eval_shards:
+            eval_dir = None
+    release_engines()
+    gen_s = time.perf_counter() - t0
+    print(f"data: {data_dir} ({len(shards)} shards): {json.dumps(mix)}")
+    if getattr(args, "prepare_only", False):
+        return {"data_dir": str(data_dir), "data": mix}
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_data(data_dir, trainer.data_layers(args, L), shards, device)
+    train_ids, val_ids = data.split(args.val_fraction, args.data_seed)
+    # a fixed sample of the validation answers, drawn across the whole mix
+    val_ids = sorted(random.Random(args.data_seed).sample(val_ids, min(len(val_ids), args.val_max_seqs)))
+    eval_data = load_data(eval_dir, trainer.data_layers(args, L), eval_shards, device) \
+        if eval_dir is not None else None
     log.info("data %s: %d sequences (%d train, %d validation), %d tokens", data_dir, len(data), len(train_ids),
              len(val_ids), data.num_tokens(range(len(data))))
 
@@ -168,7 +222,6 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         module.loss_vocab = frequent_tokens(data, train_ids, args.loss_vocab, target.vocab_size).to(device)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, args.warmup, args.steps))
     rng = random.Random(args.seed)
     ckpt = out / "checkpoint.pt"
     start, history, train_s, queue = 0, [], 0.0, []
@@ -176,7 +229,6 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         state = torch.load(ckpt, map_location=device, weights_only=False)
         module.load_state_dict(state["module"])
         opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
         rng.setstate(state["rng"])
         start, history, train_s = state["step"], state["history"], state.get("train_seconds", 0.0)
         queue = state.get("queue", [])
@@ -184,76 +236,134 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
 
     # 3. train
     from tqdm.auto import tqdm
-    K = trainer.positions(args)
-    bar = tqdm(total=args.steps, initial=start, desc=f"train {trainer.name}", unit="step")
+    amp = AMP[getattr(args, "amp", "off")]
+    autocast = (lambda: torch.autocast(torch.device(device).type, dtype=amp)) if amp else contextlib.nullcontext
+    bar = tqdm(total=None if args.time_limit else args.steps, initial=start, desc=f"train {trainer.name}",
+               unit="step")
     ema_loss, ema_acc = None, None
+    step = start
     t1 = time.perf_counter()
+    base_s = train_s  # training seconds before this run (resume)
+    eval_s = 0.0      # seconds spent validating in this run (not training time)
+    next_eval_at = (math.floor(base_s / args.eval_seconds) + 1) * args.eval_seconds if args.eval_seconds else None
+
+    def trained_seconds() -> float:
+        return base_s + time.perf_counter() - t1 - eval_s
+
+    def validate(at_step: int) -> None:
+        nonlocal eval_s
+        te = time.perf_counter()
+        entry = {"step": at_step, "seconds": round(trained_seconds(), 1),
+                 "train_loss": round(ema_loss, 4) if ema_loss is not None else None}
+        if val_ids:
+            v = evaluate(trainer, module, data, val_ids, target, args, device)
+            entry.update(val_accuracy=v.accuracy(), val_acceptance_length=v.acceptance_length())
+            bar.write(f"step {at_step} ({entry['seconds']:.0f} s): validation top-1 per position {v.accuracy()}, "
+                      f"expected acceptance length {v.acceptance_length()}")
+        if eval_data is not None:
+            e = evaluate(trainer, module, eval_data, list(range(len(eval_data))), target, args, device)
+            entry.update(eval_accuracy=e.accuracy(), eval_acceptance_length=e.acceptance_length())
+            bar.write(f"step {at_step}: --eval-prompts top-1 per position {e.accuracy()}, expected acceptance "
+                      f"length {e.acceptance_length()}")
+        history.append(entry)
+        eval_s += time.perf_counter() - te
+
     for step in range(start, args.steps):
         if not queue:
             queue = length_buckets(data, train_ids, args.batch_size, rng)
         batch = data.batch(queue.pop(), args.max_len, device, args.prompt_context)
-        loss, correct, total = trainer.loss(module, batch, target, args)
+        # over the wall-clock budget (validation included): the decay ends when time does
+        factor = lr_factor(step, args.warmup, args.steps, base_s + time.perf_counter() - t1, args.time_limit)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * factor
+        with autocast():
+            res = trainer.loss(module, batch, target, args)
+        loss, score = res[0], score_of(res)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.clip)
         opt.step()
-        sched.step()
-        acc = float(correct[0] / total[0]) if total[0] else 0.0
+        acc = float(score.correct[0] / score.count[0]) if score.count[0] else 0.0
         lv = loss.item()
         ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
         ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
-        bar.set_postfix(loss=f"{ema_loss:.3f}", acc1=f"{ema_acc:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
+        bar.set_postfix(loss=f"{ema_loss:.3f}", acc1=f"{ema_acc:.3f}", lr=f"{args.lr * factor:.1e}")
         bar.update(1)
-        out_of_time = bool(args.time_limit) and train_s + time.perf_counter() - t1 > args.time_limit
+        out_of_time = bool(args.time_limit) and time.perf_counter() - t1 + base_s > args.time_limit
         if out_of_time:
             bar.write(f"--time-limit {args.time_limit:g}s reached at step {step + 1} of {args.steps}: "
                       "validating and exporting")
         last = step + 1 == args.steps or out_of_time
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or last) and val_ids:
-            val = evaluate(trainer, module, data, val_ids[: args.val_max_seqs], target, args, device)
-            history.append({"step": step + 1, "val_accuracy": val, "train_loss": round(ema_loss, 4)})
-            bar.write(f"step {step + 1}: validation top-1 per position {val} (expected length "
-                      f"{expected_length(val)})")
-            if eval_data is not None:
-                ev = evaluate(trainer, module, eval_data, list(range(len(eval_data))), target, args, device)
-                history[-1]["eval_accuracy"] = ev
-                bar.write(f"step {step + 1}: --eval-prompts top-1 per position {ev} (expected length "
-                          f"{expected_length(ev)})")
+        due = bool(args.eval_every) and (step + 1) % args.eval_every == 0
+        if next_eval_at is not None and trained_seconds() >= next_eval_at:
+            due = True
+            next_eval_at = (math.floor(trained_seconds() / args.eval_seconds) + 1) * args.eval_seconds
+        if (due or (last and (args.eval_every or args.eval_seconds))) and not (last and history and
+                                                                              history[-1]["step"] == step + 1):
+            validate(step + 1)
         if (step + 1) % args.save_every == 0 or last:
-            elapsed = train_s + time.perf_counter() - t1
-            torch.save({"module": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                        "rng": rng.getstate(), "step": step + 1, "history": history, "train_seconds": elapsed,
-                        "queue": queue}, ckpt)
+            torch.save({"module": module.state_dict(), "optimizer": opt.state_dict(), "rng": rng.getstate(),
+                        "step": step + 1, "history": history, "train_seconds": trained_seconds(), "queue": queue},
+                       ckpt)
         if out_of_time:
             break
     bar.close()
-    train_s += time.perf_counter() - t1
+    steps_done = step + 1 if args.steps > start else start
+    train_s = trained_seconds()
 
     # 4. validate and export
-    val = evaluate(trainer, module, data, val_ids[: args.val_max_seqs], target, args, device) if val_ids else []
+    val = evaluate(trainer, module, data, val_ids, target, args, device) if val_ids else Score.zeros(
+        trainer.positions(args))
+    by_kind = {}
+    kinds = data.kind[val_ids].tolist() if data.kind is not None else []
+    for k in sorted(set(kinds)):
+        ids = [i for i, kk in zip(val_ids, kinds) if kk == k]
+        s = evaluate(trainer, module, data, ids, target, args, device)
+        by_kind[KINDS[k]] = {"sequences": len(ids), "accuracy_per_position": s.accuracy(),
+                             "expected_acceptance_length": s.acceptance_length()}
     ev = evaluate(trainer, module, eval_data, list(range(len(eval_data))), target, args, device) \
         if eval_data is not None else None
+    vocab = getattr(module, "loss_vocab", None)
+    if vocab is None and hasattr(module, "draft_to_target"):
+        vocab = module.draft_to_target
+    coverage = None
+    if vocab is not None and val_ids:  # share of the validation answers' tokens the loss vocabulary has
+        toks = data.answer_tokens(val_ids)
+        coverage = round(float(torch.isin(toks, vocab.to(toks.device)).float().mean()), 4) if toks.numel() else None
     report = {
         "method": trainer.name, "target": target.fingerprint(),
         "command": "speculum " + " ".join(args.argv) if getattr(args, "argv", None) else " ".join(sys.argv),
-        "data": {**attrs.asdict(spec), "model": target.name, "sequences": len(data), "train_sequences": len(train_ids),
-                 "validation_sequences": len(val_ids), "tokens": data.num_tokens(range(len(data))),
-                 "seconds": round(gen_s, 1)},
-        "steps": step + 1 if args.steps > start else start, "batch_size": args.batch_size, "lr": args.lr,
-        "train_seconds": round(train_s, 1),
-        "val_accuracy_per_position": val, "expected_acceptance_length": expected_length(val),
-        "positions": K, "history": history,
+        "device": torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else "cpu",
+        "data": {**{k: v for k, v in attrs.asdict(spec).items() if k != "model"}, "model": target.name,
+                 "sequences": len(data), "train_sequences": len(train_ids), "validation_sequences": len(val_ids),
+                 "tokens": data.num_tokens(range(len(data))), "seconds": round(gen_s, 1), **mix},
+        "steps": steps_done, "batch_size": args.batch_size, "lr": args.lr, "amp": getattr(args, "amp", "off"),
+        "train_seconds": round(train_s, 1), "loss_vocab_coverage": coverage,
+        "val_accuracy_per_position": val.accuracy(), "val_acceptance_per_position": val.acceptance(),
+        "expected_acceptance_length": val.acceptance_length(), "val_by_kind": by_kind,
+        "positions": trainer.positions(args), "history": history,
     }
     if ev is not None:
         report.update({"eval_prompts": str(args.eval_prompts), "eval_sequences": len(eval_data),
-                       "eval_accuracy_per_position": ev, "eval_expected_acceptance_length": expected_length(ev)})
+                       "eval_accuracy_per_position": ev.accuracy(), "eval_acceptance_per_position": ev.acceptance(),
+                       "eval_expected_acceptance_length": ev.acceptance_length()})
+    keep = ("command", "device", "steps", "train_seconds", "loss_vocab_coverage", "val_accuracy_per_position",
+            "val_acceptance_per_position", "expected_acceptance_length", "eval_prompts", "eval_accuracy_per_position",
+            "eval_acceptance_per_position", "eval_expected_acceptance_length")
     meta = {"method": trainer.name, "target": target.fingerprint(),
-            "training": {k: report[k] for k in ("command", "steps", "val_accuracy_per_position", "train_seconds",
-                                                "eval_prompts", "eval_accuracy_per_position") if k in report}}
+            "training": {**{k: report[k] for k in keep if k in report},
+                         "data": {k: report["data"][k] for k in ("prompts", "num_prompts", "data", "max_tokens",
+                                                                 "temperature", "extra_answers", "extra_temperature",
+                                                                 "long_form", "second_turns", "max_turns",
+                                                                 "sequences", "tokens", "sequences_per_kind",
+                                                                 "answer_tokens_per_kind", "dropped_overlaps")
+                                  if k in report["data"]}}}
     trainer.export(module, out, target, args, meta)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{trainer.name}: validation top-1 agreement per position {val}; wrote {out}")
+    normalize_modes(out)
+    print(f"{trainer.name}: validation top-1 agreement per position {val.accuracy()}, expected acceptance length "
+          f"{val.acceptance_length()}; wrote {out}")
     if ev is not None:
-        print(f"{trainer.name}: on {args.eval_prompts}: top-1 agreement per position {ev} (expected acceptance "
-              f"length {expected_length(ev)})")
+        print(f"{trainer.name}: on {args.eval_prompts}: top-1 agreement per position {ev.accuracy()} (expected "
+              f"acceptance length {ev.acceptance_length()})")
     return report

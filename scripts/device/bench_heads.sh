@@ -1,15 +1,15 @@
-# device: CUDA tests of the heads, then tokens/s (bf16, batch 1) and acceptance (fp32) on MT-bench
+# device call 3: CUDA tests of the heads, then MT-bench (all 80 questions by default), greedy,
+# 256 new tokens, bf16, batch 1, chain k=4: tokens/s and acceptance for autoregressive, ngram,
+# the heads and the trained draft model in one run. With HEADS=/tmp/tr the heads just trained
+# by train_heads.sh (the machine must have stayed warm), else the shipped ones.
 . scripts/device/common.sh
 python3 -m pytest -q tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -2
-E='"num_speculative_tokens":4'
-# the shipped heads, or with HEADS=/tmp/tr those just trained by train_heads.sh
+K=${K:-4}
+E="\"num_speculative_tokens\":$K"
 m() { if [ -n "$HEADS" ]; then echo "{\"method\":\"$1\",\"model\":\"$HEADS/$1\",$E}"; else echo "{\"method\":\"$1\",$E}"; fi; }
-METHODS=(--method "$(m eagle)" --method "$(m eagle3)" --method "$(m medusa)" --method "$(m mtp)"
-         --method "{\"method\":\"ngram\",$E}")
-# a draft model trained in this machine's session (train_heads.sh), if any
-[ -d /tmp/tr/draft ] && METHODS+=(--method '{"method":"draft_model","model":"/tmp/tr/draft","num_speculative_tokens":2}'
-                                  --method '{"method":"draft_model","model":"/tmp/tr/draft","num_speculative_tokens":3}')
-speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC:-2} --max-tokens 256 \
-  "${METHODS[@]}" --json $OUT/heads_speed_bf16.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -12
-speculum bench offline --model $M --dtype float32 --batch-size 16 --prompts-per-category 10 --max-tokens 256 \
-  "${METHODS[@]}" --json $OUT/heads_mal_fp32.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -12
+METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$(m eagle)" --method "$(m mtp)"
+         --method "$(m medusa)")
+D=${DRAFT:-/tmp/tr/draft}
+[ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E}")
+speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC:-10} --max-tokens 256 \
+  "${METHODS[@]}" --json $OUT/heads_speed_bf16.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -14

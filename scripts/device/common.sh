@@ -1,5 +1,8 @@
 # sourced by the device scripts: environment and the joined default model
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 SPECULUM_CACHE=/tmp/sc SPECULUM_SHARED=$PWD/.shared
-mkdir -p /tmp/m
-M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
-[ -f $M ] || cat /tmp/gguf_a .gguf_b/part > $M
+# (M and SPECULUM_CACHE may be set beforehand, e.g. for a CPU dry run; the prompts ship with the package)
+export PYTHONPATH=${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1 SPECULUM_CACHE=${SPECULUM_CACHE:-/tmp/sc}
+if [ -z "$M" ]; then
+  mkdir -p /tmp/m
+  M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f $M ] || cat /tmp/gguf_a .gguf_b/part > $M
+fi

@@ -1,22 +1,48 @@
-# device call 2: self-distillation once, then five trainings side by side on one GPU
+# device call 2: one command trains every method from scratch in one call of at most 10 minutes.
+#  1. self-distillation data once for all methods (bf16, CUDA graphs, batched through speculum.LLM):
+#     greedy + sampled answers, long-form answers and target-written second turns, MT-bench answers
+#     for evaluation only (at most GEN_TL seconds; the shards finished by then are used);
+#  2. eagle, eagle3, medusa, mtp and a draft model side by side on the GPU for the time left
+#     (the draft's shape from /tmp/draft_shapes.json when draft_shapes.sh ran in this warm session);
+#  3. heads, reports, logs and training curves into $OUT as tar parts of 15 MiB (at most 8; the
+#     draft's weights are left out when they do not fit).
 . scripts/device/common.sh
-mkdir -p /tmp/tr
-C="--model $M --num-prompts 4728 --max-tokens ${MAXTOK:-320} --extra-answers ${EXTRA:-0} --gen-batch 256 \
-   --gen-shard-size 600 --gen-dtype float32 --max-len 512 --batch-size ${BS:-32} --eval-every 500 --save-every 500 \
-   --threads 2 --time-limit ${TL:-170} --steps 100000 \
-   --eval-prompts $SPECULUM_SHARED/data/mt_bench.jsonl --eval-num-prompts 80"
 T0=$(date +%s)
-speculum train medusa $C --steps 1 --eval-every 0 --out /tmp/tr/probe 2>&1 | grep -v -E "it/s|s/it|prompt/s" | tail -3
+BUDGET=${BUDGET:-550}    # seconds this script may take (the call's limit is 600)
+GEN_TL=${GEN_TL:-150}    # generation stops here
+RESERVE=${RESERVE:-75}   # trainer start-up, final validation, export and packing
+TR=${TR:-/tmp/tr}
+mkdir -p $TR
+D="--model $M --num-prompts ${NPROMPTS:-4728} --max-tokens ${MAXTOK:-384} --extra-answers ${EXTRA:-2} \
+   --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --second-turns ${SECOND:-0.5} \
+   --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
+   --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-}"
+speculum train eagle3 $D --prepare-only > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
+grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
-# name=method and options (the name is the output folder)
+TL=$(( BUDGET - ($(date +%s) - T0) - RESERVE ))
+echo "training for $TL s"
+T="$D --cached-data-only --max-len ${MAXLEN:-640} --batch-size ${BS:-32} --time-limit $TL --steps 1000000 \
+   --warmup 100 --eval-every 0 --eval-seconds ${EVAL_S:-45} --save-every 5000 --val-max-seqs 256 --threads 2 --amp bf16"
+SHAPE=""; [ -f /tmp/draft_shapes.json ] && SHAPE="--shape /tmp/draft_shapes.json"
+PIDS=()
 for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
-         "eagle_2l=eagle --num-layers 2" "draft=draft --num-layers ${DRAFT_LAYERS:-2}"; do
+         "draft=draft $SHAPE ${DRAFT_ARGS:-}"; do
   n=${m%%=*}
-  setsid nohup speculum train ${m#*=} $C --out /tmp/tr/$n > /tmp/tr/$n.log 2>&1 < /dev/null &
+  speculum train ${m#*=} $T --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
+  PIDS+=($!)
 done
-sleep 20
-while pgrep -f "speculum train" > /dev/null; do sleep 10; done
-grep -h "top-1 agreement" /tmp/tr/*.log
+for p in "${PIDS[@]}"; do wait $p || echo "a training failed (pid $p): see $TR/*.log"; done
+for n in eagle eagle3 medusa mtp draft; do echo "== $n"; grep -h -E "top-1 agreement|Error|error" $TR/$n.log | tail -3; done
+python3 -m speculum.train.curves $TR/eagle $TR/eagle3 $TR/medusa $TR/mtp $TR/draft --json $TR/curves.json | tail -6
+for f in $SPECULUM_CACHE/distill/*/meta.json; do cp $f $TR/data_meta_$(basename $(dirname $f)).json; done
+[ -f /tmp/draft_shapes.json ] && cp /tmp/draft_shapes.json $TR/
 echo "total: $(( $(date +%s) - T0 )) s"
-cd /tmp/tr && tar cf $OUT/heads.tar --exclude=checkpoint.pt eagle eagle3 medusa mtp eagle_2l
-cd $OUT && split -b 15M heads.tar heads.tar.part_ && rm heads.tar
+# pack: everything but checkpoints; without the draft's weights if more than 8 parts of 15 MiB
+cd $TR && tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json eagle eagle3 medusa mtp draft *.log *.json
+if [ $(stat -c %s /tmp/heads.tar) -gt $(( 8 * 15728640 )) ]; then
+  echo "the draft's weights do not fit into 8 parts: left out (they stay in $TR/draft while the machine is warm)"
+  tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
+    eagle eagle3 medusa mtp draft *.log *.json
+fi
+cd $OUT && split -b 15M /tmp/heads.tar heads.tar.part_ && rm /tmp/heads.tar && ls -la $OUT

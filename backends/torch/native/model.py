@@ -132,17 +132,19 @@ class NativeLlama(nn.Module):
         return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
 
     def forward(self, input_ids, positions, write_slots, read_slots, pools, hidden_layers=(),
-                compute_logits: bool = True):
+                compute_logits: bool = True, mask: torch.Tensor | None = None):
         """Returns (logits [B, q, V] float32 or None, {layer: hidden [B, q, H]}).
 
         Hidden layer ``i`` is the output of decoder layer ``i`` (0-based); ``-1`` is the
-        final normed hidden state fed to the LM head.
+        final normed hidden state fed to the LM head. ``mask`` [B, 1, q, Lc] (bool, True =
+        attend) replaces the causal mask, e.g. a token tree's ancestors-only mask.
         """
         h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         Lc = read_slots.shape[1]
-        # [B, 1, q, Lc]: key position j is visible to a query at position p iff j <= p
-        mask = (torch.arange(Lc, device=h.device).view(1, 1, 1, Lc) <= positions.unsqueeze(1).unsqueeze(-1))
+        if mask is None:
+            # [B, 1, q, Lc]: key position j is visible to a query at position p iff j <= p
+            mask = (torch.arange(Lc, device=h.device).view(1, 1, 1, Lc) <= positions.unsqueeze(1).unsqueeze(-1))
         hidden = {}
         x, residual = h, None
         for i, layer in enumerate(self.layers):

@@ -5,6 +5,12 @@ bucket and the context rounded up to a block bucket, so each shape is captured o
 a CUDA graph and replayed. Per-step host work is building one small int64 buffer
 (positions, write slots, block tables) and copying it to the device; there is no host
 synchronisation inside a forward.
+
+Token trees (``forward(..., tree=...)``): column ``c`` of a verify forward is written at
+the sequence's next logical slot as usual, but gets the position ``root + depth`` and
+attends to the context, the root and its own ancestors only. After verification
+:meth:`NativeRunner.move_kv` copies the accepted nodes' K/V into consecutive slots and
+``truncate`` drops the rest. Tree forwards are graphed like chains (their own graphs).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import torch
 
 from speculum.backends.torch.native.model import NativeLlama
 from speculum.interfaces import ForwardOutput
-from speculum.kv import PagedKVAllocator
+from speculum.kv import PagedKVAllocator, blocks_for
+from speculum.tree import TokenTree, columns_of, tree_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +39,9 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 class NativeRunner:
     """A :class:`~speculum.interfaces.ModelRunner` for :class:`NativeLlama` models."""
+
+    #: verifies token trees (``forward(..., tree=...)`` and :meth:`move_kv`)
+    supports_trees = True
 
     def __init__(self, model: NativeLlama, name: str = "target", max_model_len: int | None = None,
                  cuda_graphs: bool = True, prefill_chunk: int = 512):
@@ -65,10 +75,12 @@ class NativeRunner:
         self.block_size = allocator.block_size
         slots = allocator.num_blocks * allocator.block_size
         a = self.arch
-        self.pools = [(torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device),
-                       torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device))
-                      for _ in range(a.num_layers)]
-        self.max_blocks = -(-self.max_model_len // self.block_size)
+        # one tensor for every layer's K and V, so moving slots (trees) is one gather and
+        # one scatter; layer i's pools are views of rows 2i and 2i+1
+        self.kv = torch.zeros(2 * a.num_layers, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype,
+                              device=self.device)
+        self.pools = [(self.kv[2 * i], self.kv[2 * i + 1]) for i in range(a.num_layers)]
+        self.max_blocks = blocks_for(self.max_model_len, self.block_size)
         self._block_buckets = self._make_block_buckets()
         self._graphs.clear()
 
@@ -136,38 +148,46 @@ class NativeRunner:
         return {sid: {l: torch.cat(hs) if hs else empty for l, hs in d.items()} for sid, d in parts.items()}
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
-                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+                hidden_layers: Sequence[int] = (), tree: TokenTree | None = None) -> ForwardOutput:
         """Append ``token_ids`` [B, q] (first ``num_tokens[b]`` valid per row); logits [B, q, V].
 
+        ``tree`` (for ``q - 1`` nodes): column 0 is the root, column ``c`` node ``c - 1``;
+        positions follow depth and attention the tree (see the module doc).
         The returned tensors may be graph outputs: valid until this runner's next forward.
         """
         num_tokens = [int(n) for n in num_tokens]
         for sid, n in zip(seq_ids, num_tokens):
             self.allocator.allocate(sid, n)
         token_ids = token_ids.clamp_min(0)
+        cols = None
+        if tree is not None:  # node depths [B, N] and ancestors [B, N, N], on the device
+            cols = (tree.depth.to(self.device), tree.ancestors.to(self.device))
         if self.cuda_graphs:
-            return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers))
-        return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers))
+            return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols)
+        return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols=cols)
 
-    def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True) -> ForwardOutput:
+    def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True, cols=None) -> ForwardOutput:
         B, q = token_ids.shape
         token_ids = token_ids.to(self.device)
-        need = max(-(-self.allocator.length(s) // self.block_size) for s in seq_ids)
+        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
         nb = _bucket(max(need, 1), self._block_buckets)
         pos, wsl, blk = (t.to(self.device, non_blocking=True) for t in self._host_meta(seq_ids, num_tokens, q, B, nb))
+        read = self._read_slots(blk)
+        mask = None
+        if cols is not None:
+            pos, mask = _tree_inputs(pos, read.shape[1], *cols)
         with torch.inference_mode():
-            logits, hidden = self.model(token_ids, pos, wsl, self._read_slots(blk), self.pools, hidden_layers,
-                                        compute_logits)
+            logits, hidden = self.model(token_ids, pos, wsl, read, self.pools, hidden_layers, compute_logits, mask)
         return ForwardOutput(logits=logits, hidden_states=hidden)
 
-    def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers) -> ForwardOutput:
+    def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers, cols=None) -> ForwardOutput:
         B, q = token_ids.shape
         Bb = _bucket(B, BATCH_BUCKETS)
-        need = max(-(-self.allocator.length(s) // self.block_size) for s in seq_ids)
+        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
         nb = _bucket(max(need, 1), self._block_buckets)
-        key = (Bb, q, nb, hidden_layers)
+        key = (Bb, q, nb, hidden_layers, cols is not None)
         entry = self._graphs.get(key) or self._capture(key)
-        graph, meta, out, ring = entry
+        graph, meta, out, ring, tree_bufs = entry
         # one pinned host buffer [ids | positions | write slots | block tables] per step,
         # taken from a ring so a pending copy never sees its buffer rewritten
         host, done = ring[self._ring_pos % len(ring)]
@@ -190,21 +210,33 @@ class NativeRunner:
         ring[(self._ring_pos - 1) % len(ring)] = (host, ev)
         if not on_host:
             meta[: B * q].copy_(token_ids.reshape(-1))
+        if cols is not None:
+            tree_bufs[0][:B].copy_(cols[0])
+            tree_bufs[1][:B].copy_(cols[1])
         graph.replay()
         logits, hidden = out
         return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()})
 
     def _capture(self, key):
-        Bb, q, nb, hidden_layers = key
+        Bb, q, nb, hidden_layers, tree = key
         n = Bb * q
         meta = torch.zeros(3 * n + Bb * nb, dtype=torch.int64, device=self.device)
+        tree_bufs = None
+        if tree:  # node depths [Bb, N] and ancestors [Bb, N, N]; a chain until filled
+            ar = torch.arange(q - 1, device=self.device)
+            tree_bufs = ((ar + 1).expand(Bb, q - 1).contiguous(),
+                         (ar.view(-1, 1) >= ar.view(1, -1)).expand(Bb, q - 1, q - 1).contiguous())
 
         def run():
             ids = meta[:n].view(Bb, q)
             pos = meta[n: 2 * n].view(Bb, q)
             wsl = meta[2 * n: 3 * n].view(Bb, q)
             blk = meta[3 * n:].view(Bb, nb)
-            return self.model(ids, pos, wsl, self._read_slots(blk), self.pools, hidden_layers, True)
+            read = self._read_slots(blk)
+            mask = None
+            if tree_bufs is not None:
+                pos, mask = _tree_inputs(pos, read.shape[1], *tree_bufs)
+            return self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask)
 
         with torch.inference_mode():
             s = torch.cuda.Stream()
@@ -219,29 +251,55 @@ class NativeRunner:
             with torch.cuda.graph(graph, pool=self._pool):
                 out = run()
         ring = [(torch.zeros(meta.numel(), dtype=torch.int64).pin_memory(), None) for _ in range(8)]
-        entry = (graph, meta, out, ring)
+        entry = (graph, meta, out, ring, tree_bufs)
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
         return entry
 
     def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
-                max_block_buckets: int | None = None, hidden_layers: Sequence[int] = ()) -> int:
+                max_block_buckets: int | None = None, hidden_layers: Sequence[int] = (),
+                tree_query_lens: Sequence[int] = ()) -> int:
         """Capture graphs ahead of time; returns how many were made. Other shapes are
-        captured the first time they occur."""
+        captured the first time they occur. ``tree_query_lens``: tree verify shapes."""
         if not self.cuda_graphs:
             return 0
         n = 0
+        shapes = [(q, False) for q in query_lens] + [(q, True) for q in tree_query_lens]
         for B in batch_sizes:
-            for q in query_lens:
+            for q, tree in shapes:
                 for nb in self._block_buckets[:max_block_buckets]:
-                    key = (_bucket(B, BATCH_BUCKETS), q, nb, tuple(hidden_layers))
+                    key = (_bucket(B, BATCH_BUCKETS), q, nb, tuple(hidden_layers), tree)
                     if key not in self._graphs:
                         self._capture(key)
                         n += 1
         return n
+
+    def move_kv(self, seq_ids: Sequence[int], src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]]) -> None:
+        """Copy the K/V at logical positions ``src[b]`` of sequence ``seq_ids[b]`` to
+        ``dst[b]`` (every layer): the accepted path of a tree, into consecutive slots.
+        Sources are read before any destination is written."""
+        bs = self.block_size
+        s_slots, d_slots = [], []
+        for sid, a, b in zip(seq_ids, src, dst):
+            table = self.allocator.block_table(sid)
+            s_slots += [table[p // bs] * bs + p % bs for p in a]
+            d_slots += [table[p // bs] * bs + p % bs for p in b]
+        if not s_slots:
+            return
+        idx = torch.tensor([s_slots, d_slots], dtype=torch.int64).to(self.device, non_blocking=True)
+        with torch.inference_mode():
+            self.kv[:, idx[1]] = self.kv[:, idx[0]]
 
     def truncate(self, seq_id: int, length: int) -> None:
         self.allocator.truncate(seq_id, length)
 
     def remove(self, seq_id: int) -> None:
         self.allocator.free(seq_id)
+
+
+def _tree_inputs(pos: torch.Tensor, num_keys: int, depth: torch.Tensor, ancestors: torch.Tensor):
+    """Chain positions [B, q] and the tree's depths [B, q-1] and ancestors [B, q-1, q-1]
+    -> (tree positions root + depth, tree attention mask)."""
+    cdepth, vis = columns_of(depth, ancestors, pos.shape[1])
+    base = pos[:, :1]
+    return base + cdepth, tree_attention_mask(num_keys, base[:, 0], vis)

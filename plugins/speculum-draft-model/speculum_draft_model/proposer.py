@@ -36,7 +36,8 @@ class DraftModelProposer:
 
     @classmethod
     def from_context(cls, ctx) -> "DraftModelProposer":
-        path = ctx.resolve_draft_path()
+        path = ctx.resolve_draft_path(hint="a small model of the target's family (same vocabulary), or train one "
+                                           "with `speculum train draft --model <target>`")
         opts = ctx.options or DraftModelOptions()
         # the draft runs up to k - 1 positions past a sequence's last token; near the
         # context limit those drafts are discarded by the loop, but they must still fit

@@ -103,12 +103,12 @@ def test_rollback_keeps_draft_cache_consistent(target, runner):
               SamplingParams(temperature=0, max_tokens=35, ignore_eos=True)]
     for i, (p, sp) in enumerate(zip(PROMPTS, params)):
         llm.add_request(f"r{i}", p, sp)
-    ids = {s.request_id: s.seq_id for s in llm._waiting}
+    ids = {s.request_id: s.seq_id for s in llm.scheduler.waiting}
     finished, steps = [], 0
     while llm.has_unfinished_requests():
         finished += [o for o in llm.step() if o.finished]
         steps += 1
-        for s in llm._running:
+        for s in llm.scheduler.running:
             n = len(s.token_ids)
             assert llm.target.length(s.seq_id) == n - 1
             # accepted KV is kept (not recomputed) and nothing past the last token remains;

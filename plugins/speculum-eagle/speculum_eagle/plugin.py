@@ -16,3 +16,12 @@ def speculum_register_proposers(register):
 @hookimpl
 def speculum_detect_method(model_path, config):
     return detect(model_path, config)
+
+
+@hookimpl
+def speculum_register_trainers(register):
+    """``speculum train eagle/eagle3`` (the training code is imported only when used)."""
+    register("eagle", "speculum_eagle.train:EagleTrainer",
+             description="EAGLE-1 head: feature regression + token cross-entropy, unrolled over the draft chain")
+    register("eagle3", "speculum_eagle.train:Eagle3Trainer",
+             description="EAGLE-3 head: fused low/mid/high features, reduced vocabulary, training-time test")

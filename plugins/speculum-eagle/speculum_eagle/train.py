@@ -34,7 +34,7 @@ def _common(p, positions: int = 4, init_layer: int = -1) -> None:
     g.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j is decay**j")
     g.add_argument("--init-layer", type=int, default=init_layer, help="target layer copied into the head "
                    "(-1: the last; -2: random init)")
-    g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+    g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
 
 
 def _init_layer(layer, target, state, index: int) -> None:
@@ -75,7 +75,7 @@ class EagleTrainer(Trainer):
 
         def with_regression(ce, j, o, m):  # the paper's loss: feature regression + weighted CE
             want = batch.hidden[-1][:, j + 1:][m]  # the target's next feature
-            return args.ce_weight * ce + args.reg_weight * F.smooth_l1_loss(o, want)
+            return args.ce_weight * ce + args.reg_weight * F.smooth_l1_loss(o.float(), want.float())
 
         return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab), with_regression)
 

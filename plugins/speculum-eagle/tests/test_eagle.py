@@ -19,8 +19,9 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.proposers.head_layers import arch_from_config, init_layer
 from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts
 from speculum.sampling import SamplingBatch
-from speculum.testing import (PrefillHidden, assert_static_draft_matches_eager, record_drafts, tiny_model_dir,
-                              train_tiny)
+from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
+                              assert_tree_greedy_lossless, assert_trees_follow_reference, record_drafts, record_trees,
+                              tight_kv_options, tiny_model_dir, train_tiny)
 from speculum_eagle.formats import (default_aux_ids, detect, eagle1_state, eagle3_state, load_eagle1, load_eagle3,
                                     save_eagle1, save_eagle3)
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -188,7 +189,8 @@ def test_greedy_output_is_identical_to_no_speculation(target, trained, runner, m
     assert 0 < m.num_accepted_tokens < m.num_draft_tokens  # accepted and rejected drafts: rollbacks happened
     # the head's cache joined the memory plan and is empty again
     cache = llm.proposer.cache
-    assert cache in llm.backend.runners and cache.allocator.num_free_blocks == cache.allocator.num_blocks - 1
+    assert cache in llm.backend.caches and cache.allocator in llm.scheduler.caches
+    assert cache.allocator.num_free_blocks == cache.allocator.num_usable_blocks
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -225,7 +227,7 @@ def test_cache_is_truncated_to_the_accepted_positions(target, trained):
         llm.add_request(f"r{i}", p, GREEDY)
     while llm.has_unfinished_requests():
         llm.step()
-        for s in llm._running:
+        for s in llm.scheduler.running:
             # true-feature positions only: everything but the last accepted run + new token
             assert llm.proposer.cache.length(s.seq_id) + llm.proposer.pending[s.seq_id].shape[0] == len(s.token_ids) - 1
 
@@ -268,3 +270,63 @@ def test_two_layer_eagle_head_trains_loads_and_is_lossless(target, tmp_path):
     assert llm.proposer.head.num_layers == 2
     base = make_llm(target).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]
+
+
+# ------------------------------------------------------------------ token trees
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("max_num_seqs", [2, 4], ids=["joins-mid-flight", "all-at-once"])
+@pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tree_greedy_output_is_identical_to_no_speculation(target, trained, runner, method, tree, max_num_seqs):
+    spec = {"method": method, "model": str(trained[method]), **TREE_CONFIGS[tree]}
+    llm = assert_tree_greedy_lossless(lambda sp, **kw: make_llm(target, sp, runner=runner, **kw), spec, PROMPTS,
+                                      GREEDY, max_num_seqs=max_num_seqs)
+    cache = llm.proposer.cache  # the head's tree regions were rolled back with the rest
+    assert cache.allocator.num_free_blocks == cache.allocator.num_blocks - 1
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tree_greedy_lossless_under_preemption(target, trained, method, tree):
+    """A KV budget of ~2.5 sequences for 6 requests: sequences are preempted and
+    recomputed; output is still identical."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": method, "model": str(trained[method]), **TREE_CONFIGS[tree]}
+    # target 4 layers + head 1 layer, K and V, 2 heads x 16 dims, fp32: 1280 bytes per token
+    tight = tight_kv_options(1280, 160)
+    llm = assert_tree_greedy_lossless(
+        lambda sp_, **kw: LLM(str(target), sp_, device="cpu", dtype="float32", max_model_len=96,
+                              **{"kv_cache_memory": 16 << 20, **kw}), spec, prompts, sp, max_num_seqs=6, **tight)
+    assert llm.num_preemptions > 0, "the budget was meant to force preemption"
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tree_drafts_follow_the_head_along_every_path(target, trained, method, tree):
+    """The batched, tree-masked drafting (one head forward per depth, the static function
+    a GPU replays as a CUDA graph) drafts the same tree as running the head along each
+    path on its own, for static ranks and for EAGLE-2's rerank."""
+    spec = {"method": method, "model": str(trained[method]), **TREE_CONFIGS[tree]}
+    llm = make_llm(target, spec, max_num_seqs=4)
+    seen = record_trees(llm)
+    llm.generate(PROMPTS, GREEDY)
+    p = llm.proposer
+    ref = HeadPathReference(p.head, target, p.hidden_layers)
+    assert assert_trees_follow_reference(seen, llm.speculative_config.tree, ref.topk_fn) > 10
+
+
+def test_sampled_requests_with_trees_are_deterministic_per_seed(target, trained):
+    llm = make_llm(target, {"method": "eagle", "model": str(trained["eagle"]), **TREE_CONFIGS["dynamic"]},
+                   max_num_seqs=4)
+
+    def run(seed):
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=seed,
+                                                    ignore_eos=True))
+        assert all(len(o.token_ids) == 20 for o in outs)
+        return [o.token_ids for o in outs]
+
+    first = run(3)
+    assert run(3) == first and run(4) != first
+    assert llm.metrics.num_tree_steps > 0 and llm.metrics.num_accepted_tokens > 0

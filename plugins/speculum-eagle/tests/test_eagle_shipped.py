@@ -30,3 +30,11 @@ def baseline():
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_shipped_head_is_lossless_on_the_default_model(baseline, method):
     assert_shipped_head_lossless(method, baseline, NUM_PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_shipped_head_trees_are_lossless_on_the_default_model(baseline, method):
+    """A dynamic EAGLE-2 tree (top-4, depth 4, 16 tokens verified) with the shipped head."""
+    assert_shipped_head_lossless(method, baseline, NUM_PROMPTS, MAX_TOKENS,
+                                 tree={"tree_topk": 4, "tree_depth": 4, "num_draft_tokens": 16})

@@ -14,3 +14,10 @@ def speculum_register_proposers(register):
 @hookimpl
 def speculum_detect_method(model_path, config):
     return detect(model_path, config)
+
+
+@hookimpl
+def speculum_register_trainers(register):
+    """``speculum train medusa`` (the training code is imported only when used)."""
+    register("medusa", "speculum_medusa.train:MedusaTrainer",
+             description="Medusa-1 heads (ResBlocks + shared or own LM head), one per draft position")

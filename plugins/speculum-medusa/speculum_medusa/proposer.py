@@ -5,6 +5,11 @@ sequence's last token: after the prefill the last prefilled position, after a ve
 the last accepted one. Head ``i`` turns it into draft ``i + 1``. Drafts are the heads'
 argmax, or (for sampled requests) samples from each head's processed distribution,
 reported as ``probs``; the heads' drafts are independent, which the verifier allows.
+
+With a token tree in the config, the tree's nodes at depth ``d`` are top-k tokens of
+head ``d - 1`` (Medusa's own tree decoding): a static tree (``speculative_token_tree``,
+Medusa's ``medusa_choices``) or a dynamic one ranked by summed log-probabilities of the
+heads; deterministic nodes for every request (``probs=None``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.hidden_head import TargetParts, head_checkpoint_path, pick_tokens
+from speculum.proposers.tree import StaticPlan, draft_tree, topk_logprobs
+from speculum.tree import TokenTree, TreeSpec, tree_ancestors
 from speculum_medusa.formats import load_medusa
 
 log = logging.getLogger(__name__)
@@ -24,15 +31,36 @@ log = logging.getLogger(__name__)
 HEADS = Path(__file__).resolve().parent / "heads"
 
 
+class MedusaExpander:
+    """Medusa heads as a :class:`speculum.proposers.tree.Expander`: a node's children do
+    not depend on its token, only on its depth (head ``level`` gives depth ``level + 1``)."""
+
+    def __init__(self, heads, x: torch.Tensor):
+        self.heads, self.x, self.device = heads, x, x.device  # x: [R, H] target states
+
+    def root(self, width: int):
+        return topk_logprobs(self.heads.logits(0, self.x), width)
+
+    def expand(self, level, parent, tokens, vis, slots, width):
+        lp, ids = topk_logprobs(self.heads.logits(level, self.x), width)  # [R, width]
+        F = tokens.shape[1]
+        return lp.unsqueeze(1).expand(-1, F, -1), ids.unsqueeze(1).expand(-1, F, -1)
+
+
 class MedusaProposer:
     hidden_layers = (-1,)
+    supports_trees = True
+    kv_lookahead = 0  # no KV cache of its own
 
-    def __init__(self, heads, sample: bool = True):
+    def __init__(self, heads, sample: bool = True, tree: TreeSpec | None = None):
         self.heads = heads
         self.sample = sample
         p = next(heads.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.last: dict[int, torch.Tensor | None] = {}
+        #: the tree drafted each step (None: chains of k tokens)
+        self.tree = tree
+        self.plan = StaticPlan(tree, self.device) if tree is not None and tree.is_static else None
 
     @classmethod
     def from_context(cls, ctx) -> "MedusaProposer":
@@ -40,13 +68,17 @@ class MedusaProposer:
         target = TargetParts.from_runner(ctx.target)
         heads = load_medusa(path, target)
         k = ctx.config.num_speculative_tokens
-        if k > heads.num_heads:
+        tree = ctx.config.tree
+        if tree is not None and tree.depth > heads.num_heads:
+            raise ConfigError(f"the {tree.describe()} needs {tree.depth} Medusa heads (one per depth) but {path} "
+                              f"has {heads.num_heads}; use a tree of depth <= {heads.num_heads}")
+        if tree is None and k > heads.num_heads:
             raise ConfigError(f"num_speculative_tokens={k} but {path} has {heads.num_heads} Medusa heads; "
                               f"use num_speculative_tokens <= {heads.num_heads}")
         heads = heads.to(device=target.embed.device, dtype=target.embed.dtype).eval().requires_grad_(False)
         log.info("Medusa heads %s: %d heads x %d layers%s", path, heads.num_heads, heads.num_layers,
                  " (shared LM head)" if heads.heads is None else "")
-        return cls(heads, sample=ctx.config.draft_sample_method == "sample")
+        return cls(heads, sample=ctx.config.draft_sample_method == "sample", tree=tree)
 
     def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
         h = hidden_states[-1]  # [len - 1, H]
@@ -63,6 +95,8 @@ class MedusaProposer:
         if not rows:
             return Draft(token_ids=token_ids, lengths=[0] * B)
         x = torch.stack([self.last[seqs[b].seq_id] for b in rows])  # [R, H]
+        if self.tree is not None:
+            return self._propose_tree(B, rows, x)
         sample = self.sample and not batch.sampling.all_greedy
         drafts, probs = [], []
         with torch.inference_mode():
@@ -78,6 +112,23 @@ class MedusaProposer:
             q[idx] = torch.stack(probs, dim=1)
         lengths = [k if b in set(rows) else 0 for b in range(B)]
         return Draft(token_ids=token_ids, probs=q, lengths=lengths)
+
+    def _propose_tree(self, B: int, rows: list[int], x: torch.Tensor) -> Draft:
+        spec, dev = self.tree, self.device
+        N = spec.num_nodes
+        with torch.inference_mode():
+            tokens, parents = draft_tree(MedusaExpander(self.heads, x), spec, self.plan)
+        token_ids = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+        all_parents = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+        idx = torch.tensor(rows, device=dev)
+        token_ids[idx], all_parents[idx] = tokens, parents
+        lengths = [0] * B
+        for b in rows:
+            lengths[b] = N
+        anc = tree_ancestors(all_parents)
+        tree = TokenTree(all_parents, depth=anc.sum(-1), ancestors=anc, max_depth=spec.depth,
+                         max_children=spec.max_children)
+        return Draft(token_ids=token_ids, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:
         h = feedback.hidden_states[-1]  # [B, k+1, H]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from speculum.train.base import TargetDist, Trainer, agreement, loss_vocab, soft_ce
+from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, soft_ce
 from speculum_medusa.formats import save_medusa
 from speculum_medusa.model import MedusaHeads
 
@@ -23,12 +23,12 @@ class MedusaTrainer(Trainer):
 
     def add_arguments(self, p) -> None:
         g = p.add_argument_group("Medusa")
-        g.add_argument("--num-heads", type=int, default=4)
+        g.add_argument("--num-heads", type=int, default=4, help="Medusa heads (draft positions)")
         g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
         g.add_argument("--own-lm-head", action="store_true",
                        help="give each head its own LM head (a V x H copy each; default: share the target's)")
-        g.add_argument("--head-decay", type=float, default=0.8)
-        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+        g.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head i is decay**i")
+        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
 
     def positions(self, args) -> int:
@@ -50,15 +50,17 @@ class MedusaTrainer(Trainer):
         x = batch.hidden[-1]
         T = x.shape[1]
         total = torch.zeros((), device=x.device)
-        correct, count = torch.zeros(K), torch.zeros(K)
+        ok, scored = [], []
         for i in range(K):
             m = batch.target_mask(i + 1, args.loss_on)
             rows = td.rows(i + 1, m)
             logits = heads.logits(i, x[:, : T - i - 1][m], vocab)
             total = total + args.head_decay ** i * soft_ce(logits, td.probs[rows])
             pred = logits.argmax(-1)
-            correct[i], count[i] = agreement(pred if vocab is None else vocab[pred], td.argmax[rows])
-        return total, correct, count
+            ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
+            scored.append(m)
+        # heads 0..i agree at anchor t: a greedy chain from t is accepted through draft i
+        return total, chain_score(ok, scored, batch.greedy, None if heads.training else batch.valid)
 
     def export(self, heads, out, target, args, meta):
         save_medusa(heads, out, base_model=target.name or "", meta=meta, dtype=DTYPES[args.save_dtype])

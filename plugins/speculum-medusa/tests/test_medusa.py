@@ -13,7 +13,9 @@ from speculum.interfaces import ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.head_checkpoint import read_weights
 from speculum.proposers.hidden_head import TargetParts
 from speculum.sampling import SamplingBatch
-from speculum.testing import PrefillHidden, record_drafts, tiny_model_dir, train_tiny
+from speculum.proposers.tree import topk_logprobs
+from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_trees_follow_reference,
+                              record_drafts, record_trees, tight_kv_options, tiny_model_dir, train_tiny)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import detect, load_medusa, medusa_state, save_medusa
 
@@ -150,3 +152,51 @@ def test_sampled_drafts_come_with_their_distribution(target, trained):
     for d in seen:
         assert d.probs.shape == (*d.token_ids.shape, 512)
         assert torch.allclose(d.probs.sum(-1), torch.ones(d.token_ids.shape), atol=1e-5)
+
+
+# ------------------------------------------------------------------ token trees
+@pytest.mark.parametrize("runner", ["native", "hf"])
+@pytest.mark.parametrize("max_num_seqs", [2, 4], ids=["joins-mid-flight", "all-at-once"])
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_tree_greedy_output_is_identical_to_no_speculation(target, trained, runner, tree, max_num_seqs):
+    spec = {"method": "medusa", "model": str(trained), **TREE_CONFIGS[tree]}
+    assert_tree_greedy_lossless(lambda sp, **kw: make_llm(target, sp, runner=runner, **kw), spec, PROMPTS, GREEDY,
+                                max_num_seqs=max_num_seqs)
+
+
+def test_tree_greedy_lossless_under_preemption(target, trained):
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "medusa", "model": str(trained), **TREE_CONFIGS["static"]}
+    # target 2 layers, K and V, 2 heads x 16 dims, fp32: 512 bytes per token (no draft cache)
+    llm = assert_tree_greedy_lossless(
+        lambda sp_, **kw: LLM(str(target), sp_, device="cpu", dtype="float32", max_model_len=96,
+                              **{"kv_cache_memory": 16 << 20, **kw}), spec, prompts, sp, max_num_seqs=6,
+        **tight_kv_options(512, 160))
+    assert llm.num_preemptions > 0, "the budget was meant to force preemption"
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_tree_nodes_are_top_k_of_the_head_of_their_depth(target, trained, tree):
+    llm = make_llm(target, {"method": "medusa", "model": str(trained), **TREE_CONFIGS[tree]}, max_num_seqs=4)
+    seen = record_trees(llm)
+    llm.generate(PROMPTS, GREEDY)
+    prefill, heads = PrefillHidden(target, (-1,)), llm.proposer.heads
+
+    def topk_for(tokens):
+        x = prefill(tokens[:-1])[-1][-1]  # the state that produced the last token
+
+        def topk(path, width):
+            with torch.inference_mode():
+                lp, ids = topk_logprobs(heads.logits(len(path), x), width)
+            return lp.tolist(), ids.tolist()
+        return topk
+
+    assert assert_trees_follow_reference(seen, llm.speculative_config.tree, topk_for) > 10
+
+
+def test_tree_deeper_than_the_heads_is_a_config_error(target, trained):
+    with pytest.raises(ConfigError, match="needs 4 Medusa heads"):
+        make_llm(target, {"method": "medusa", "model": str(trained), "tree_topk": 2, "tree_depth": 4,
+                          "num_draft_tokens": 8})

@@ -14,3 +14,10 @@ def speculum_register_proposers(register):
 @hookimpl
 def speculum_detect_method(model_path, config):
     return detect(model_path, config)
+
+
+@hookimpl
+def speculum_register_trainers(register):
+    """``speculum train mtp`` (the training code is imported only when used)."""
+    register("mtp", "speculum_mtp.train:MTPTrainer",
+             description="DeepSeek-V3-style MTP module (enorm/hnorm, eh_proj, one decoder layer, shared head)")

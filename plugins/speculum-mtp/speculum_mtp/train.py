@@ -27,10 +27,10 @@ class MTPTrainer(Trainer):
     def add_arguments(self, p) -> None:
         g = p.add_argument_group("MTP")
         g.add_argument("--num-positions", type=int, default=4, help="autoregressive steps unrolled in training")
-        g.add_argument("--step-decay", type=float, default=0.8)
-        g.add_argument("--concat-order", choices=ORDERS, default="embed_hidden")
+        g.add_argument("--step-decay", type=float, default=0.8, help="loss weight of chain step i is decay**i")
+        g.add_argument("--concat-order", choices=ORDERS, default="embed_hidden", help="order of [embedding, hidden state] in the MTP input")
         g.add_argument("--init-layer", type=int, default=-1, help="target layer copied in (-1: last; -2: random)")
-        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16")
+        g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
 
     def build(self, args, target, state, data, train_ids):

@@ -16,8 +16,9 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.proposers.head_layers import arch_from_config, init_layer
 from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts
 from speculum.sampling import SamplingBatch
-from speculum.testing import (PrefillHidden, assert_static_draft_matches_eager, record_drafts, tiny_model_dir,
-                              train_tiny)
+from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
+                              assert_tree_greedy_lossless, assert_trees_follow_reference, record_drafts, record_trees,
+                              tight_kv_options, tiny_model_dir, train_tiny)
 from speculum_mtp import MTPHead
 from speculum_mtp.formats import detect, load_mtp, mtp_state, save_mtp
 
@@ -174,3 +175,35 @@ def test_static_draft_function_drafts_like_the_eager_loop(target, trained):
     assert_static_draft_matches_eager(lambda spec: make_llm(target, spec, max_num_seqs=4),
                                       {"method": "mtp", "model": str(trained), "num_speculative_tokens": 3},
                                       PROMPTS, GREEDY)
+
+
+# ------------------------------------------------------------------ token trees
+@pytest.mark.parametrize("runner", ["native", "hf"])
+@pytest.mark.parametrize("max_num_seqs", [2, 4], ids=["joins-mid-flight", "all-at-once"])
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_tree_greedy_output_is_identical_to_no_speculation(target, trained, runner, tree, max_num_seqs):
+    spec = {"method": "mtp", "model": str(trained), **TREE_CONFIGS[tree]}
+    assert_tree_greedy_lossless(lambda sp, **kw: make_llm(target, sp, runner=runner, **kw), spec, PROMPTS, GREEDY,
+                                max_num_seqs=max_num_seqs)
+
+
+def test_tree_greedy_lossless_under_preemption(target, trained):
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "mtp", "model": str(trained), **TREE_CONFIGS["dynamic"]}
+    # target 2 layers + module 1 layer, K and V, 2 heads x 16 dims, fp32: 768 bytes per token
+    llm = assert_tree_greedy_lossless(
+        lambda sp_, **kw: LLM(str(target), sp_, device="cpu", dtype="float32", max_model_len=96,
+                              **{"kv_cache_memory": 16 << 20, **kw}), spec, prompts, sp, max_num_seqs=6,
+        **tight_kv_options(768, 160))
+    assert llm.num_preemptions > 0, "the budget was meant to force preemption"
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_tree_drafts_follow_the_module_along_every_path(target, trained, tree):
+    llm = make_llm(target, {"method": "mtp", "model": str(trained), **TREE_CONFIGS[tree]}, max_num_seqs=4)
+    seen = record_trees(llm)
+    llm.generate(PROMPTS, GREEDY)
+    ref = HeadPathReference(llm.proposer.head, target, llm.proposer.hidden_layers)
+    assert assert_trees_follow_reference(seen, llm.speculative_config.tree, ref.topk_fn) > 10

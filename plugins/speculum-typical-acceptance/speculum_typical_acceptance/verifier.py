@@ -41,6 +41,8 @@ class TypicalAcceptanceVerifier:
     """
 
     lossless = False
+    #: token trees: not yet (the longest accepted path, ties by likelihood; see rule.py)
+    supports_trees = False
 
     def __init__(self, options: TypicalAcceptanceOptions | None = None):
         self.options = options or TypicalAcceptanceOptions()

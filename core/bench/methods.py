@@ -1,0 +1,193 @@
+"""Methods side by side on the same prompts: the comparison behind ``speculum generate
+--compare`` and ``speculum bench offline``.
+
+Every configuration (None = no speculation, always first) gets its own engine, one
+warm-up request, then the prompt groups (MT-bench categories) one after the other.
+Ratios come from one process and one run; outputs are compared token by token with
+the baseline's (greedy runs must be identical: speculation is lossless).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from speculum.metrics import SpecDecodeMetrics
+
+
+@attrs.define
+class GroupResult:
+    """One method on one prompt group (or on all of them: the total)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    metrics: SpecDecodeMetrics = attrs.field(factory=SpecDecodeMetrics)
+    outputs: list[list[int]] = attrs.field(factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Wall time per verify step (drafting, verification and host work)."""
+        return self.seconds / self.metrics.num_steps if self.metrics.num_steps else None
+
+    def add(self, other: "GroupResult") -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.metrics.merge(other.metrics)
+        self.outputs += other.outputs
+
+
+@attrs.define
+class MethodResult:
+    """One configuration over every group; ``speedup`` / ``identical`` against the baseline."""
+
+    name: str
+    config: dict | None
+    groups: dict[str, GroupResult]
+    total: GroupResult
+    texts: list[str] = attrs.field(factory=list)
+    #: more figures for the JSON (e.g. ``profile``: a step's time split)
+    extra: dict = attrs.field(factory=dict)
+
+    def speedup(self, base: "MethodResult", group: str | None = None) -> float:
+        mine = self.total if group is None else self.groups[group]
+        theirs = base.total if group is None else base.groups[group]
+        return mine.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else 0.0
+
+    def identical(self, base: "MethodResult", group: str | None = None) -> tuple[int, int]:
+        """(outputs token-identical to the baseline's, outputs)."""
+        mine = self.total if group is None else self.groups[group]
+        theirs = base.total if group is None else base.groups[group]
+        return sum(a == b for a, b in zip(mine.outputs, theirs.outputs)), len(mine.outputs)
+
+    def as_dict(self, base: "MethodResult | None" = None) -> dict:
+        def entry(name: str | None, g: GroupResult) -> dict:
+            d = {"tokens": g.tokens, "seconds": g.seconds, "tokens_per_s": g.tokens_per_s,
+                 "step_seconds": g.step_seconds, **g.metrics.as_dict()}
+            if base is not None and base is not self:
+                same, n = self.identical(base, name)
+                d.update(speedup=self.speedup(base, name), identical=same == n, num_identical=same)
+            return d
+        return {"method": self.name, "config": self.config,
+                "categories": {c: entry(c, g) for c, g in self.groups.items()}, "total": entry(None, self.total),
+                **self.extra}
+
+
+def method_name(config: dict | None, resolved_method: str | None = None) -> str:
+    if config is None:
+        return "autoregressive"
+    method = resolved_method or config.get('method') or 'detected'
+    from speculum.tree import tree_from_config
+    tree = tree_from_config(config.get("speculative_token_tree"), config.get("tree_topk"), config.get("tree_depth"),
+                            config.get("num_draft_tokens"))
+    if tree is not None:
+        return f"{method}({tree.label()})"
+    return f"{method}(k={config.get('num_speculative_tokens')})"
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_method(llm, groups: dict[str, list], params, name: str, config: dict | None,
+               progress: Callable[[str], Any] | None = None) -> MethodResult:
+    """Run every group through ``llm`` (already warm); time each group separately."""
+    out: dict[str, GroupResult] = {}
+    total = GroupResult()
+    texts: list[str] = []
+    for cat, prompts in groups.items():
+        if progress:
+            progress(f"{name}: {cat} ({len(prompts)} prompts)")
+        _sync(llm.backend.device)
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params)
+        _sync(llm.backend.device)
+        g = GroupResult(seconds=time.perf_counter() - t0)
+        for o in res:
+            g.tokens += len(o.token_ids)
+            g.metrics.merge(o.metrics)
+            g.outputs.append(list(o.token_ids))
+            texts.append(o.text)
+        out[cat] = g
+        total.add(GroupResult(g.tokens, g.seconds, SpecDecodeMetrics(), list(g.outputs)))
+        total.metrics.merge(g.metrics)
+    return MethodResult(name, config, out, total, texts)
+
+
+def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
+            warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
+            after: Callable[[Any, MethodResult], Any] | None = None) -> list[MethodResult]:
+    """Baseline (no speculation) first, then each config; one engine at a time.
+    ``after(llm, result)`` runs once a config is measured, before its engine goes."""
+    results = []
+    warm = [p for ps in groups.values() for p in ps][:1]
+    for cfg in [None] + [c for c in configs if c is not None]:
+        llm = make_llm(cfg)
+        llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
+        resolved = llm.speculative_config.method if llm.speculative_config else None
+        results.append(run_method(llm, groups, params, method_name(cfg, resolved), cfg, progress))
+        if after is not None:
+            after(llm, results[-1])
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def table(results: list[MethodResult], greedy: bool = True) -> str:
+    """Per group: baseline tokens/s, then per method tokens/s, speedup, MAL, identical."""
+    base = results[0]
+    rows = list(base.groups) + ["total"]
+    head = f"{'category':<12}{'AR tok/s':>9}"
+    for r in results[1:]:
+        head += f" | {r.name[:24]:<24} {'tok/s':>7} {'x':>5} {'MAL':>5} {'same':>5}"
+    lines = [head, "-" * len(head)]
+    for c in rows:
+        key = None if c == "total" else c
+        b = base.total if key is None else base.groups[c]
+        line = f"{c:<12}{b.tokens_per_s:>9.1f}"
+        for r in results[1:]:
+            g = r.total if key is None else r.groups[c]
+            mal = g.metrics.mean_acceptance_length
+            same, n = r.identical(base, key)
+            ident = f"{same}/{n}" if greedy else "n/a"
+            line += (f" | {'':<24} {g.tokens_per_s:>7.1f} {r.speedup(base, key):>5.2f} "
+                     f"{'-' if mal is None else format(mal, '.2f'):>5} {ident:>5}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def diagnose(base: MethodResult, r: MethodResult) -> str:
+    """One line on why a method is (not) faster: tokens per target forward against the
+    cost of a speculative step relative to a plain one, both measured in this run."""
+    t = r.total.metrics.tokens_per_step or 1.0
+    bs, ss = base.total.step_seconds, r.total.step_seconds
+    cost = ss / bs if bs and ss else None
+    x = r.speedup(base)
+    mal = r.total.metrics.mean_acceptance_length
+    what = (f"{r.name}: {x:.2f}x: {t:.2f} tokens per target forward (MAL {'-' if mal is None else f'{mal:.2f}'}), "
+            f"each step costing {'?' if cost is None else f'{cost:.2f}'}x a plain decoding step")
+    if x >= 1.05:
+        return what + "."
+    if t < 1.3:
+        return (what + ". Acceptance too low: the drafts rarely match this target's output; try another method "
+                "(a trained head), fewer draft tokens, or prompts that repeat their input (code, extraction).")
+    return (what + ". Verify cost too high on this device: checking k+1 tokens costs nearly k+1 times one on a "
+            "few CPU cores; try fewer draft tokens, or a GPU, where verifying a few tokens costs about as much as one.")
+
+
+def make_engine_factory(**engine_kwargs) -> Callable[[dict | None], Any]:
+    """``make_llm(config)`` for :func:`compare`: one engine per configuration."""
+    def make(cfg):
+        from speculum.engine import LLM
+        return LLM(speculative_config=cfg, **engine_kwargs)
+    return make

@@ -1,0 +1,77 @@
+"""Prompt sets shipped with speculum, and reading prompt files.
+
+The package carries its own data (``speculum/data/``, see the README there): the 80
+MT-bench questions for evaluation and 4,728 self-instruct / P3 prompts for training
+heads. They are found through :mod:`importlib.resources`, so a plain install or a clone
+of the repository has everything the main commands need.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from speculum.errors import RequestError
+
+MT_BENCH = "mt_bench.jsonl"
+TRAIN_PROMPTS = "train_prompts.jsonl"
+
+
+def data_path(name: str) -> Path:
+    """Path of a file shipped in ``speculum/data`` (``mt_bench.jsonl``, ``train_prompts.jsonl``)."""
+    path = Path(str(resources.files("speculum").joinpath("data", name)))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the speculum package; reinstall speculum")
+    return path
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file; a bad line is a RequestError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise RequestError(f"prompt file {path} not found; give an existing JSONL file")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{path}:{n}: not JSON ({exc})") from exc
+    return rows
+
+
+def mt_bench(n: int | None = None, path: str | Path | None = None) -> list[dict]:
+    """MT-bench questions ``{question_id, category, turns}`` (the shipped 80, or ``path``)."""
+    rows = read_jsonl(path or data_path(MT_BENCH))
+    return rows[:n] if n else rows
+
+
+def first_turn(row: dict) -> str:
+    """The prompt text of an MT-bench style or ``{"prompt": ...}`` row."""
+    if row.get("turns"):
+        return row["turns"][0]
+    text = row.get("prompt") or row.get("text")
+    if not isinstance(text, str):
+        raise RequestError(f"a prompt row needs 'turns' or a text 'prompt', got keys {sorted(row)}")
+    return text
+
+
+def per_category(rows: list[dict], per_category: int | None = None,
+                 categories: set[str] | None = None) -> dict[str, list[dict]]:
+    """Rows grouped by ``category`` in file order, at most ``per_category`` each."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        c = r.get("category", "-")
+        if categories and c not in categories:
+            continue
+        group = out.setdefault(c, [])
+        if per_category is None or len(group) < per_category:
+            group.append(r)
+    return out
+
+
+def train_prompts_path() -> Path:
+    """The shipped training prompts (never MT-bench)."""
+    return data_path(TRAIN_PROMPTS)

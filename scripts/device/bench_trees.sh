@@ -1,0 +1,86 @@
+# device: token trees (issue 11) on MT-bench, bf16, greedy, 256 new tokens, shipped heads.
+# One device call per PART (each stays under the 10-minute limit); see scripts/device/README.md.
+#   PART=tests  CUDA tests of trees (graphed tree verify and drafting) and of the heads
+#   PART=sweep  node-budget sweep, 2 questions per category, batch 1: per head method chain k=4
+#               and six dynamic trees verifying 8..32 tokens (top-4/8, depth 5/6; medusa depth 4);
+#               the best tree per method (tokens/s) is kept in
+#               /tmp/trees_best.json (and $OUT) for the next parts
+#   PART=b1a    all 80 questions, batch 1: autoregressive, ngram, eagle and eagle3 chain vs best tree
+#   PART=b1b    all 80 questions, batch 1: autoregressive, mtp and medusa chain vs best tree
+#   PART=b16    all 80 questions, batch 16: every config above, with the step profile
+# (if the sweep of all four methods would not fit one call: METHODS="eagle eagle3" TAG=_a, then
+# METHODS="mtp medusa" TAG=_b; the best trees accumulate in /tmp/trees_best.json)
+# Every part but tests prints its table and writes JSON to $OUT; b1a, b1b and b16 also the step
+# profile (--profile) of every config.
+# Report and figure: python scripts/trees_report.py <the JSON files> (on the lead's machine).
+PART=${PART:-sweep}
+if [ "$PART" = tests ]; then  # tiny models only; joins the GGUF in /tmp when .gguf_b is carried
+  if [ -d .gguf_b ]; then . scripts/device/common.sh; else export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; fi
+  python3 -m pytest -q tests/test_trees_cuda.py tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -4
+  exit
+fi
+. scripts/device/common.sh
+B="speculum bench offline --model $M --dtype bfloat16 --max-tokens 256"
+K='"num_speculative_tokens":4'
+# the shipped heads, or with HEADS=/tmp/tr those train_heads.sh just trained
+mdl() { [ -n "$HEADS" ] && echo ",\"model\":\"$HEADS/$1\""; }
+chain() { echo "{\"method\":\"$1\"$(mdl $1),$K}"; }
+tree() { echo "{\"method\":\"$1\"$(mdl $1),\"tree_topk\":$2,\"tree_depth\":$3,\"num_draft_tokens\":$4}"; }
+# the best tree of a method from the sweep (fallback: top-8, depth 6 (medusa: 4), 32 tokens)
+best() {
+  python3 - "$1" "$HEADS" <<'EOF'
+import json, sys
+m, heads = sys.argv[1], sys.argv[2]
+try:
+    best = json.load(open("/tmp/trees_best.json"))[m]
+except (OSError, KeyError):
+    best = {"method": m, "tree_topk": 8, "tree_depth": 4 if m == "medusa" else 6, "num_draft_tokens": 32}
+    if heads:
+        best["model"] = f"{heads}/{m}"
+print(json.dumps(best))
+EOF
+}
+run() { $B "$@" 2>&1 | grep -v -E "Loading|Writing|it/s|INFO|WARNING"; }
+case $PART in
+sweep)
+  ARGS=(--method "{\"method\":\"ngram\",$K}")
+  for m in ${METHODS:-eagle eagle3 mtp medusa}; do
+    d=5; D=6; [ $m = medusa ] && d=4 && D=4   # Medusa: one head per depth (the shipped one has 4)
+    ARGS+=(--method "$(chain $m)")
+    for t in "4 $d 8" "4 $d 16" "8 $d 16" "8 $D 24" "4 $D 32" "8 $D 32"; do ARGS+=(--method "$(tree $m $t)"); done
+  done
+  run --batch-size 1 --prompts-per-category ${PPC:-2} "${ARGS[@]}" --json $OUT/trees_sweep_b1${TAG}.json
+  TAG=$TAG python3 - <<'EOF'
+import json, os
+rows = json.load(open(os.environ["OUT"] + "/trees_sweep_b1" + os.environ.get("TAG", "") + ".json"))["results"]
+best = {}
+for r in rows:
+    c = r["config"] or {}
+    if "tree_topk" not in c:
+        continue
+    m = c["method"]
+    if m not in best or r["total"]["tokens_per_s"] > best[m][1]:
+        best[m] = (c, r["total"]["tokens_per_s"])
+out = {}
+if os.path.exists("/tmp/trees_best.json"):  # an earlier sweep call (METHODS=...) chose the others
+    out = json.load(open("/tmp/trees_best.json"))
+out.update({m: c for m, (c, _) in best.items()})
+json.dump(out, open("/tmp/trees_best.json", "w"))
+json.dump(out, open(os.environ["OUT"] + "/trees_best.json", "w"), indent=1)
+print("best trees:", json.dumps(out))
+EOF
+  ;;
+b1a)
+  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile --method "{\"method\":\"ngram\",$K}" \
+    --method "$(chain eagle)" --method "$(best eagle)" --method "$(chain eagle3)" --method "$(best eagle3)" \
+    --json $OUT/trees_b1a.json ;;
+b1b)
+  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile \
+    --method "$(chain mtp)" --method "$(best mtp)" --method "$(chain medusa)" --method "$(best medusa)" \
+    --json $OUT/trees_b1b.json ;;
+b16)
+  ARGS=(--method "{\"method\":\"ngram\",$K}")
+  for m in eagle eagle3 mtp medusa; do ARGS+=(--method "$(chain $m)" --method "$(best $m)"); done
+  run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${ARGS[@]}" --json $OUT/trees_b16.json ;;
+*) echo "unknown PART=$PART (tests, sweep, b1a, b1b, b16)"; exit 2 ;;
+esac

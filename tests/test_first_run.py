@@ -1,0 +1,218 @@
+"""What a new user meets first: the data ships with the package, threads that never
+oversubscribe, errors that name the API the user called, typed plugin options, and the
+output objects vLLM users expect (issue 8)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+import speculum
+from speculum import LLM, SamplingParams, hookimpl
+from speculum import threads as th
+from speculum.datasets import MT_BENCH, TRAIN_PROMPTS, data_path, mt_bench, train_prompts_path
+from speculum.errors import ConfigError, ModelLoadError
+from speculum.testing import train_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+#: the import package as setuptools lays it out (pyproject's package-dir)
+LAYOUT = {"speculum": "core", "speculum/proposers": "proposers", "speculum/verifiers": "verifiers",
+          "speculum/backends": "backends"}
+
+
+# ------------------------------------------------------------------------- shipped data
+def test_data_ships_inside_the_package():
+    rows = mt_bench()
+    assert len(rows) == 80 and len({r["category"] for r in rows}) == 8
+    assert data_path(MT_BENCH).parent == Path(speculum.__file__).parent / "data"
+    assert sum(1 for _ in train_prompts_path().open()) == 4728
+    assert (data_path(MT_BENCH).parent / "README.md").read_text().count("Apache-2.0") >= 2
+    mt = {r["turns"][0] for r in rows}
+    import json
+    assert not mt & {json.loads(l)["prompt"] for l in data_path(TRAIN_PROMPTS).open()}, "MT-bench in training data"
+
+
+def _package_copy(dest: Path) -> Path:
+    """A copy of the import package laid out as installed, with no shared/ anywhere above."""
+    for pkg, src in LAYOUT.items():
+        shutil.copytree(REPO / src, dest / pkg, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return dest
+
+
+@pytest.mark.real_model
+def test_main_command_runs_from_a_copy_without_shared(tmp_path):
+    """The README's main command's code path, from a copy of the package in a folder with
+    no shared/ above it and no SPECULUM_SHARED: the MT-bench prompts come from the package."""
+    root = tmp_path / "empty" / "clone"
+    pkg = _package_copy(root / "site")
+    assert not any((p / "shared").exists() for p in [root, *root.parents])
+    env = {k: v for k, v in os.environ.items() if k != "SPECULUM_SHARED"}
+    env["PYTHONPATH"] = str(pkg)
+    code = ("import speculum, sys; assert speculum.__file__.startswith(sys.argv[1]), speculum.__file__; "
+            "from speculum.cli import main; sys.exit(main(['generate', '--compare', '--num-prompts', '2', "
+            "'--max-tokens', '6', '--show', '1', '--speculative-config', "
+            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}']))")
+    r = subprocess.run([sys.executable, "-c", code, str(pkg)], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "writing" in r.stdout and "roleplay" in r.stdout  # one question from each of two categories
+    assert "identical: 2/2" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------------------ threads
+def test_thread_rule_leaves_busy_cores_alone(monkeypatch):
+    monkeypatch.delenv("SPECULUM_THREADS", raising=False)
+    monkeypatch.setattr(th, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(th, "busy_cpus", lambda: 0.05)
+    assert th.choose_threads().threads == 2
+    monkeypatch.setattr(th, "busy_cpus", lambda: 0.9)  # another process spins on one core
+    assert th.choose_threads().threads == 1
+    monkeypatch.setattr(th, "busy_cpus", lambda: 3.0)
+    assert th.choose_threads().threads == 1
+    monkeypatch.setattr(th, "busy_cpus", lambda: None)  # not measurable: all usable CPUs
+    assert th.choose_threads().threads == 2
+    assert th.choose_threads(3).threads == 3 and th.choose_threads(3).source == "asked"
+    monkeypatch.setenv("SPECULUM_THREADS", "1")
+    assert th.choose_threads().threads == 1
+
+
+def test_busy_cpus_counts_other_processes_only(monkeypatch):
+    """From two /proc/stat readings: busy jiffies of the machine minus this process's own."""
+    machine = iter([(1000, 4000), (1000 + 300, 4000 + 400)])  # 300 of 400 jiffies busy, over 2 CPUs
+    own = iter([50, 50 + 100])  # 100 of the busy ones were ours
+    monkeypatch.setattr(th, "_cpu_jiffies", lambda: next(machine))
+    monkeypatch.setattr(th, "_own_jiffies", lambda: next(own))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert th.busy_cpus(0) == pytest.approx((300 - 100) / 400 * 2)
+
+
+def test_busy_cpus_sees_a_spinning_process():
+    if not Path("/proc/stat").exists():
+        pytest.skip("needs /proc/stat")
+    quiet = th.busy_cpus(0.3)
+    if quiet is None or quiet > (os.cpu_count() or 1) - 1.2:
+        pytest.skip(f"the machine is busy ({quiet} cores): a spinning process cannot show")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+        time.sleep(0.3)
+        loaded = th.busy_cpus(0.5)
+    finally:
+        spin.kill()
+    assert loaded is not None and loaded > quiet + 0.5, (quiet, loaded)
+
+
+def test_llm_sets_and_reports_threads(tiny_llama):
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(tiny_llama), dtype="float32", device="cpu", threads=1)
+        assert torch.get_num_threads() == 1 and llm.threads.threads == 1
+        with pytest.raises(ConfigError, match="threads must be an integer >= 1"):
+            LLM(str(tiny_llama), dtype="float32", device="cpu", threads=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------- errors
+def test_python_json_error_names_the_argument_not_the_flag(tiny_llama):
+    with pytest.raises(ConfigError) as exc:
+        LLM(str(tiny_llama), '{"method": "ngram", num_speculative_tokens: 4}', dtype="float32", device="cpu")
+    assert "speculative_config is not valid JSON" in str(exc.value) and "--" not in str(exc.value).split("(")[0]
+    from speculum.config import SpeculativeConfig
+    with pytest.raises(ConfigError, match="--speculative-config is not valid JSON"):
+        SpeculativeConfig.from_cli("{nope")
+
+
+@pytest.mark.parametrize("method, says", [
+    ("draft_model", "train one with `speculum train draft"),
+    ("eagle", "train one with `speculum train eagle"),
+    ("eagle3", "leave 'model' unset to use the eagle3 head shipped for SmolLM2-135M-Instruct"),
+    ("medusa", "train one with `speculum train medusa"),
+    ("mtp", "train one with `speculum train mtp"),
+])
+def test_missing_draft_path_says_what_to_do_for_the_method(tiny_llama, method, says):
+    with pytest.raises(ModelLoadError) as exc:
+        LLM(str(tiny_llama), {"method": method, "num_speculative_tokens": 2, "model": "/nope/draft"},
+            dtype="float32", device="cpu")
+    msg = str(exc.value)
+    assert says in msg and "/nope/draft" in msg, msg
+    assert "leave it unset for the default" not in msg  # that is the target's advice
+
+
+def test_folder_without_config_says_what_to_do(tmp_path, tiny_llama):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError) as exc:
+        LLM(str(tmp_path), dtype="float32", device="cpu")
+    assert "without config.json" in str(exc.value) and "save_pretrained" in str(exc.value)
+    assert "weights.bin" in str(exc.value)
+
+
+# --------------------------------------------------------------------- typed plugin options
+@attrs.frozen
+class Options:
+    repeat: int = 1
+
+
+class RepeatLast:
+    def __init__(self, ctx):
+        self.opts = ctx.options
+
+    def propose(self, batch):
+        from speculum import Draft
+        k = batch.num_speculative_tokens
+        return Draft(token_ids=torch.tensor([[s.token_ids[-1]] * k for s in batch.seqs]))
+
+    def observe(self, feedback):
+        pass
+
+
+class RepeatPlugin:
+    @hookimpl
+    def speculum_register_proposers(self, register):
+        register("repeat_last", RepeatLast, backends=("torch",), options=Options)
+
+
+def test_readme_plugin_options_are_checked_by_type(tiny_llama):
+    with pytest.raises(ConfigError) as exc:
+        LLM(str(tiny_llama), {"method": "repeat_last", "num_speculative_tokens": 3, "options": {"repeat": "x"}},
+            dtype="float32", device="cpu", plugins=[RepeatPlugin()])
+    assert "repeat" in str(exc.value) and "expected int" in str(exc.value) and "'x'" in str(exc.value)
+    llm = LLM(str(tiny_llama), {"method": "repeat_last", "num_speculative_tokens": 3, "options": {"repeat": 2}},
+              dtype="float32", device="cpu", plugins=[RepeatPlugin()])
+    assert llm.proposer.opts == Options(repeat=2)
+
+
+# ------------------------------------------------------------------------- vLLM parity
+@pytest.mark.real_model
+def test_output_objects_as_vllm_has_them():
+    llm = LLM(dtype="float32", device="cpu", max_num_seqs=3)
+    chat = [{"role": "user", "content": "Say hi."}]
+    outs = llm.generate(["The capital of France is", chat, {"prompt_token_ids": [1, 504, 3458, 314]}],
+                        SamplingParams(temperature=0, max_tokens=3))
+    assert [o.outputs[0].index for o in outs] == [0, 0, 0]
+    assert outs[0].prompt == "The capital of France is"
+    tok = llm.get_tokenizer()
+    assert outs[1].prompt == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert outs[1].prompt_token_ids == list(tok.apply_chat_template(chat, add_generation_prompt=True,
+                                                                     tokenize=True, return_dict=False))
+    assert outs[2].prompt == tok.decode([1, 504, 3458, 314])
+    names = {m.name: m for m in llm.get_metrics()}
+    assert names["speculum:generation_tokens"].value == 9
+    assert "speculum:spec_decode_draft_acceptance_rate" not in names  # nothing drafted: no rate
+    assert names["speculum:spec_decode_num_drafts"].value == 0
+
+
+def test_train_writes_every_file_with_one_mode(tmp_path, tiny_llama):
+    out = train_tiny("draft", tiny_llama, tmp_path, steps=4, num_prompts=8, max_tokens=6,
+                     extra=("--num-layers", "1"))
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir() if f.is_file()}
+    assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
