@@ -69,6 +69,9 @@ class JaxRunner:
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
         self.shape: M.ModelShape | None = None
         self.k_pool = self.v_pool = None
+        #: the padded step shapes run so far: (rows, query tokens, blocks, hidden layers,
+        #: logits?); each is one compiled program
+        self.step_shapes: set[tuple] = set()
 
     @property
     def weight_bytes(self) -> int:
@@ -170,6 +173,11 @@ class JaxRunner:
         pos, wsl, blk = alloc.step_slots(seq_ids, num_tokens, qb, Bb, nb)
         padded = np.zeros((Bb, qb), dtype=np.int32)
         padded[:B, :q] = ids
+        key = (Bb, qb, nb, hidden_layers, compute_logits)
+        if key not in self.step_shapes:
+            self.step_shapes.add(key)
+            log.debug("%s: new step shape rows=%d q=%d blocks=%d hidden=%s logits=%s (compiles once)",
+                      self.name, *key)
         meta = np.concatenate([padded.ravel(), pos.ravel().astype(np.int32), wsl.ravel().astype(np.int32),
                                blk.ravel().astype(np.int32)])
         logits, hidden, self.k_pool, self.v_pool = M.forward(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from speculum.backends.jax.convert import to_jax
+from speculum.backends.jax.convert import to_jax, to_torch
 
 Generators = Sequence[torch.Generator | None] | torch.Generator | None
 
@@ -67,7 +67,7 @@ def processed_probs_torch(logits: torch.Tensor, temperature: torch.Tensor, top_k
     out = processed_probs(to_jax(logits.float()), jnp.asarray(temperature.float().cpu().numpy()),
                           jnp.asarray(top_k.cpu().numpy().astype(np.int32)), jnp.asarray(top_p.float().cpu().numpy()),
                           flags=tuple(bool(f) for f in flags))
-    return torch.from_numpy(np.asarray(out)).to(logits.device)
+    return to_torch(out, logits.device)
 
 
 def row_key_data(generators: Generators, batch_size: int) -> np.ndarray:

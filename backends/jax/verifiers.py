@@ -64,7 +64,9 @@ def rejection_sample_jnp(p, q, draft_ids, key_data, residual: str = "max(0,p-q)"
     B, k1, V = p.shape
     k = k1 - 1
     keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-    key_u, key_x = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)  # [B] each
+    # [B, k + V] uniforms in [0, 1) from each row's own key: k acceptance tests, then V
+    # for the final draw (one generator call per row: XLA compiles one threefry, not three)
+    uniforms = jax.vmap(lambda key: jax.random.uniform(key, (k + V,)))(keys)
     if k > 0:
         valid = jnp.cumprod((draft_ids >= 0).astype(jnp.int32), axis=1)  # [B, k]
         n_draft = valid.sum(axis=1)
@@ -72,7 +74,7 @@ def rejection_sample_jnp(p, q, draft_ids, key_data, residual: str = "max(0,p-q)"
         # [B, k] p_i(x_i) and q_i(x_i)
         p_x = jnp.take_along_axis(p[:, :k], ids[..., None], axis=-1)[..., 0]
         q_x = jnp.take_along_axis(q, ids[..., None], axis=-1)[..., 0] if q is not None else jnp.ones_like(p_x)
-        u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(key_u)
+        u = uniforms[:, :k]
         accept = (u * q_x < p_x) & (valid > 0)  # u < p/q without dividing by zero
         num_accepted = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(axis=1)
     else:
@@ -90,8 +92,10 @@ def rejection_sample_jnp(p, q, draft_ids, key_data, residual: str = "max(0,p-q)"
         # p == q exactly makes rejection impossible; guard the empty residual anyway
         res = jnp.where(res.sum(-1, keepdims=True) > 0, res, p_i)
         dist = jnp.where((num_accepted < n_draft).reshape(B, 1), res, p_i)
-    # a draw from dist (unnormalised is fine): Gumbel-max over log(dist), zeros never chosen
-    last = jax.vmap(jax.random.categorical)(key_x, jnp.log(dist))
+    # exponential race: argmax(dist / E), E = -log(U) ~ Exp(1) (> 0: U < 1), samples from
+    # dist (unnormalised ok); a token of probability 0 is never chosen
+    e = -jnp.log(jnp.maximum(uniforms[:, k:], jnp.finfo(jnp.float32).tiny))
+    last = jnp.argmax(jnp.where(dist > 0, dist / e, -1.0), axis=-1)
     return _emitted(draft_ids, num_accepted, last), num_accepted
 
 
@@ -118,11 +122,30 @@ def _draft_ids(draft_ids: torch.Tensor, batch_size: int) -> np.ndarray:
     return ids.reshape(batch_size, -1)
 
 
+def _pad_rows(x, rows: int, value=0):
+    """``x`` with rows appended up to ``rows`` (filled with ``value``): verify programs then
+    compile per batch bucket, not per batch size."""
+    extra = rows - x.shape[0]
+    if extra == 0:
+        return x
+    pad = [(0, extra)] + [(0, 0)] * (x.ndim - 1)
+    if isinstance(x, np.ndarray):
+        return np.pad(x, pad, constant_values=value)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 # ------------------------------------------------------------------ torch in, torch out
 def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdict:
     """:func:`greedy_verify_jnp` with torch tensors (the twin of the torch ``greedy_verify``)."""
     B = target_logits.shape[0]
-    return _verdict(*greedy_verify_jnp(to_jax(target_logits), _draft_ids(draft_ids, B)))
+    Bb = _bucket(B)
+    tokens, num_accepted = greedy_verify_jnp(_pad_rows(to_jax(target_logits), Bb),
+                                             _pad_rows(_draft_ids(draft_ids, B), Bb, -1))
+    return _verdict(tokens[:B], num_accepted[:B])
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor, generators: Generators,
@@ -169,10 +192,12 @@ class JaxRejectionSampler:
             t = sampling.temperature
             flags = (bool(((sampling.top_k > 0) & (sampling.top_k < V)).any()), bool((sampling.top_p < 1).any()),
                      bool((t == 0).any()))
-        q = to_jax(draft.probs.float()) if draft.probs is not None else None
-        out = _verify_sampled(
-            to_jax(target_logits.float()), q, _draft_ids(draft.token_ids, B),
-            np.asarray(sampling.temperature.float().cpu()), host_ints(sampling.top_k),
-            np.asarray(sampling.top_p.float().cpu()), row_key_data(sampling.generators, B),
-            flags=tuple(bool(f) for f in flags))
-        return _verdict(*out)
+        Bb = _bucket(B)
+        q = _pad_rows(to_jax(draft.probs.float()), Bb) if draft.probs is not None else None
+        # padding rows: no drafts, temperature 1, no filters
+        tokens, num_accepted = _verify_sampled(
+            _pad_rows(to_jax(target_logits.float()), Bb), q, _pad_rows(_draft_ids(draft.token_ids, B), Bb, -1),
+            _pad_rows(np.asarray(sampling.temperature.float().cpu()), Bb, 1.0),
+            _pad_rows(host_ints(sampling.top_k), Bb), _pad_rows(np.asarray(sampling.top_p.float().cpu()), Bb, 1.0),
+            _pad_rows(row_key_data(sampling.generators, B), Bb), flags=tuple(bool(f) for f in flags))
+        return _verdict(tokens[:B], num_accepted[:B])
