@@ -3,15 +3,14 @@
 The same model as the torch native runner, written as pure functions of a parameter
 pytree: RMSNorm, rotary embedding (with Llama-3 frequency scaling), grouped-query
 attention, SiLU-gated MLP, tied embeddings, Qwen2's q/k/v biases, Qwen3's q/k norms.
-The decoder layers run as one ``lax.scan`` over stacked weights, so a shape compiles
-once however deep the model is.
+The layers are unrolled in the compiled step (a ``lax.scan`` over stacked weights
+compiles faster but copies every layer's weights out of the stack at every step).
 
-K/V live in two pools per model, ``[num_layers * slots, Hkv, D]``: layer ``l`` owns slots
-``l * slots .. (l + 1) * slots - 1``, addressed through the block tables of
-:class:`speculum.kv.PagedKVAllocator` exactly as the torch runner addresses its pools.
-A forward writes this step's K/V at its write slots, then reads each row's context
-through its block table. The pools are donated to the jitted step, so the writes
-happen in place.
+K/V live in one pool per layer and kind, ``[slots, Hkv, D]``, addressed through the
+block tables of :class:`speculum.kv.PagedKVAllocator` exactly as the torch runner
+addresses its pools. A forward writes this step's K/V at its write slots, then reads
+each row's context through its block table. The pools are donated to the jitted step,
+so the writes happen in place.
 
 Shapes: ``B`` batch rows, ``q`` query tokens per row, ``nb`` blocks per row (context
 ``Lc = nb * block_size``), ``H`` hidden size, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim.
@@ -43,7 +42,7 @@ class ModelShape:
     head_dim: int
     rms_eps: float
     qk_norm: bool
-    # KV slots per layer in the pools (num_blocks * block_size)
+    # KV slots of each pool (num_blocks * block_size)
     slots: int
     block_size: int
     # fp32 matmuls at full precision (no TF32 on GPUs), like torch's default
@@ -78,10 +77,12 @@ def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
 def load_params(path, arch: LlamaArch, dtype, device) -> Params:
     """The checkpoint at ``path`` as a parameter pytree on ``device`` (a jax Device)."""
     host = read_host_weights(path, arch, jnp.dtype(dtype))
+    stacked = host.pop("layers")
     params = {
         "embed": host["embed"],
         "norm": host["norm"],
-        "layers": host["layers"],
+        # one dict of arrays per layer: the step is unrolled over layers (see forward)
+        "layers": [{k: v[i] for k, v in stacked.items()} for i in range(arch.num_layers)],
         "inv_freq": rope_inv_freq(arch),
     }
     if host["lm_head"] is not None:
@@ -135,11 +136,9 @@ def attention(q, k, v, mask, exact: bool):
     return o.reshape(B, Q, Hq * D)
 
 
-def _layer(shape: ModelShape, inv: tuple, collect: bool, carry, xs):
-    """One decoder layer over the stream ``x`` [B, q, H]; writes then reads this layer's KV."""
-    cos, sin, wslots, rslots, mask = inv
-    x, k_pool, v_pool = carry
-    w, layer = xs
+def _layer(shape: ModelShape, w: Params, x, k_pool, v_pool, cos, sin, wslots, rslots, mask):
+    """One decoder layer over the stream ``x`` [B, q, H]; writes then reads its KV pools
+    (``[slots, Hkv, D]``). Returns (x, k_pool, v_pool)."""
     B, Q, _ = x.shape
     nq, nkv, d, ex = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.exact_fp32
     qkv = linear(rms_norm(x, w["attn_norm"], shape.rms_eps), w["wqkv"], w.get("bqkv"), ex)
@@ -150,25 +149,26 @@ def _layer(shape: ModelShape, inv: tuple, collect: bool, carry, xs):
         qh = rms_norm(qh, w["q_norm"], shape.rms_eps)
         kh = rms_norm(kh, w["k_norm"], shape.rms_eps)
     qh, kh = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)
-    base = layer * shape.slots
-    k_pool = k_pool.at[base + wslots].set(kh, mode="promise_in_bounds")  # padding: the scratch block
-    v_pool = v_pool.at[base + wslots].set(vh, mode="promise_in_bounds")
-    kc = k_pool.at[base + rslots].get(mode="promise_in_bounds")  # [B, Lc, Hkv, D]
-    vc = v_pool.at[base + rslots].get(mode="promise_in_bounds")
-    a = attention(qh, kc, vc, mask, ex)
-    x = x + linear(a, w["wo"], w.get("bo"), ex)
+    # padding positions write to the scratch block; the pools are updated in place
+    k_pool = k_pool.at[wslots].set(kh, mode="promise_in_bounds")
+    v_pool = v_pool.at[wslots].set(vh, mode="promise_in_bounds")
+    kc = k_pool.at[rslots].get(mode="promise_in_bounds")  # [B, Lc, Hkv, D]
+    vc = v_pool.at[rslots].get(mode="promise_in_bounds")
+    x = x + linear(attention(qh, kc, vc, mask, ex), w["wo"], w.get("bo"), ex)
     gate_up = linear(rms_norm(x, w["mlp_norm"], shape.rms_eps), w["w_gate_up"], None, ex)
     g, u = jnp.split(gate_up, 2, axis=-1)
     x = x + linear(jax.nn.silu(g) * u, w["w_down"], None, ex)
-    return (x, k_pool, v_pool), (x if collect else None)
+    return x, k_pool, v_pool
 
 
 @partial(jax.jit, static_argnames=("shape", "B", "q", "nb", "hidden_layers", "compute_logits"),
-         donate_argnames=("k_pool", "v_pool"))
-def forward(params: Params, k_pool, v_pool, meta, *, shape: ModelShape, B: int, q: int, nb: int,
+         donate_argnames=("k_pools", "v_pools"))
+def forward(params: Params, k_pools, v_pools, meta, *, shape: ModelShape, B: int, q: int, nb: int,
             hidden_layers: tuple[int, ...] = (), compute_logits: bool = True):
     """One step over a padded batch. Returns (logits [B, q, V] float32 or None,
-    {layer: hidden [B, q, H]}, k_pool, v_pool).
+    {layer: hidden [B, q, H]}, k_pools, v_pools).
+
+    ``k_pools``, ``v_pools``: one ``[slots, Hkv, D]`` pool per layer (donated: updated in place).
 
     ``meta`` int32 ``[ids | positions | write slots]`` (each [B, q]) followed by the block
     tables [B, nb], in one array so the host ships one buffer per step. Hidden layer
@@ -186,11 +186,14 @@ def forward(params: Params, k_pool, v_pool, meta, *, shape: ModelShape, B: int, 
     mask = jnp.arange(nb * bs, dtype=pos.dtype)[None, None, :] <= pos[:, :, None]
     x = params["embed"][ids]
     cos, sin = rope_tables(pos, params["inv_freq"], x.dtype)
-    layers = jnp.arange(shape.num_layers, dtype=jnp.int32)
-    collect = any(0 <= i < shape.num_layers for i in hidden_layers)
-    body = partial(_layer, shape, (cos, sin, wslots, rslots, mask), collect)
-    (x, k_pool, v_pool), streams = jax.lax.scan(body, (x, k_pool, v_pool), (params["layers"], layers))
-    hidden = {i: streams[i] for i in hidden_layers if 0 <= i < shape.num_layers}
+    hidden = {}
+    k_pools, v_pools = list(k_pools), list(v_pools)
+    # unrolled: a scan over stacked weights would copy each layer's weights out of the
+    # stack every step (XLA cannot alias a dynamic slice), which costs more than the layer
+    for i, w in enumerate(params["layers"]):
+        x, k_pools[i], v_pools[i] = _layer(shape, w, x, k_pools[i], v_pools[i], cos, sin, wslots, rslots, mask)
+        if i in hidden_layers:
+            hidden[i] = x
     h = rms_norm(x, params["norm"], shape.rms_eps)
     if -1 in hidden_layers:
         hidden[-1] = h
@@ -198,4 +201,4 @@ def forward(params: Params, k_pool, v_pool, meta, *, shape: ModelShape, B: int, 
     if compute_logits:
         head = params.get("lm_head", params["embed"])
         logits = linear(h, head, None, shape.exact_fp32).astype(jnp.float32)
-    return logits, hidden, k_pool, v_pool
+    return logits, hidden, tuple(k_pools), tuple(v_pools)

@@ -68,7 +68,7 @@ class JaxRunner:
         self.prefill_chunk = prefill_chunk
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
         self.shape: M.ModelShape | None = None
-        self.k_pool = self.v_pool = None
+        self.k_pools = self.v_pools = None  # one [slots, Hkv, D] array per layer
         #: the padded step shapes run so far: (rows, query tokens, blocks, hidden layers,
         #: logits?); each is one compiled program
         self.step_shapes: set[tuple] = set()
@@ -88,10 +88,11 @@ class JaxRunner:
         slots = allocator.num_blocks * allocator.block_size
         a = self.arch
         self.shape = M.ModelShape.of(a, slots, allocator.block_size, self.jax_dtype)
-        pool = (a.num_layers * slots, a.num_kv_heads, a.head_dim)
+        pool = (slots, a.num_kv_heads, a.head_dim)
+        self.k_pools = self.v_pools = None  # free the old pools first
         with jax.default_device(self.jax_device):
-            self.k_pool = jnp.zeros(pool, self.jax_dtype)
-            self.v_pool = jnp.zeros(pool, self.jax_dtype)
+            self.k_pools = tuple(jnp.zeros(pool, self.jax_dtype) for _ in range(a.num_layers))
+            self.v_pools = tuple(jnp.zeros(pool, self.jax_dtype) for _ in range(a.num_layers))
         max_blocks = -(-self.max_model_len // self.block_size)
         nb, buckets = max(1, 256 // self.block_size), []
         while nb < max_blocks:
@@ -180,8 +181,8 @@ class JaxRunner:
                       self.name, *key)
         meta = np.concatenate([padded.ravel(), pos.ravel().astype(np.int32), wsl.ravel().astype(np.int32),
                                blk.ravel().astype(np.int32)])
-        logits, hidden, self.k_pool, self.v_pool = M.forward(
-            self.params, self.k_pool, self.v_pool, meta, shape=self.shape, B=Bb, q=qb, nb=nb,
+        logits, hidden, self.k_pools, self.v_pools = M.forward(
+            self.params, self.k_pools, self.v_pools, meta, shape=self.shape, B=Bb, q=qb, nb=nb,
             hidden_layers=hidden_layers, compute_logits=compute_logits)
         out_logits = to_torch(logits, self.device)[:B, :q] if logits is not None else None
         return ForwardOutput(logits=out_logits,

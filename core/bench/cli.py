@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 #: further ``speculum bench`` subcommands: modules with ``add_parser(bench_subparsers)``
-OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step")
+OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step", "speculum.bench.backends")
 
 
 def _rate(text: str) -> float:

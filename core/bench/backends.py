@@ -1,0 +1,128 @@
+"""``speculum bench backends``: the same ``LLM(...)`` code on several backends, tokens/s side by side.
+
+For each speculative config (none first, then every ``--method``) and each backend, the
+engine is built with one argument changed, ``backend=...``. A first pass over the prompts
+compiles / captures every step shape that occurs (JAX jit, CUDA graphs); the timed pass
+repeats it, so the figures are steady-state decoding. Greedy outputs of every backend are
+compared with the first backend's. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("backends", help="tokens/s of the same LLM(...) code on several backends (torch, jax)")
+    p.add_argument("--backend", default="torch,jax", help="comma separated backends (default: torch,jax)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--method", action="append", default=[], metavar="JSON",
+                   help='a speculative config (repeatable), e.g. \'{"method":"ngram","num_speculative_tokens":4}\'')
+    p.add_argument("--num-prompts", type=int, default=10, help="MT-bench questions (first turns), in order")
+    p.add_argument("--dataset", default=None, metavar="JSONL", help="prompts instead of MT-bench")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1, help="max_num_seqs")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default="results/bench_backends.json")
+    p.set_defaults(func=run)
+
+
+def _measure(llm, prompts, params) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, outs
+
+
+def run(args: argparse.Namespace) -> int:
+    from speculum.bench.datasets import load_prompts
+    from speculum.engine import LLM
+    from speculum.errors import ConfigError
+    from speculum.metrics import SpecDecodeMetrics
+    from speculum.sampling import SamplingParams
+
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if not backends:
+        raise ConfigError("--backend needs at least one backend name, e.g. torch,jax")
+    texts = load_prompts(args.dataset, args.num_prompts)
+    prompts = [[{"role": "user", "content": t}] if isinstance(t, str) else {"prompt_token_ids": t} for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    configs = [None] + [json.loads(m) for m in args.method]
+    rows = []
+    for cfg in configs:
+        row = {"config": cfg, "backends": {}}
+        first_outs = None
+        for name in backends:
+            t0 = time.perf_counter()
+            # the one argument that differs between the runs
+            llm = LLM(model=args.model, speculative_config=cfg, backend=name, dtype=args.dtype, device=args.device,
+                      max_num_seqs=args.batch_size)
+            load_s = time.perf_counter() - t0
+            row["method"] = "autoregressive" if cfg is None else (
+                f"{llm.speculative_config.method}(k={llm.speculative_config.num_speculative_tokens})")
+            warm_s, _ = _measure(llm, prompts, params)
+            llm.stats = SpecDecodeMetrics()
+            secs, outs = _measure(llm, prompts, params)
+            tokens = sum(len(o.token_ids) for o in outs)
+            entry = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs, "load_s": load_s,
+                     "first_pass_s": warm_s, "mean_acceptance_length": llm.metrics.mean_acceptance_length,
+                     "device": str(llm.backend.device)}
+            if first_outs is None:
+                first_outs = outs
+            else:
+                entry["identical_to_" + backends[0]] = all(a.token_ids == b.token_ids for a, b in zip(first_outs, outs))
+            row["backends"][name] = entry
+            print(f"bench backends: {row['method']} on {name}: {entry['tokens_per_s']:.1f} tok/s "
+                  f"(first pass {warm_s:.1f} s, load {load_s:.1f} s)", flush=True)
+            del llm
+            gc.collect()
+        rows.append(row)
+    print(table(rows, backends))
+    report = {"backends": backends, "environment": environment(), "model": args.model, "dtype": args.dtype,
+              "device": args.device, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+              "num_prompts": len(prompts), "results": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+def table(rows: list[dict], backends: list[str]) -> str:
+    """One line per method: tokens/s of each backend, the ratio to the first, MAL, identical."""
+    first = backends[0]
+    head = f"{'method':<22}" + "".join(f" {b + ' tok/s':>12}" for b in backends)
+    head += "".join(f" {b + '/' + first:>11} {'same':>5}" for b in backends[1:]) + f" {'MAL':>5}"
+    lines = [head]
+    for r in rows:
+        e = r["backends"]
+        line = f"{r['method']:<22}" + "".join(f" {e[b]['tokens_per_s']:>12.1f}" for b in backends)
+        for b in backends[1:]:
+            same = e[b].get("identical_to_" + first)
+            line += f" {e[b]['tokens_per_s'] / e[first]['tokens_per_s']:>11.2f} {'yes' if same else 'NO':>5}"
+        mal = e[first]["mean_acceptance_length"]
+        lines.append(line + f" {(mal or 1.0):>5.2f}")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    """What the figures depend on: versions, devices, thread settings."""
+    import torch
+    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        import jax
+        env["jax"] = jax.__version__
+        env["jax_devices"] = [str(d) for d in jax.devices()]
+    except ImportError:
+        pass
+    if hasattr(os, "getloadavg"):
+        env["load_average_at_end"] = os.getloadavg()
+    return env
