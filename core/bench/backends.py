@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                   f"(first pass {warm_s:.1f} s, load {load_s:.1f} s)", flush=True)
             del llm
             gc.collect()
+            _release_gpu_cache()
         rows.append(row)
     print(table(rows, backends))
     report = {"backends": backends, "environment": environment(), "model": args.model, "dtype": args.dtype,
@@ -91,6 +92,14 @@ def run(args: argparse.Namespace) -> int:
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     return 0
+
+
+def _release_gpu_cache() -> None:
+    """Hand torch's cached GPU memory back, so the next backend (JAX has its own allocator)
+    finds the card as the previous one did."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def table(rows: list[dict], backends: list[str]) -> str:
