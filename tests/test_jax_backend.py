@@ -186,3 +186,26 @@ def test_jax_backend_options_are_checked(tiny_llama):
     if not any(d.platform == "gpu" for d in jax.devices()):
         with pytest.raises(ConfigError, match="JAX sees no GPU"):
             LLM(model=str(tiny_llama), backend="jax", device="cuda")
+
+
+# ------------------------------------------------------------------------- the benchmark
+def test_bench_backends_runs_the_same_code_on_both(tiny_llama, tmp_path, capsys):
+    import json
+
+    from speculum.cli import main
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPT_IDS[2:]))
+    out = tmp_path / "backends.json"
+    rc = main(["bench", "backends", "--model", str(tiny_llama), "--dataset", str(data), "--num-prompts", "2",
+               "--max-tokens", "8", "--batch-size", "2", "--dtype", "float32", "--device", "cpu", "--json", str(out),
+               "--method", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["backends"] == ["torch", "jax"] and report["environment"]["jax"] == jax.__version__
+    assert [r["method"] for r in report["results"]] == ["autoregressive", "ngram(k=3)"]
+    for row in report["results"]:
+        torch_run, jax_run = row["backends"]["torch"], row["backends"]["jax"]
+        assert torch_run["tokens"] == jax_run["tokens"] > 0 and jax_run["identical_to_torch"] is True
+        assert jax_run["tokens_per_s"] > 0 and jax_run["first_pass_s"] > 0
+    printed = capsys.readouterr().out
+    assert "torch tok/s" in printed and "jax/torch" in printed
