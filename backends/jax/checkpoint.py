@@ -21,12 +21,12 @@ __all__ = ["LlamaArch", "read_arch", "read_host_weights"]
 
 
 def read_host_weights(path: Path, arch: LlamaArch, np_dtype) -> dict:
-    """Checkpoint tensors as numpy arrays of ``np_dtype``, per-layer weights stacked.
+    """Checkpoint tensors as numpy arrays of ``np_dtype`` (may be ``ml_dtypes.bfloat16``).
 
-    Returns ``{"embed": [V, H], "lm_head": [V, H] | None (tied), "norm": [H],
-    "layers": {name: [L, ...]}}``; weight matrices keep the checkpoint's [out, in] layout.
-    q/k/v and gate/up are fused along ``out`` (one matmul each). ``np_dtype`` may be
-    ``ml_dtypes.bfloat16``.
+    Returns ``{"embed": [V, H], "lm_head": [V, H] or None (tied), "norm": [H],
+    "layers": [one dict per layer]}``; weight matrices keep the checkpoint's [out, in]
+    layout, with q/k/v and gate/up fused along ``out`` (one matmul each). Only the first
+    ``arch.num_layers`` layers are read.
     """
     sd = read_state_dict(Path(path))
     pre = "model."
@@ -40,32 +40,30 @@ def read_host_weights(path: Path, arch: LlamaArch, np_dtype) -> dict:
 
     qkv_bias = f"{pre}layers.0.self_attn.q_proj.bias" in sd
     o_bias = f"{pre}layers.0.self_attn.o_proj.bias" in sd
-    per_layer: dict[str, list[np.ndarray]] = {}
-
-    def put(name: str, value: np.ndarray) -> None:
-        per_layer.setdefault(name, []).append(value)
-
+    layers = []
     for i in range(arch.num_layers):
         a = f"{pre}layers.{i}.self_attn."
         m = f"{pre}layers.{i}.mlp."
-        put("attn_norm", take(f"{pre}layers.{i}.input_layernorm.weight"))
-        put("mlp_norm", take(f"{pre}layers.{i}.post_attention_layernorm.weight"))
-        put("wqkv", np.concatenate([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
-                                    take(a + "v_proj.weight")]))
+        w = {
+            "attn_norm": take(f"{pre}layers.{i}.input_layernorm.weight"),
+            "mlp_norm": take(f"{pre}layers.{i}.post_attention_layernorm.weight"),
+            "wqkv": np.concatenate([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
+            "wo": take(a + "o_proj.weight"),
+            "w_gate_up": np.concatenate([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+            "w_down": take(m + "down_proj.weight"),
+        }
         if qkv_bias:
-            put("bqkv", np.concatenate([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]))
-        put("wo", take(a + "o_proj.weight"))
+            w["bqkv"] = np.concatenate([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
         if o_bias:
-            put("bo", take(a + "o_proj.bias"))
+            w["bo"] = take(a + "o_proj.bias")
         if arch.qk_norm:
-            put("q_norm", take(a + "q_norm.weight"))
-            put("k_norm", take(a + "k_norm.weight"))
-        put("w_gate_up", np.concatenate([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
-        put("w_down", take(m + "down_proj.weight"))
+            w["q_norm"] = take(a + "q_norm.weight")
+            w["k_norm"] = take(a + "k_norm.weight")
+        layers.append(w)
     tied = arch.tie_word_embeddings or "lm_head.weight" not in sd
     return {
         "embed": take(f"{pre}embed_tokens.weight"),
         "lm_head": None if tied else take("lm_head.weight"),
         "norm": take(f"{pre}norm.weight"),
-        "layers": {k: np.stack(v) for k, v in per_layer.items()},
+        "layers": layers,
     }

@@ -77,12 +77,11 @@ def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
 def load_params(path, arch: LlamaArch, dtype, device) -> Params:
     """The checkpoint at ``path`` as a parameter pytree on ``device`` (a jax Device)."""
     host = read_host_weights(path, arch, jnp.dtype(dtype))
-    stacked = host.pop("layers")
     params = {
         "embed": host["embed"],
         "norm": host["norm"],
         # one dict of arrays per layer: the step is unrolled over layers (see forward)
-        "layers": [{k: v[i] for k, v in stacked.items()} for i in range(arch.num_layers)],
+        "layers": host["layers"],
         "inv_freq": rope_inv_freq(arch),
     }
     if host["lm_head"] is not None:
