@@ -189,23 +189,25 @@ def test_jax_backend_options_are_checked(tiny_llama):
 
 
 # ------------------------------------------------------------------------- the benchmark
-def test_bench_backends_runs_the_same_code_on_both(tiny_llama, tmp_path, capsys):
+@pytest.mark.parametrize("separate", [False, True], ids=["one-process", "separate-processes"])
+def test_bench_backends_runs_the_same_code_on_both(tiny_llama, tmp_path, capsys, separate):
     import json
 
     from speculum.cli import main
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPT_IDS[2:]))
     out = tmp_path / "backends.json"
+    methods = [] if separate else ["--method", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}']
     rc = main(["bench", "backends", "--model", str(tiny_llama), "--dataset", str(data), "--num-prompts", "2",
                "--max-tokens", "8", "--batch-size", "2", "--dtype", "float32", "--device", "cpu", "--json", str(out),
-               "--method", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'])
+               *methods, *(["--separate-processes"] if separate else [])])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["backends"] == ["torch", "jax"] and report["environment"]["jax"] == jax.__version__
-    assert [r["method"] for r in report["results"]] == ["autoregressive", "ngram(k=3)"]
+    assert [r["method"] for r in report["results"]] == ["autoregressive"] + ([] if separate else ["ngram(k=3)"])
     for row in report["results"]:
         torch_run, jax_run = row["backends"]["torch"], row["backends"]["jax"]
         assert torch_run["tokens"] == jax_run["tokens"] > 0 and jax_run["identical_to_torch"] is True
-        assert jax_run["tokens_per_s"] > 0 and jax_run["first_pass_s"] > 0
+        assert jax_run["tokens_per_s"] > 0 and jax_run["first_pass_s"] > 0 and "token_ids" not in jax_run
     printed = capsys.readouterr().out
     assert "torch tok/s" in printed and "jax/torch" in printed

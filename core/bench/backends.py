@@ -1,10 +1,13 @@
 """``speculum bench backends``: the same ``LLM(...)`` code on several backends, tokens/s side by side.
 
-For each speculative config (none first, then every ``--method``) and each backend, the
+For each backend and each speculative config (none first, then every ``--method``), the
 engine is built with one argument changed, ``backend=...``. A first pass over the prompts
 compiles / captures every step shape that occurs (JAX jit, CUDA graphs); the timed pass
 repeats it, so the figures are steady-state decoding. Greedy outputs of every backend are
 compared with the first backend's. Prints a table and writes JSON.
+
+``--separate-processes`` runs each backend in a fresh process (one after the other), so
+neither sees the other's allocator caches or libraries; their results are merged here.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import gc
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,72 +36,106 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="max_num_seqs")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--separate-processes", action="store_true",
+                   help="run each backend in a fresh process (cleanest on a GPU shared by torch and JAX)")
     p.add_argument("--json", default="results/bench_backends.json")
+    p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # one backend's raw runs
     p.set_defaults(func=run)
 
 
-def _measure(llm, prompts, params) -> tuple[float, list]:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - t0, outs
-
-
 def run(args: argparse.Namespace) -> int:
-    from speculum.bench.datasets import load_prompts
-    from speculum.engine import LLM
     from speculum.errors import ConfigError
-    from speculum.metrics import SpecDecodeMetrics
-    from speculum.sampling import SamplingParams
 
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     if not backends:
         raise ConfigError("--backend needs at least one backend name, e.g. torch,jax")
-    texts = load_prompts(args.dataset, args.num_prompts)
-    prompts = [[{"role": "user", "content": t}] if isinstance(t, str) else {"prompt_token_ids": t} for t in texts]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    configs = [None] + [json.loads(m) for m in args.method]
-    rows = []
-    for cfg in configs:
-        row = {"config": cfg, "backends": {}}
-        first_outs = None
-        for name in backends:
-            t0 = time.perf_counter()
-            # the one argument that differs between the runs
-            llm = LLM(model=args.model, speculative_config=cfg, backend=name, dtype=args.dtype, device=args.device,
-                      max_num_seqs=args.batch_size)
-            load_s = time.perf_counter() - t0
-            row["method"] = "autoregressive" if cfg is None else (
-                f"{llm.speculative_config.method}(k={llm.speculative_config.num_speculative_tokens})")
-            warm_s, _ = _measure(llm, prompts, params)
-            llm.stats = SpecDecodeMetrics()
-            secs, outs = _measure(llm, prompts, params)
-            tokens = sum(len(o.token_ids) for o in outs)
-            entry = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs, "load_s": load_s,
-                     "first_pass_s": warm_s, "mean_acceptance_length": llm.metrics.mean_acceptance_length,
-                     "device": str(llm.backend.device)}
-            if first_outs is None:
-                first_outs = outs
-            else:
-                entry["identical_to_" + backends[0]] = all(a.token_ids == b.token_ids for a, b in zip(first_outs, outs))
-            row["backends"][name] = entry
-            print(f"bench backends: {row['method']} on {name}: {entry['tokens_per_s']:.1f} tok/s "
-                  f"(first pass {warm_s:.1f} s, load {load_s:.1f} s)", flush=True)
-            del llm
-            gc.collect()
-            _release_gpu_cache()
-        rows.append(row)
+    if args.child_json:
+        Path(args.child_json).write_text(json.dumps(run_backend(args, backends[0])))
+        return 0
+    runs = {b: run_child(args, b) if args.separate_processes else run_backend(args, b) for b in backends}
+    rows = merge(runs, backends)
     print(table(rows, backends))
     report = {"backends": backends, "environment": environment(), "model": args.model, "dtype": args.dtype,
               "device": args.device, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
-              "num_prompts": len(prompts), "results": rows}
+              "num_prompts": args.num_prompts, "separate_processes": args.separate_processes, "results": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     return 0
 
 
+def run_backend(args: argparse.Namespace, backend: str) -> list[dict]:
+    """Every config on ``backend``: one entry per config, with the output token ids."""
+    from speculum.bench.datasets import load_prompts
+    from speculum.engine import LLM
+    from speculum.metrics import SpecDecodeMetrics
+    from speculum.sampling import SamplingParams
+
+    texts = load_prompts(args.dataset, args.num_prompts)
+    prompts = [[{"role": "user", "content": t}] if isinstance(t, str) else {"prompt_token_ids": t} for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    out = []
+    for cfg in [None] + [json.loads(m) for m in args.method]:
+        t0 = time.perf_counter()
+        # the one argument that differs between the backends' runs
+        llm = LLM(model=args.model, speculative_config=cfg, backend=backend, dtype=args.dtype, device=args.device,
+                  max_num_seqs=args.batch_size)
+        load_s = time.perf_counter() - t0
+        spec = llm.speculative_config
+        method = "autoregressive" if spec is None else f"{spec.method}(k={spec.num_speculative_tokens})"
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)  # compiles / captures every shape the timed pass meets
+        first_s = time.perf_counter() - t0
+        llm.stats = SpecDecodeMetrics()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        secs = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        out.append({"method": method, "config": cfg, "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+                    "load_s": load_s, "first_pass_s": first_s,
+                    "mean_acceptance_length": llm.metrics.mean_acceptance_length,
+                    "device": str(llm.backend.device), "token_ids": [o.token_ids for o in outs]})
+        print(f"bench backends: {method} on {backend}: {tokens / secs:.1f} tok/s "
+              f"(first pass {first_s:.1f} s, load {load_s:.1f} s)", flush=True)
+        del llm
+        gc.collect()
+        _release_gpu_cache()
+    return out
+
+
+def run_child(args: argparse.Namespace, backend: str) -> list[dict]:
+    """:func:`run_backend` in a fresh Python process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "runs.json"
+        argv = ["bench", "backends", "--backend", backend, "--num-prompts", str(args.num_prompts),
+                "--max-tokens", str(args.max_tokens), "--batch-size", str(args.batch_size), "--dtype", args.dtype,
+                "--device", args.device, "--child-json", str(path)]
+        argv += ["--model", args.model] if args.model else []
+        argv += ["--dataset", args.dataset] if args.dataset else []
+        for m in args.method:
+            argv += ["--method", m]
+        code = "import sys; from speculum.cli import main; sys.exit(main(sys.argv[1:]))"
+        subprocess.run([sys.executable, "-c", code, *argv], check=True)
+        return json.loads(path.read_text())
+
+
+def merge(runs: dict[str, list[dict]], backends: list[str]) -> list[dict]:
+    """One row per config: each backend's figures, and whether its outputs equal the first's."""
+    first = backends[0]
+    rows = []
+    for i, ref in enumerate(runs[first]):
+        row = {"method": ref["method"], "config": ref["config"], "backends": {}}
+        for b in backends:
+            entry = {k: v for k, v in runs[b][i].items() if k not in ("token_ids", "method", "config")}
+            if b != first:
+                entry["identical_to_" + first] = runs[b][i]["token_ids"] == ref["token_ids"]
+            row["backends"][b] = entry
+        rows.append(row)
+    return rows
+
+
 def _release_gpu_cache() -> None:
-    """Hand torch's cached GPU memory back, so the next backend (JAX has its own allocator)
+    """Hand torch's cached GPU memory back, so the next run (JAX has its own allocator)
     finds the card as the previous one did."""
     import torch
     if torch.cuda.is_available():
@@ -120,7 +160,7 @@ def table(rows: list[dict], backends: list[str]) -> str:
 
 
 def environment() -> dict:
-    """What the figures depend on: versions, devices, thread settings."""
+    """What the figures depend on: versions, devices, thread settings, load."""
     import torch
     env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
