@@ -14,8 +14,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import torch
 
 from speculum.backends.jax.checkpoint import read_arch
+from speculum.backends.jax.convert import is_gpu, torch_device_of
 from speculum.backends.jax.model import load_params
 from speculum.backends.jax.runner import JaxRunner
 from speculum.errors import ConfigError, ModelLoadError
@@ -55,7 +57,7 @@ def resolve_device(device) -> jax.Device:
 
 def resolve_dtype(dtype, device: jax.Device):
     if dtype in (None, "auto"):
-        return jnp.bfloat16 if device.platform == "gpu" else jnp.float32
+        return jnp.bfloat16 if is_gpu(device) else jnp.float32
     name = str(dtype).replace("torch.", "")
     if name not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(DTYPES))}")
@@ -89,9 +91,8 @@ class JaxBackend:
         self.plan = None
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The torch device that output tensors live on."""
-        from speculum.backends.jax.convert import torch_device_of
         return torch_device_of(self.jax_device)
 
     def load_model(self, path: Path, role: str = "target", max_model_len: int | None = None,
@@ -125,7 +126,7 @@ class JaxBackend:
         """Bytes for KV: ``kv_cache_memory`` if set, else what the device allows, capped at ``cap``."""
         if self.kv_cache_memory is not None:
             return int(self.kv_cache_memory)
-        stats = self.jax_device.memory_stats() if self.jax_device.platform == "gpu" else None
+        stats = self.jax_device.memory_stats() if is_gpu(self.jax_device) else None
         if not stats:
             return min(CPU_DEFAULT_KV_BYTES, cap or CPU_DEFAULT_KV_BYTES)
         # weights are loaded by now, so they are in ``bytes_in_use``

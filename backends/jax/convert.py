@@ -13,22 +13,31 @@ import numpy as np
 import torch
 
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def is_gpu(device: jax.Device) -> bool:
+    return device.platform in GPU_PLATFORMS
+
+
 def torch_device_of(device: jax.Device) -> torch.device:
     """The torch device that can view ``device``'s buffers (CPU when torch lacks CUDA)."""
-    if device.platform == "gpu" and torch.cuda.is_available():
+    if is_gpu(device) and torch.cuda.is_available():
         return torch.device("cuda", device.id)
     return torch.device("cpu")
 
 
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype of a JAX (numpy-style) dtype."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[jnp.dtype(dtype).name]
+
+
 def to_torch(x: jax.Array, device: torch.device) -> torch.Tensor:
     """A torch view of ``x`` (a copy only when ``x`` lives where ``device`` cannot see it)."""
-    if _platform(x) == ("cpu" if device.type == "cpu" else "gpu"):
+    on_gpu = is_gpu(next(iter(x.devices())))
+    if on_gpu == (device.type == "cuda"):
         return torch.from_dlpack(x)
     return torch.from_numpy(np.asarray(x)).to(device)
-
-
-def _platform(x: jax.Array) -> str:
-    return next(iter(x.devices())).platform
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:

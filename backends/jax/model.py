@@ -34,7 +34,7 @@ Params = dict[str, Any]
 
 @attrs.frozen
 class ModelShape:
-    """The static (hashable) facts a compiled step depends on."""
+    """The static (hashable) facts a compiled step depends on (besides its array shapes)."""
 
     num_layers: int
     num_heads: int
@@ -42,16 +42,14 @@ class ModelShape:
     head_dim: int
     rms_eps: float
     qk_norm: bool
-    # KV slots of each pool (num_blocks * block_size)
-    slots: int
     block_size: int
     # fp32 matmuls at full precision (no TF32 on GPUs), like torch's default
     exact_fp32: bool
 
     @classmethod
-    def of(cls, arch: LlamaArch, slots: int, block_size: int, dtype) -> "ModelShape":
+    def of(cls, arch: LlamaArch, block_size: int, dtype) -> "ModelShape":
         return cls(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, float(arch.rms_eps),
-                   arch.qk_norm, slots, block_size, jnp.dtype(dtype) == jnp.float32)
+                   arch.qk_norm, block_size, jnp.dtype(dtype) == jnp.float32)
 
 
 def rope_inv_freq(arch: LlamaArch) -> np.ndarray:

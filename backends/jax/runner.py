@@ -21,7 +21,7 @@ import torch
 
 from speculum.backends.jax import model as M
 from speculum.backends.jax.checkpoint import LlamaArch
-from speculum.backends.jax.convert import host_ints, to_torch, torch_device_of
+from speculum.backends.jax.convert import host_ints, to_torch, torch_device_of, torch_dtype
 from speculum.interfaces import ForwardOutput
 from speculum.kv import PagedKVAllocator
 
@@ -87,7 +87,7 @@ class JaxRunner:
         self.block_size = allocator.block_size
         slots = allocator.num_blocks * allocator.block_size
         a = self.arch
-        self.shape = M.ModelShape.of(a, slots, allocator.block_size, self.jax_dtype)
+        self.shape = M.ModelShape.of(a, allocator.block_size, self.jax_dtype)
         pool = (slots, a.num_kv_heads, a.head_dim)
         self.k_pools = self.v_pools = None  # free the old pools first
         with jax.default_device(self.jax_device):
@@ -143,7 +143,7 @@ class JaxRunner:
                 for layer, h in out.hidden_states.items():  # [rows, q, H]
                     for r, (sid, toks) in enumerate(part):
                         parts[sid][layer].append(h[r, : len(toks)])
-        empty = torch.empty(0, self.hidden_size, dtype=self._torch_dtype(), device=self.device)
+        empty = torch.empty(0, self.hidden_size, dtype=torch_dtype(self.jax_dtype), device=self.device)
         return {sid: {l: torch.cat(hs) if hs else empty for l, hs in d.items()} for sid, d in parts.items()}
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
@@ -187,6 +187,3 @@ class JaxRunner:
         out_logits = to_torch(logits, self.device)[:B, :q] if logits is not None else None
         return ForwardOutput(logits=out_logits,
                              hidden_states={l: to_torch(h, self.device)[:B, :q] for l, h in hidden.items()})
-
-    def _torch_dtype(self) -> torch.dtype:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.jax_dtype.name]
