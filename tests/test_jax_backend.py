@@ -211,3 +211,15 @@ def test_bench_backends_runs_the_same_code_on_both(tiny_llama, tmp_path, capsys,
         assert jax_run["tokens_per_s"] > 0 and jax_run["first_pass_s"] > 0 and "token_ids" not in jax_run
     printed = capsys.readouterr().out
     assert "torch tok/s" in printed and "jax/torch" in printed
+
+
+def test_capture_compiles_ahead_and_leaves_the_cache_alone(tiny_llama):
+    tr, jr = runners(tiny_llama)
+    tr.add(0, [5, 6, 7, 8])
+    jr.add(0, [5, 6, 7, 8])
+    assert jr.capture([1, 3], [1, 4], max_block_buckets=1) == 4  # rows 1 and 4, queries 1 and 4
+    assert {(1, 1, 16, (), True), (4, 4, 16, (), True)} <= jr.step_shapes
+    assert jr.capture([1], [1], max_block_buckets=1) == 0
+    ids = torch.tensor([[9, 10]])
+    torch.testing.assert_close(jr.forward([0], ids, [2]).logits, tr.forward([0], ids, [2]).logits,
+                               rtol=1e-4, atol=1e-4)

@@ -162,6 +162,31 @@ class JaxRunner:
     def remove(self, seq_id: int) -> None:
         self._alloc().free(seq_id)
 
+    def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int], max_block_buckets: int | None = None,
+                hidden_layers: Sequence[int] = ()) -> int:
+        """Compile decode / verify steps ahead of time (what CUDA graph capture is to the torch
+        runner); returns how many new shapes were compiled. Other shapes compile the first
+        time they occur. The warm-up steps write only into the scratch block."""
+        alloc = self._alloc()
+        n = 0
+        for B in sorted({bucket(b, BATCH_BUCKETS) for b in batch_sizes}):
+            for q in sorted({query_bucket(q) for q in query_lens}):
+                for nb in self._block_buckets[:max_block_buckets]:
+                    key = (B, q, nb, tuple(hidden_layers), True)
+                    if key in self.step_shapes:
+                        continue
+                    self.step_shapes.add(key)
+                    # padding rows only: positions 0..q-1, written into block 0 (scratch)
+                    pos = np.tile(np.arange(q, dtype=np.int32), (B, 1))
+                    meta = np.concatenate([np.zeros(B * q, np.int32), pos.ravel(), (pos % alloc.block_size).ravel(),
+                                           np.zeros(B * nb, np.int32)])
+                    logits, _, self.k_pools, self.v_pools = M.forward(
+                        self.params, self.k_pools, self.v_pools, meta, shape=self.shape, B=B, q=q, nb=nb,
+                        hidden_layers=tuple(hidden_layers), compute_logits=True)
+                    logits.block_until_ready()
+                    n += 1
+        return n
+
     # -- one padded step ------------------------------------------------------------------
     def _run(self, seq_ids, ids: np.ndarray, num_tokens: list[int], hidden_layers: tuple[int, ...],
              compute_logits: bool, prefill: bool) -> ForwardOutput:
