@@ -256,8 +256,8 @@ def test_method_for_another_backend_names_supported_backends(tiny_llama):
 
 
 def test_unknown_backend(tiny_llama):
-    with pytest.raises(ConfigError, match=r"unknown backend 'jax'; installed backends: .*torch"):
-        _llm(tiny_llama, {"method": "jaxonly", "num_speculative_tokens": 3}, backend="jax")
+    with pytest.raises(ConfigError, match=r"unknown backend 'nope'; installed backends: .*torch"):
+        _llm(tiny_llama, {"method": "jaxonly", "num_speculative_tokens": 3}, backend="nope")
 
 
 def test_plugin_options_unknown_key_lists_valid_options(tiny_llama):

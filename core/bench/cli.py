@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 #: further ``speculum bench`` subcommands: modules with ``add_parser(bench_subparsers)``
-OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step", "speculum.bench.soak")
+OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step", "speculum.bench.soak",
+                  "speculum.bench.backends")
 
 
 def _rate(text: str) -> float:
