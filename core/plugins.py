@@ -1,7 +1,7 @@
 """The plugin manager and the registry it fills.
 
 ``make_plugin_manager()`` builds a pluggy manager with the built-in plugins (default
-verifiers and the torch backend) and every installed ``speculum`` entry point, minus those
+verifiers, the torch backend and the JAX backend) and every installed ``speculum`` entry point, minus those
 named in ``SPECULUM_DISABLE_PLUGINS`` (comma separated). ``build_registry()`` then calls
 the register hooks once and returns a :class:`Registry`.
 """
@@ -24,7 +24,8 @@ from speculum.errors import ConfigError, PluginError
 log = logging.getLogger(__name__)
 
 #: Modules registered as plugins before any entry point (pytest's default_plugins).
-DEFAULT_PLUGINS = ("speculum.verifiers", "speculum.backends.torch", "speculum.train")
+#: ``speculum.backends.jax`` imports JAX only when its backend or verifiers are built.
+DEFAULT_PLUGINS = ("speculum.verifiers", "speculum.backends.torch", "speculum.backends.jax", "speculum.train")
 ENTRY_POINT_GROUP = "speculum"
 
 

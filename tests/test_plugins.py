@@ -306,7 +306,8 @@ def test_third_party_verifier(tiny_llama, baseline):
     reg = llm.registry
     assert reg.verifiers["counting_greedy"].lossless and not reg.verifiers["sloppy"].lossless
     assert reg.verifiers["counting_greedy"].plugin.name == "VerifierPlugin"
-    with pytest.raises(ConfigError, match="installed verifiers: block, counting_greedy, greedy, rejection_sampler, sloppy"):
+    with pytest.raises(ConfigError, match="installed verifiers: block, counting_greedy, greedy, greedy_jax, "
+                                          "rejection_sampler, rejection_sampler_jax, sloppy"):
         reg.verifier("nope")
 
 
@@ -318,7 +319,7 @@ def test_third_party_backend(tiny_llama, baseline):
     with pytest.raises(ConfigError, match="method 'ngram' .* has no implementation for backend 'counting_torch'"):
         make_llm(tiny_llama, {"method": "ngram", "num_speculative_tokens": 2}, backend="counting_torch",
                  plugins=[BackendPlugin])
-    with pytest.raises(ConfigError, match="unknown backend 'nope'; installed backends: counting_torch, torch"):
+    with pytest.raises(ConfigError, match="unknown backend 'nope'; installed backends: counting_torch, jax, torch"):
         make_llm(tiny_llama, backend="nope", plugins=[BackendPlugin])
 
 
@@ -363,10 +364,14 @@ def test_disable_ngram(monkeypatch, tiny_llama):
     assert reg.methods == {}
     with pytest.raises(ConfigError, match=r"installed methods: \(none\)"):
         reg.method("ngram", "torch")
-    assert reg.verifiers.keys() == {"rejection_sampler", "block", "greedy"}  # the built-ins only
+    # the built-ins only (verifier plugins such as typical_acceptance are entry points)
+    assert reg.verifiers.keys() == {"rejection_sampler", "block", "greedy", "rejection_sampler_jax", "greedy_jax"}
     # built-ins can be disabled by module name too (and then are missing)
     monkeypatch.setenv("SPECULUM_DISABLE_PLUGINS", ",".join(["speculum.verifiers", *sorted(every)]))
-    assert build_registry().verifiers == {}
+    assert set(build_registry().verifiers) == {"rejection_sampler_jax", "greedy_jax"}  # the JAX backend's
+    monkeypatch.setenv("SPECULUM_DISABLE_PLUGINS", ",".join(["speculum.verifiers", "speculum.backends.jax", *sorted(every)]))
+    reg = build_registry()
+    assert reg.verifiers == {} and "jax" not in reg.backends
 
 
 def test_registry_reports_distributions(monkeypatch):

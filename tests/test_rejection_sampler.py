@@ -30,6 +30,10 @@ or 44.3 (15, V = 16), so the power is 1 to many decimals. The test computes it w
 noncentral chi-square and asserts both power > 0.999 and that the wrong sampler is in
 fact rejected (p < 1e-4). The cases used here have TV 0.17 (draft probabilities) and
 0.23 (one-hot drafts).
+
+Every test runs against both implementations (the ``impl`` fixture): the torch verifiers
+and their jax.numpy twins (:mod:`speculum.backends.jax.verifiers`, skipped when JAX is not
+installed), with the same N, the same checks and so the same power.
 """
 
 from __future__ import annotations
@@ -43,10 +47,38 @@ from speculum.interfaces import Draft
 from speculum.sampling import SamplingBatch, SamplingParams, make_generator, processed_probs
 from speculum.verifiers import GreedyVerifier, RejectionSampler, greedy_verify, rejection_sample
 
+try:
+    import jax  # noqa: F401
+except ImportError:  # the jax parameter is then skipped
+    jax = None
+
 ALPHA = 1e-4  # false-alarm rate of every goodness-of-fit check
 N = 100_000  # rows (independent verification steps) per statistical test
 K = 3  # draft positions
 V = 12  # vocabulary
+
+
+# -------------------------------------------------------------------- implementations
+class Impl:
+    """One implementation of the verifiers, with torch tensors in and out."""
+
+    def __init__(self, name, rejection_sample, greedy_verify, RejectionSampler, GreedyVerifier, processed_probs):
+        self.name = name
+        self.rejection_sample = rejection_sample
+        self.greedy_verify = greedy_verify
+        self.RejectionSampler = RejectionSampler
+        self.GreedyVerifier = GreedyVerifier
+        self.processed_probs = processed_probs
+
+
+@pytest.fixture(params=["torch", pytest.param("jax", marks=pytest.mark.skipif(jax is None, reason="JAX not installed"))])
+def impl(request) -> Impl:
+    if request.param == "torch":
+        return Impl("torch", rejection_sample, greedy_verify, RejectionSampler, GreedyVerifier, processed_probs)
+    from speculum.backends.jax import sampling as jsampling
+    from speculum.backends.jax import verifiers as jv
+    return Impl("jax", jv.rejection_sample, jv.greedy_verify, jv.JaxRejectionSampler, jv.JaxGreedyVerifier,
+                jsampling.processed_probs_torch)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -178,13 +210,13 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------- sampled: with draft probabilities
-def test_rejection_sample_with_draft_probs_is_exact():
+def test_rejection_sample_with_draft_probs_is_exact(impl):
     """Drafts x_i ~ q_i with q given, temperature 1: every position follows p_i."""
     tl, dl = fixed_case(1234)
     p, q = tl.softmax(-1), dl.softmax(-1)
     gen = torch.Generator().manual_seed(1)
     drafts = draw_drafts(q, N, gen)
-    verdict = rejection_sample(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, gen)
+    verdict = impl.rejection_sample(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, gen)
     check_structure(verdict, drafts)
     check_positions(verdict, p)  # positions 0..K, K being the bonus token
     check_acceptance(verdict, drafts, alpha_of(p, q))
@@ -194,7 +226,7 @@ def test_rejection_sample_with_draft_probs_is_exact():
     assert abs(rate0 - a0) < 5 * (a0 * (1 - a0) / N) ** 0.5
 
 
-def test_wrong_residual_is_detected_power():
+def test_wrong_residual_is_detected_power(impl):
     """Power: the same check rejects resampling from p after a rejection.
 
     TV(wrong output, p) is computed analytically (>= 0.05 required); with N = 1e5 the
@@ -207,7 +239,7 @@ def test_wrong_residual_is_detected_power():
     assert chisq_power(p[0], w, N) > 0.999
     gen = torch.Generator().manual_seed(2)
     drafts = draw_drafts(q, N, gen)
-    wrong = rejection_sample(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, gen, residual="p")
+    wrong = impl.rejection_sample(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, gen, residual="p")
     # its output really follows w (the analysis above is right) ...
     assert gof_pvalue(wrong.token_ids[:, 0], w) > ALPHA
     # ... and the test for p rejects it
@@ -215,7 +247,7 @@ def test_wrong_residual_is_detected_power():
     assert pval < ALPHA, f"the wrong residual was not detected (p-value {pval:.2e})"
 
 
-def test_padded_drafts_are_exact():
+def test_padded_drafts_are_exact(impl):
     """Rows with fewer drafts (-1 padded): no draft means no residual, just p_i."""
     tl, dl = fixed_case(99)
     p, q = tl.softmax(-1), dl.softmax(-1)
@@ -223,7 +255,7 @@ def test_padded_drafts_are_exact():
     drafts = draw_drafts(q, N, gen)
     n_draft = torch.randint(0, K + 1, (N,), generator=gen)
     drafts = torch.where(torch.arange(K).view(1, -1) < n_draft.view(-1, 1), drafts, -1)
-    verdict = rejection_sample(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, gen)
+    verdict = impl.rejection_sample(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, gen)
     check_structure(verdict, drafts)
     check_positions(verdict, p)
     check_acceptance(verdict, drafts, alpha_of(p, q))
@@ -234,7 +266,7 @@ def test_padded_drafts_are_exact():
 
 
 # -------------------------------------------------- sampled: no draft probabilities (one-hot)
-def test_one_hot_drafts_are_exact_and_wrong_residual_detected():
+def test_one_hot_drafts_are_exact_and_wrong_residual_detected(impl):
     """probs=None: a deterministic draft d counts as q = one-hot(d).
 
     Drafts are fixed per position (draft argmax, as a greedy-drafting model would give).
@@ -246,7 +278,7 @@ def test_one_hot_drafts_are_exact_and_wrong_residual_detected():
     d = dl.argmax(-1)  # [K]
     drafts = d.view(1, K).expand(N, K).contiguous()
     gen = torch.Generator().manual_seed(4)
-    verdict = rejection_sample(p.expand(N, -1, -1), None, drafts, gen)
+    verdict = impl.rejection_sample(p.expand(N, -1, -1), None, drafts, gen)
     check_structure(verdict, drafts)
     check_positions(verdict, p)
     onehot = torch.nn.functional.one_hot(d, V).double()
@@ -257,11 +289,11 @@ def test_one_hot_drafts_are_exact_and_wrong_residual_detected():
     assert tv(w, p[0]) == pytest.approx(pd * (1 - pd))
     assert tv(w, p[0]) >= 0.05
     assert chisq_power(p[0], w, N) > 0.999
-    wrong = rejection_sample(p.expand(N, -1, -1), None, drafts, torch.Generator().manual_seed(5), residual="p")
+    wrong = impl.rejection_sample(p.expand(N, -1, -1), None, drafts, torch.Generator().manual_seed(5), residual="p")
     assert gof_pvalue(wrong.token_ids[:, 0], p[0]) < ALPHA
 
 
-def test_one_hot_drafts_varying_per_row():
+def test_one_hot_drafts_varying_per_row(impl):
     """probs=None with a different (deterministic) draft token per row.
 
     Conditional on its draft d, each row must emit p_0; the chi-square statistics of the
@@ -271,7 +303,7 @@ def test_one_hot_drafts_varying_per_row():
     p = tl.softmax(-1)
     rows = torch.arange(N)
     drafts = torch.stack([(rows * 7 + i) % V for i in range(K)], dim=1)
-    verdict = rejection_sample(p.expand(N, -1, -1), None, drafts, torch.Generator().manual_seed(6))
+    verdict = impl.rejection_sample(p.expand(N, -1, -1), None, drafts, torch.Generator().manual_seed(6))
     check_structure(verdict, drafts)
     total, df = 0.0, 0
     for tok in range(V):
@@ -314,10 +346,10 @@ FILTERS = [
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", FILTERS)
-def test_processed_probs_matches_reference(temperature, top_k, top_p):
+def test_processed_probs_matches_reference(impl, temperature, top_k, top_p):
     tl, _ = fixed_case(2024, v=16)
     B = tl.shape[0]
-    got = processed_probs(tl.unsqueeze(0), torch.tensor([temperature]), torch.tensor([top_k]),
+    got = impl.processed_probs(tl.unsqueeze(0), torch.tensor([temperature]), torch.tensor([top_k]),
                           torch.tensor([top_p]))[0]
     np.testing.assert_allclose(got.double().numpy(), _reference_probs(tl, temperature, top_k, top_p),
                                atol=1e-6)
@@ -327,7 +359,7 @@ def test_processed_probs_matches_reference(temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", FILTERS)
-def test_verify_with_temperature_top_k_top_p_is_exact(temperature, top_k, top_p):
+def test_verify_with_temperature_top_k_top_p_is_exact(impl, temperature, top_k, top_p):
     """The whole path: logits -> processed_probs (target) -> rejection sampling.
 
     The draft distribution is processed identically (as the engine does) and the drafts
@@ -344,7 +376,7 @@ def test_verify_with_temperature_top_k_top_p_is_exact(temperature, top_k, top_p)
     gen = torch.Generator().manual_seed(7)
     drafts = draw_drafts(q, N, gen)
     sampling = SamplingBatch.from_tensors(temp, tk, tp, gen)
-    verdict = RejectionSampler().verify(tl.expand(N, -1, -1), Draft(drafts, q.expand(N, -1, -1)), sampling)
+    verdict = impl.RejectionSampler().verify(tl.expand(N, -1, -1), Draft(drafts, q.expand(N, -1, -1)), sampling)
     check_structure(verdict, drafts)
     check_positions(verdict, p)
     check_acceptance(verdict, drafts, alpha_of(p, q))
@@ -359,7 +391,7 @@ def _greedy_logits() -> tuple[torch.Tensor, torch.Tensor]:
     return logits.unsqueeze(0), am
 
 
-def test_greedy_verify_longest_matching_prefix_and_padding():
+def test_greedy_verify_longest_matching_prefix_and_padding(impl):
     logits, am = _greedy_logits()
     drafts = torch.tensor([
         [2, 5, 0],    # all match -> 3 accepted + bonus argmax
@@ -371,7 +403,7 @@ def test_greedy_verify_longest_matching_prefix_and_padding():
         [2, 5, 1],    # mismatch at the last draft
     ])
     B = drafts.shape[0]
-    v = greedy_verify(logits.expand(B, -1, -1), drafts)
+    v = impl.greedy_verify(logits.expand(B, -1, -1), drafts)
     assert v.num_accepted.tolist() == [3, 1, 0, 1, 1, 0, 2]
     assert v.token_ids.tolist() == [
         [2, 5, 0, 3],
@@ -384,27 +416,27 @@ def test_greedy_verify_longest_matching_prefix_and_padding():
     ]
     check_structure(v, drafts)
     # no drafts at all (k = 0): the argmax only
-    v0 = greedy_verify(logits[:, :1].expand(2, -1, -1), torch.empty(2, 0, dtype=torch.int64))
+    v0 = impl.greedy_verify(logits[:, :1].expand(2, -1, -1), torch.empty(2, 0, dtype=torch.int64))
     assert v0.token_ids.tolist() == [[2], [2]] and v0.num_accepted.tolist() == [0, 0]
 
 
-def test_greedy_verifier_and_all_greedy_rejection_sampler():
+def test_greedy_verifier_and_all_greedy_rejection_sampler(impl):
     logits, _ = _greedy_logits()
     drafts = torch.tensor([[2, 5, 0], [2, 1, 0], [-1, -1, -1]])
     B = drafts.shape[0]
     tl = logits.expand(B, -1, -1)
     ref = greedy_verify(tl, drafts)
     greedy = SamplingBatch.from_params([SamplingParams(temperature=0)] * B, [None] * B)
-    for verifier in (GreedyVerifier(), RejectionSampler()):
+    for verifier in (impl.GreedyVerifier(), impl.RejectionSampler()):
         for probs in (None, torch.full((B, 3, 6), 1 / 6)):
             v = verifier.verify(tl, Draft(drafts, probs), greedy)
             assert torch.equal(v.token_ids, ref.token_ids) and torch.equal(v.num_accepted, ref.num_accepted)
     sampled = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * B, [make_generator(0)] * B)
     with pytest.raises(ValueError, match="temperature 0"):
-        GreedyVerifier().verify(tl, Draft(drafts), sampled)
+        impl.GreedyVerifier().verify(tl, Draft(drafts), sampled)
 
 
-def test_mixed_greedy_and_sampled_rows():
+def test_mixed_greedy_and_sampled_rows(impl):
     """One verify call, half the rows greedy: those equal greedy_verify exactly, the
     sampled rows still follow p."""
     tl, dl = fixed_case(555)
@@ -422,7 +454,7 @@ def test_mixed_greedy_and_sampled_rows():
     sampling = SamplingBatch.from_tensors(
         torch.where(greedy_rows, 0.0, 1.0), torch.zeros(N, dtype=torch.int64), torch.ones(N), gen)
     q_rows = q.expand(N, -1, -1)
-    verdict = RejectionSampler().verify(tl.expand(N, -1, -1), Draft(drafts, q_rows), sampling)
+    verdict = impl.RejectionSampler().verify(tl.expand(N, -1, -1), Draft(drafts, q_rows), sampling)
     check_structure(verdict, drafts)
     g = greedy_verify(tl.expand(N, -1, -1)[greedy_rows], drafts[greedy_rows])
     assert torch.equal(verdict.token_ids[greedy_rows], g.token_ids)
@@ -435,7 +467,7 @@ def test_mixed_greedy_and_sampled_rows():
 
 
 # ---------------------------------------------------------------------------- determinism
-def test_same_seed_same_output():
+def test_same_seed_same_output(impl):
     tl, dl = fixed_case(31)
     p, q = tl.softmax(-1), dl.softmax(-1)
     n = 5000
@@ -443,14 +475,14 @@ def test_same_seed_same_output():
     P, Q = p.expand(n, -1, -1), q.expand(n, -1, -1)
 
     def run(seed):
-        return rejection_sample(P, Q, drafts, torch.Generator().manual_seed(seed))
+        return impl.rejection_sample(P, Q, drafts, torch.Generator().manual_seed(seed))
 
     a, b, c = run(11), run(11), run(12)
     assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.num_accepted, b.num_accepted)
     assert not torch.equal(a.token_ids, c.token_ids)
 
 
-def test_per_row_generators_reproducible_and_batch_independent():
+def test_per_row_generators_reproducible_and_batch_independent(impl):
     """Per-request generators: a row's outcome depends on its own seed only, not on the
     other rows of the batch (so seeded requests reproduce under any batching)."""
     tl, dl = fixed_case(32)
@@ -467,11 +499,11 @@ def test_per_row_generators_reproducible_and_batch_independent():
 
     def batch():
         sb = SamplingBatch.from_params(params, [make_generator(s) for s in seeds])
-        return RejectionSampler().verify(tlB, Draft(drafts, q), sb)
+        return impl.RejectionSampler().verify(tlB, Draft(drafts, q), sb)
 
     full, again = batch(), batch()
     assert torch.equal(full.token_ids, again.token_ids) and torch.equal(full.num_accepted, again.num_accepted)
     for b in range(B):
         one = SamplingBatch.from_params([params[b]], [make_generator(seeds[b])])
-        v = RejectionSampler().verify(tlB[b:b + 1], Draft(drafts[b:b + 1], q[b:b + 1]), one)
+        v = impl.RejectionSampler().verify(tlB[b:b + 1], Draft(drafts[b:b + 1], q[b:b + 1]), one)
         assert torch.equal(v.token_ids[0], full.token_ids[b]) and int(v.num_accepted[0]) == int(full.num_accepted[b])

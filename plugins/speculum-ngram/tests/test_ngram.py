@@ -138,4 +138,4 @@ def test_registered_through_the_entry_point():
     from speculum.plugins import build_registry
     spec = build_registry().methods["ngram"]
     assert spec.factory == NgramProposer.from_context
-    assert spec.options is NgramOptions and spec.backends == ("torch",)
+    assert spec.options is NgramOptions and spec.backends == ("torch", "jax")
