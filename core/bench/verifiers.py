@@ -36,7 +36,7 @@ TARGET = "@target"
 def add_parser(sub) -> None:
     p = sub.add_parser("verifiers", help="acceptance rules side by side, sampled: MAL, paired expected "
                                          "acceptance, tokens/s, drift of the output's target log-probability")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="target: transformers directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--method", action="append", default=[], metavar="JSON",
                    help='a speculative config without acceptance_method (repeatable); "model": "@target" means '
                         'the target checkpoint, e.g. \'{"method":"draft_model","model":"@target",'
@@ -45,22 +45,22 @@ def add_parser(sub) -> None:
     p.add_argument("--verifier-options", default=None, metavar="JSON",
                    help='{"verifier name": {options}} for verifiers that take options')
     p.add_argument("--temperature", default="0.7,1.0", help="comma separated temperatures (> 0)")
-    p.add_argument("--prompts-per-category", type=int, default=2)
+    p.add_argument("--prompts-per-category", type=int, default=2, help="MT-bench questions per category")
     p.add_argument("--categories", default=None, help="comma separated (default: all)")
     p.add_argument("--samples", type=int, default=1, help="sampled answers per prompt (seeds differ)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (max_num_seqs)")
     p.add_argument("--seed", type=int, default=0, help="request i, sample s gets seed + i * samples + s")
     p.add_argument("--logprobs", action="store_true", help="teacher-force the target over every output: drift tests")
     p.add_argument("--reference", default="rejection_sampler", help="the verifier drift is measured against")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--runner", default=None, help="auto, native or hf")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the CPUs not busy with other processes)")
     p.add_argument("--mt-bench", default=None, help="MT-bench JSONL (default: the shipped MT-bench questions)")
-    p.add_argument("--json", default="results/bench_verifiers.json")
+    p.add_argument("--json", default="results/bench_verifiers.json", help="where the results go")
     p.set_defaults(func=run)
 
 
