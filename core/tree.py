@@ -61,9 +61,9 @@ def columns_of(depth: torch.Tensor, ancestors: torch.Tensor, q: int) -> tuple[to
     vis[:, 1: N + 1, 1: N + 1] = ancestors
     cdepth = torch.zeros(B, q, dtype=torch.int64, device=ancestors.device)
     cdepth[:, 1: N + 1] = depth
-    if q > N + 1:  # padding columns: see themselves only
-        pad = torch.arange(N + 1, q, device=ancestors.device)
-        vis[:, pad, pad] = True
+    if q > N + 1:  # padding columns: see themselves only (no indexed write: graph-capture safe)
+        cols = torch.arange(q, device=ancestors.device)
+        vis |= torch.diag_embed(cols >= N + 1).unsqueeze(0)
     return cdepth, vis
 
 

@@ -216,8 +216,9 @@ class HeadExpander:
         src = self.h_root.unsqueeze(1) if level == 1 else self.prev
         feats = src.gather(1, parent.unsqueeze(-1).expand(B, F, src.shape[-1]))  # the parent's output
         pos = (self.root_pos + level).view(B, 1).expand(B, F)
-        own = torch.zeros(F, vis.shape[-1], dtype=torch.bool, device=self.device)
-        own[torch.arange(F, device=self.device), slots] = True
+        # own[i, slots[i]] by comparison (an indexed write of True would copy from the host,
+        # which a CUDA graph capture refuses)
+        own = torch.arange(vis.shape[-1], device=self.device).view(1, -1) == slots.view(F, 1)
         mask = tree_attention_mask(self.read.shape[1], self.region_start, vis | own)
         ctx = PagedContext(self.pools, self.region_wsl[:, slots], self.read, mask)
         self.prev = self.head(feats, tokens, pos, ctx)

@@ -140,8 +140,9 @@ def dynamic_tree(ex: Expander, spec: TreeSpec) -> tuple[torch.Tensor, torch.Tens
         parents.append(f_cand.repeat_interleave(K, dim=1))
         f_score, top = cum.topk(K, dim=-1)
         pj = top // K  # which frontier node each new frontier node descends from
-        own = torch.zeros(K, S, dtype=torch.bool, device=dev)
-        own[torch.arange(K, device=dev), slots] = True
+        # own[i, slots[i]]: built by comparison, not by an indexed write of a Python scalar
+        # (that copies a CPU tensor, which a CUDA graph capture refuses)
+        own = torch.arange(S, device=dev).view(1, S) == slots.view(K, 1)
         vis = (vis | own).gather(1, pj.unsqueeze(-1).expand(R, K, S))
         f_parent, f_tok, f_cand = pj, cid.gather(1, top), base + top
         base += K * K

@@ -27,18 +27,18 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("backends", help="tokens/s of the same LLM(...) code on several backends (torch, jax)")
     p.add_argument("--backend", default="torch,jax", help="comma separated backends (default: torch,jax)")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--method", action="append", default=[], metavar="JSON",
                    help='a speculative config (repeatable), e.g. \'{"method":"ngram","num_speculative_tokens":4}\'')
     p.add_argument("--num-prompts", type=int, default=10, help="MT-bench questions (first turns), in order")
     p.add_argument("--dataset", default=None, metavar="JSONL", help="prompts instead of MT-bench")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
     p.add_argument("--batch-size", type=int, default=1, help="max_num_seqs")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on a GPU), float32, bfloat16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--separate-processes", action="store_true",
                    help="run each backend in a fresh process (cleanest on a GPU shared by torch and JAX)")
-    p.add_argument("--json", default="results/bench_backends.json")
+    p.add_argument("--json", default="results/bench_backends.json", help="where the JSON goes")
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # one backend's raw runs
     p.set_defaults(func=run)
 

@@ -124,18 +124,31 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
             warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
-            after: Callable[[Any, MethodResult], Any] | None = None) -> list[MethodResult]:
+            after: Callable[[Any, MethodResult], Any] | None = None,
+            errors: list | None = None) -> list[MethodResult]:
     """Baseline (no speculation) first, then each config; one engine at a time.
-    ``after(llm, result)`` runs once a config is measured, before its engine goes."""
+    ``after(llm, result)`` runs once a config is measured, before its engine goes.
+    With ``errors`` (a list), a config that fails is recorded there as (config, message)
+    and the comparison goes on with the next one (a long benchmark is not lost to one
+    broken method); without it the error propagates."""
     results = []
     warm = [p for ps in groups.values() for p in ps][:1]
     for cfg in [None] + [c for c in configs if c is not None]:
-        llm = make_llm(cfg)
-        llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
-        resolved = llm.speculative_config.method if llm.speculative_config else None
-        results.append(run_method(llm, groups, params, method_name(cfg, resolved), cfg, progress))
-        if after is not None:
-            after(llm, results[-1])
+        llm = None
+        try:
+            llm = make_llm(cfg)
+            llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
+            resolved = llm.speculative_config.method if llm.speculative_config else None
+            results.append(run_method(llm, groups, params, method_name(cfg, resolved), cfg, progress))
+            if after is not None:
+                after(llm, results[-1])
+        except Exception as exc:
+            if errors is None or cfg is None:
+                raise
+            import traceback
+            errors.append((cfg, f"{type(exc).__name__}: {exc}"))
+            print(f"bench: {cfg} failed, skipped: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                  file=__import__("sys").stderr, flush=True)
         del llm
         gc.collect()
         if torch.cuda.is_available():

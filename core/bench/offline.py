@@ -64,15 +64,20 @@ def run(args) -> int:
         devices.append((str(llm.backend.device), llm.threads.threads))
         return llm
 
-    after = None
+    done: list = []
+    profile = None
     if args.profile:
-        from speculum.bench.step_profile import profile_steps
+        from speculum.bench.step_profile import profile_steps as profile
 
-        def after(llm, result):
-            result.extra["profile"] = profile_steps(llm, [ps[0] for ps in groups.values()], params)
+    def after(llm, result):
+        if profile is not None:
+            result.extra["profile"] = profile(llm, [ps[0] for ps in groups.values()], params)
+        done.append(result)  # the JSON so far, so a run cut short keeps what it measured
+        _write(args, done, devices, partial=True)
 
+    errors: list = []  # a method that fails is reported and skipped: the others' figures stand
     results = methods.compare([json.loads(m) for m in args.method], groups, params, make, warmup_tokens=32,
-                              after=after)
+                              after=after, errors=errors)
     print(methods.table(results))
     if args.profile:
         from speculum.bench.step_profile import profile_table
@@ -80,13 +85,21 @@ def run(args) -> int:
     base = results[0]
     for r in results[1:]:
         print(methods.diagnose(base, r))
+    _write(args, results, devices, errors=errors)
+    for c, e in errors:
+        print(f"FAILED {json.dumps(c)}: {e}")
+    print(f"wrote {args.json}")
+    return 1 if errors else 0
+
+
+def _write(args, results, devices, errors=(), partial: bool = False) -> None:
     device, threads = devices[0]
+    base = results[0]
     report = {"device": device, "threads": threads,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
               "batch_size": args.batch_size, "max_tokens": args.max_tokens,
-              "prompts_per_category": args.prompts_per_category,
-              "results": [r.as_dict(base) for r in results]}
+              "prompts_per_category": args.prompts_per_category, "partial": partial,
+              "results": [r.as_dict(base) for r in results],
+              "failed": [{"config": c, "error": e} for c, e in errors]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
-    return 0
