@@ -56,9 +56,17 @@ def test_drift_tests_see_a_shift_and_not_noise():
     shifted = [[rng.gauss(-1.4, 1.0) for _ in range(40)] for _ in range(64)]
     d = drift(same, ref)
     assert d["positions_tested"] == 40 and d["positions_p_below_0.05"] <= 8 and d["sequence_mean_p"] > 1e-3
+    assert d["paired_wilcoxon_p"] > 1e-3
     d = drift(shifted, ref)
     assert d["positions_p_below_0.05"] >= 20 and d["sequence_mean_p"] < 1e-6
     assert all(x > 0 for x in d["per_position_mean_diff"])
+    assert d["paired_wilcoxon_p"] < 1e-6 and abs(d["paired_sequence_mean_diff"] - 0.6) < 4 * d["paired_sequence_mean_diff_se"]
+    # pairing removes the spread between prompts: a prompt effect shared by both runs
+    prompt = [rng.gauss(0, 3) for _ in range(64)]
+    base = [[prompt[i] + rng.gauss(-2.0, 1.0) for _ in range(40)] for i in range(64)]
+    up = [[prompt[i] + rng.gauss(-1.8, 1.0) for _ in range(40)] for i in range(64)]
+    d = drift(up, base)
+    assert d["sequence_mean_p"] > 0.05 and d["paired_wilcoxon_p"] < 1e-3
 
 
 @pytest.mark.real_model

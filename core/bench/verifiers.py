@@ -145,10 +145,13 @@ def _target_logprobs(model_path, outs, temperature: float, device) -> list[list[
 
 
 def drift(lp: list[list[float]], ref: list[list[float]], min_samples: int = 8) -> dict:
-    """Two-sample tests of per-token target log-probabilities against a reference run.
+    """Tests of per-token target log-probabilities against a reference run.
 
-    Per output position ``t`` (the sequences that reached it), Mann-Whitney U; and one
-    test on the per-sequence mean log-probability.
+    Per output position ``t`` (the sequences that reached it), Mann-Whitney U (two
+    samples); on the per-sequence mean log-probability, Mann-Whitney U and, because both
+    runs answer the same requests in the same order (same prompts and seeds), the paired
+    Wilcoxon signed-rank test on the per-request differences, which removes the spread
+    between prompts.
     """
     from scipy import stats
     pvals, diffs = [], []
@@ -159,15 +162,25 @@ def drift(lp: list[list[float]], ref: list[list[float]], min_samples: int = 8) -
             break
         pvals.append(float(stats.mannwhitneyu(a, b, alternative="two-sided").pvalue))
         diffs.append(sum(a) / len(a) - sum(b) / len(b))
-    seq_a = [sum(x) / len(x) for x in lp if x]
-    seq_b = [sum(x) / len(x) for x in ref if x]
-    seq = float(stats.mannwhitneyu(seq_a, seq_b, alternative="two-sided").pvalue) if seq_a and seq_b else None
+    seq_a = [sum(x) / len(x) if x else None for x in lp]
+    seq_b = [sum(x) / len(x) if x else None for x in ref]
+    ua, ub = [v for v in seq_a if v is not None], [v for v in seq_b if v is not None]
+    seq = float(stats.mannwhitneyu(ua, ub, alternative="two-sided").pvalue) if ua and ub else None
+    pairs = [a - b for a, b in zip(seq_a, seq_b) if a is not None and b is not None]
+    paired = None
+    if len(pairs) >= min_samples and any(pairs):
+        paired = float(stats.wilcoxon(pairs).pvalue)
     n = len(pvals)
+    mean_pair = sum(pairs) / len(pairs) if pairs else None
+    se_pair = (sum((d - mean_pair) ** 2 for d in pairs) / (len(pairs) - 1) / len(pairs)) ** 0.5 \
+        if len(pairs) > 1 else None
     return {"positions_tested": n, "positions_p_below_0.05": sum(p < 0.05 for p in pvals),
             "expected_below_0.05_if_no_drift": 0.05 * n,
             "min_p": min(pvals) if pvals else None,
             "min_p_bonferroni": min(1.0, min(pvals) * n) if pvals else None,
-            "per_position_p": pvals, "per_position_mean_diff": diffs, "sequence_mean_p": seq}
+            "per_position_p": pvals, "per_position_mean_diff": diffs, "sequence_mean_p": seq,
+            "paired_sequence_mean_diff": mean_pair, "paired_sequence_mean_diff_se": se_pair,
+            "paired_wilcoxon_p": paired, "sequence_means": seq_a, "reference_sequence_means": seq_b}
 
 
 def run(args) -> int:
@@ -285,7 +298,8 @@ def _print_table(rows, reference: str) -> None:
     for r in rows:
         d = r.get("drift_vs_reference")
         dtxt = "-" if d is None else (f"{d['positions_p_below_0.05']}/{d['positions_tested']} pos p<.05, "
-                                      f"min p*n {_f(d['min_p_bonferroni'], '.2g')}, seq p {_f(d['sequence_mean_p'], '.2g')}")
+                                      f"min p*n {_f(d['min_p_bonferroni'], '.2g')}, seq p {_f(d['sequence_mean_p'], '.2g')}, "
+                                      f"paired {_f(d['paired_sequence_mean_diff'], '+.3f')} p {_f(d['paired_wilcoxon_p'], '.2g')}")
         lossy = "" if r["lossless"] else " (LOSSY)"
         print(f"{r['method']:<18}{r['temperature']:>5.2f}  {(r['verifier'] + lossy):<27}"
               f"{_f(r['mean_acceptance_length'], '.3f'):>6}{_f(r['draft_acceptance_rate'], '.3f'):>7}"

@@ -10,7 +10,7 @@ import torch
 from speculum.interfaces import Draft, Verdict
 from speculum.sampling import SamplingBatch
 from speculum.verifiers import verify_sampled
-from speculum_typical_acceptance.rule import typical_accept
+from speculum_typical_acceptance.rule import typical_accept, typical_accept_tree
 
 
 def _open_unit(_inst, attribute, value):
@@ -41,8 +41,8 @@ class TypicalAcceptanceVerifier:
     """
 
     lossless = False
-    #: token trees: not yet (the longest accepted path, ties by likelihood; see rule.py)
-    supports_trees = False
+    #: token trees: the deepest path whose every node passes, ties by likelihood (rule.py)
+    supports_trees = True
 
     def __init__(self, options: TypicalAcceptanceOptions | None = None):
         self.options = options or TypicalAcceptanceOptions()
@@ -51,7 +51,29 @@ class TypicalAcceptanceVerifier:
                                        posterior_alpha=o.posterior_alpha)
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
+        if draft.tree is not None:
+            return self._verify_tree(target_logits, draft, sampling)
         return verify_sampled(self._rule, target_logits, draft, sampling)
+
+    def _verify_tree(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
+        """Greedy rows take the argmax path (what the rule is at temperature 0)."""
+        from speculum.sampling import processed_probs
+        from speculum.verifiers.tree import tree_greedy_verify
+        if sampling.all_greedy:
+            return tree_greedy_verify(target_logits, draft.token_ids, draft.tree)
+        flags = sampling.flags(target_logits.shape[-1])
+        p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
+        o = self.options
+        verdict = typical_accept_tree(p, draft.token_ids, draft.tree, sampling.generators,
+                                      o.posterior_threshold, o.posterior_alpha)
+        greedy_rows = sampling.temperature == 0
+        if bool(greedy_rows.any()):
+            g = tree_greedy_verify(target_logits, draft.token_ids, draft.tree)
+            gr = greedy_rows.view(-1, 1).to(p.device)
+            verdict = Verdict(token_ids=torch.where(gr, g.token_ids, verdict.token_ids),
+                              num_accepted=torch.where(greedy_rows.to(p.device), g.num_accepted, verdict.num_accepted),
+                              path=torch.where(gr, g.path, verdict.path))
+        return verdict
 
 
 def _rule(p, q, draft_ids, generators, posterior_threshold, posterior_alpha) -> Verdict:

@@ -198,3 +198,89 @@ def test_lossy_by_design_a_typical_draft_is_kept_where_rejection_would_often_ref
     v = typical_accept(p, torch.full((1000, 1), 2), torch.Generator().manual_seed(4))
     assert int(v.num_accepted.sum()) == 1000
     assert np.isclose(0.3 * np.exp(-float(entropy(p[0, 0]))), 0.107, atol=1e-3)  # so the ceiling 0.09 applies
+
+
+# ------------------------------------------------------------------ token trees
+def _tree(parents):
+    from speculum.tree import TokenTree
+    return TokenTree(torch.tensor([parents]))
+
+
+def test_chain_as_a_tree_gives_the_chain_verdict():
+    from speculum_typical_acceptance.rule import typical_accept_tree
+    torch.manual_seed(3)
+    for _ in range(20):
+        p = torch.softmax(torch.randn(1, 5, 12) * 2, -1)
+        ids = torch.randint(0, 12, (1, 4))
+        ids[0, :2] = p[0, :2].argmax(-1)  # some accepted prefix
+        chain = typical_accept(p, ids, make_generator(7))
+        tree = typical_accept_tree(p, ids, _tree([-1, 0, 1, 2]), make_generator(7))
+        assert int(chain.num_accepted) == int(tree.num_accepted)
+        assert chain.token_ids.tolist() == tree.token_ids.tolist()
+        n = int(tree.num_accepted)
+        assert tree.path[0, :n].tolist() == list(range(n))
+
+
+def test_tree_keeps_the_deepest_passing_path_ties_by_likelihood():
+    from speculum_typical_acceptance.rule import typical_accept_tree
+    V = 8
+    # root: p(1)=0.5, p(2)=0.3 (both pass), p(3)=0.01 (fails); after node 0 (token 1):
+    # p(4)=0.6 passes; after node 1 (token 2): p(5)=0.9 passes; after node 2 (token 3): all
+    p = torch.zeros(1, 6, V)
+    p[0, 0, 1], p[0, 0, 2], p[0, 0, 3] = 0.5, 0.3, 0.01
+    p[0, 1, 4], p[0, 2, 5], p[0, 3, 6] = 0.6, 0.9, 0.99
+    p[0, :, 0] = 1 - p.sum(-1)[0]  # token 0 takes the rest of each row
+    #          node: 0  1  2  3  4      tokens 1, 2, 3, 4, 5
+    parents = [-1, -1, -1, 0, 1]
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    v = typical_accept_tree(p, ids, _tree(parents), make_generator(0))
+    # depth-2 paths 0->3 (0.5*0.6 = 0.30) and 1->4 (0.3*0.9 = 0.27): the likelier wins
+    assert int(v.num_accepted) == 2 and v.path[0, :2].tolist() == [0, 3]
+    assert v.token_ids[0, :2].tolist() == [1, 4]
+    # make the second likelier: 0.3 * 0.9 against 0.5 * 0.5
+    p2 = p.clone()
+    p2[0, 1, 4], p2[0, 1, 0] = 0.5, 0.5
+    v = typical_accept_tree(p2, ids, _tree(parents), make_generator(0))
+    assert v.path[0, :2].tolist() == [1, 4]
+    # a node under a failing parent never counts, however likely itself
+    v = typical_accept_tree(p, torch.tensor([[3, 7, 7, 6, 7]]), _tree([-1, -1, -1, 0, 1]), make_generator(0))
+    assert int(v.num_accepted) == 0
+
+
+def test_tree_at_temperature_zero_is_the_greedy_tree_rule():
+    from speculum.tree import TokenTree
+    from speculum.verifiers.tree import tree_greedy_verify
+    torch.manual_seed(0)
+    B, N, V = 3, 6, 10
+    logits = torch.randn(B, N + 1, V) * 3
+    parents = torch.tensor([[-1, -1, 0, 0, 2, 1]] * B)
+    am = logits.argmax(-1)
+    ids = torch.randint(0, V, (B, N))
+    ids[:, 0] = am[:, 0]
+    ids[:, 2] = am[:, 1]
+    tree = TokenTree(parents)
+    want = tree_greedy_verify(logits, ids, tree)
+    for temps in ([0.0] * B, [0.0, 0.8, 0.0]):  # all greedy, and greedy rows beside a sampled one
+        params = [SamplingParams(temperature=t, seed=1) for t in temps]
+        sampling = SamplingBatch.from_params(params, [make_generator(1) for _ in params], device="cpu")
+        got = TypicalAcceptanceVerifier().verify(logits, Draft(token_ids=ids, tree=tree), sampling)
+        for b in (0, 2):
+            assert got.token_ids[b].tolist() == want.token_ids[b].tolist()
+            assert got.path[b].tolist() == want.path[b].tolist()
+
+
+def test_engine_tree_greedy_is_identical_and_sampled_runs(target, tmp_path):
+    import importlib.util
+    from speculum.testing import train_tiny
+    if importlib.util.find_spec("speculum_eagle") is None:
+        pytest.skip("trees need a tree-drafting method: speculum-eagle is not installed")
+    head = train_tiny("eagle", target, tmp_path)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = [o.token_ids for o in LLM(str(target), None, device="cpu", dtype="float32",
+                                     kv_cache_memory=16 << 20).generate(PROMPTS, greedy)]
+    tree = {"method": "eagle", "model": str(head), "tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 6,
+            "acceptance_method": "typical_acceptance"}
+    llm = LLM(str(target), tree, device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == base
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.7, max_tokens=16, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outs) and llm.metrics.num_accepted_tokens > 0
