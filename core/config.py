@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import attrs
 
 from speculum.errors import ConfigError
+from speculum.spec_length import parse_schedule
 
 NGRAM_ALIASES = ("ngram", "[ngram]")
 DRAFT_SAMPLE_METHODS = ("sample", "greedy")
@@ -70,6 +71,11 @@ class SpeculativeConfig:
     max_model_len: int | None = attrs.field(default=None, validator=_positive_or_none)
     #: plugin-specific options, validated by the method's own options class
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
+    #: k by batch size: {"1-16": 3, "64-128": 2, "256-4096": 0} (inclusive ranges; a gap
+    #: takes the range before it; k clamped to num_speculative_tokens, 0 = off), the list
+    #: form [[1, 16, 3], ...], or "auto" (k chosen per step by a cost model of this
+    #: machine); None = always num_speculative_tokens. See speculum.spec_length.
+    num_speculative_tokens_per_batch_size: Any = None
 
     def __attrs_post_init__(self):
         k = self.num_speculative_tokens
@@ -88,6 +94,7 @@ class SpeculativeConfig:
                 f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, "
                 f"got {self.draft_sample_method!r}"
             )
+        parse_schedule(self.num_speculative_tokens_per_batch_size, k)  # raises ConfigError when malformed
         if self.method is None and self.model is None:
             raise ConfigError(
                 "speculative config needs a 'method' or a 'model' (a draft checkpoint, or "
@@ -160,6 +167,12 @@ class SpeculativeConfig:
         return attrs.asdict(self)
 
     # -- derived ------------------------------------------------------------------
+    @property
+    def length_schedule(self):
+        """The parsed ``num_speculative_tokens_per_batch_size``: None, ``"auto"`` or
+        sorted ``((lo, hi, k), ...)`` with k clamped to ``num_speculative_tokens``."""
+        return parse_schedule(self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
+
     @property
     def model_is_ngram(self) -> bool:
         return self.model is not None and self.model.lower() in NGRAM_ALIASES

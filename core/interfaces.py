@@ -96,7 +96,13 @@ class Proposer(Protocol):
         """Return up to ``batch.num_speculative_tokens`` draft tokens per sequence."""
 
     def observe(self, feedback: StepFeedback) -> None:
-        """Learn the outcome of verification (roll back draft caches, adapt)."""
+        """Learn the outcome of verification (roll back draft caches, adapt).
+
+        Called after every step for the proposer's requests, also after steps that did
+        not call :meth:`propose` (a step whose speculation length is 0: load-aware
+        speculation, ``speculum.spec_length``); then ``num_accepted`` is 0 and whatever
+        the proposer had pending (e.g. target states to catch up on) must be kept.
+        """
 
 
 @runtime_checkable
@@ -216,7 +222,12 @@ class ModelRunner(Protocol):
 
     def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
                  hidden_layers: Sequence[int] = ()) -> dict[int, dict[int, torch.Tensor]]:
-        """Prefill several sequences together; returns ``{seq_id: {layer: [len, H]}}``."""
+        """Prefill several sequences together; returns ``{seq_id: {layer: [len, H]}}``.
+
+        Optional keyword ``logits_sink(seq_id, start, logits [n, V])``: a runner that
+        accepts it hands over the logits of every prefilled position, chunk by chunk
+        (``prompt_logprobs`` need it; the engine refuses them for a runner without it).
+        """
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:

@@ -81,7 +81,7 @@ class Scheduler:
     # -- KV arithmetic ------------------------------------------------------------------
     def tokens_after_step(self, seq: Sequence, cache: PagedKVAllocator) -> int:
         """Tokens of KV ``seq`` may hold in ``cache`` after its next step."""
-        k = self.lookahead if seq.speculative else 0
+        k = (self.lookahead if seq.max_k is None else min(seq.max_k, self.lookahead)) if seq.speculative else 0
         n = len(seq.token_ids) + k
         return min(n, cache.max_model_len) if cache.max_model_len else n
 

@@ -145,12 +145,17 @@ def head_checkpoint_path(ctx, method: str, shipped_root: Path) -> Path:
 
 
 def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBatch,
-                sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                sample: bool, drafted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token per row from logits [R, V] (rows index the step's batch).
 
     Greedy requests (or ``sample=False``) take the argmax and no probabilities; sampled
-    ones draw from the processed distribution and return it ([R, V]).
+    ones draw from the processed distribution and return it ([R, V]). ``drafted`` [R, i]:
+    this step's drafts so far, which penalties and bad words count
+    (:meth:`SamplingBatch.process_logits`).
     """
+    if sampling.needs_processing:
+        logits = sampling.process_logits(logits.unsqueeze(1), drafted, 0 if drafted is None else drafted.shape[1],
+                                         rows=rows)[:, 0]
     if not sample or sampling.all_greedy:
         return logits.argmax(dim=-1), None
     idx = torch.tensor(list(rows), device=sampling.temperature.device)
@@ -235,7 +240,8 @@ class ChainHeadProposer:
         for b in rows:
             lengths[b] = k
         if self.graphs is not None and not sample and self.graphs.fits(counts):
-            out = self.graphs.run(sids, feats, [toks[i, :n].tolist() for i, n in enumerate(counts)], counts)
+            # [R, graphs' k]: the static function drafts the engine's k; a shorter step keeps a prefix
+            out = self.graphs.run(sids, feats, [toks[i, :n].tolist() for i, n in enumerate(counts)], counts)[:, :k]
             for s in sids:
                 self.pending[s] = None  # consumed: the cache now holds them
             token_ids[torch.tensor(rows, device=self.device)] = out
@@ -246,7 +252,8 @@ class ChainHeadProposer:
             out = self._run(sids, x, toks, counts)
             last = out[torch.arange(R, device=self.device), torch.tensor(counts, device=self.device) - 1]
             for i in range(k):
-                tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample)
+                tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample,
+                                     torch.stack(drafts, dim=1) if drafts else None)
                 drafts.append(tok)
                 probs.append(p)
                 if i + 1 < k:
@@ -269,6 +276,12 @@ class ChainHeadProposer:
         with torch.inference_mode():
             feats = self.head.features(hs)  # [B, k+1, H]
         for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
+            prev = self.pending.get(sid)
+            if prev is not None and prev.shape[0] > 0:
+                # no propose this step (speculation length 0): nothing was drafted or
+                # cached; the new token's state joins what is still to catch up on
+                self.pending[sid] = torch.cat([prev, feats[b, : a + 1]])
+                continue
             # keep KV of the positions made from true features: 0 .. old length - 2
             self.cache.truncate(sid, new_len - a - 2)
             # the target's states of the last token and the accepted drafts come next
