@@ -41,7 +41,7 @@ def position_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) ->
     ids < 0 (padding) are scored as token 0 and should be dropped by the caller. One
     host copy.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, T, V]
+    logp = torch.log_softmax(logits.double(), dim=-1)  # [R, T, V] (float64: no rounding of its own)
     tok = tokens.to(logp.device, torch.int64).clamp_min(0)
     lp = logp.gather(-1, tok.unsqueeze(-1))  # [R, T, 1]
     rank = (logp > lp).sum(-1) + 1  # [R, T]
