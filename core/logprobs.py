@@ -14,6 +14,7 @@ token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from typing import Sequence
 
 import attrs
@@ -67,6 +68,23 @@ def as_dicts(entries: Sequence[TokenLogprobs] | None, decode=None) -> list[dict[
                 d[t] = Logprob(v, i + 1, decode(t) if decode else None)
         out.append(d)
     return out
+
+
+class LazyLogprobs(SequenceABC):
+    """A running request's logprobs in vLLM's form, converted only where read (a stream
+    reads the new tokens' entries each step, never the whole list again)."""
+
+    def __init__(self, entries: Sequence[TokenLogprobs], decode=None):
+        self._entries = list(entries)
+        self._decode = decode
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return as_dicts(self._entries[i], self._decode)
+        return as_dicts([self._entries[i]], self._decode)[0]
 
 
 def prompt_scorer(prompt: Sequence[int], top_n: int):

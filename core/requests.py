@@ -13,7 +13,7 @@ import attrs
 
 from speculum.errors import RequestError
 from speculum.logits_process import TokenRules
-from speculum.logprobs import as_dicts
+from speculum.logprobs import LazyLogprobs, as_dicts
 from speculum.metrics import SpecDecodeMetrics
 from speculum.outputs import CompletionOutput, RequestOutput
 from speculum.sampling import SamplingParams
@@ -103,7 +103,8 @@ def request_output(request_id: str, prompt: str | None, prompt_token_ids: list[i
         text = (s.text if s.text is not None else tokenizer.decode(out_ids)) if s.finished else None
         outputs.append(CompletionOutput(
             i, text, list(out_ids), s.finish_reason, s.stop_reason,
-            logprobs=as_dicts(s.logprobs, decode if s.finished else None) if want_logprobs else None,
+            logprobs=(as_dicts(s.logprobs, decode) if s.finished else LazyLogprobs(s.logprobs)) if want_logprobs
+            else None,
             cumulative_logprob=s.cumulative_logprob if want_logprobs or len(seqs) > params.n else None))
     first = seqs[0]
     if len(seqs) == 1:
