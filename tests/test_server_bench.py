@@ -72,3 +72,23 @@ def test_bench_serve_compare_starts_both_servers_and_plots(tiny_llama, dataset, 
         assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "With speculation" in printed and "What it means" in printed
+
+
+def test_bench_serve_compare_runs_several_configs_side_by_side(tiny_llama, dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    auto = '{"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": "auto"}'
+    out = tmp_path / "compare.json"
+    rc = main(_bench_args(dataset, out, "--compare", "--model", str(tiny_llama), "--speculative-config", auto,
+                          "--speculative-config", NGRAM, "--sweep", "inf,100", "--max-num-seqs", "4",
+                          "--dtype", "float32", "--device", "cpu"))
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert [c["label"] for c in result["configs"]] == ["ngram(auto,k<=4)", "ngram(k=4)"]
+    assert result["speculative"]["runs"] == result["configs"][0]["runs"]
+    for c in result["configs"]:
+        assert len(c["throughput_ratio"]) == 2 and all(r > 0 for r in c["throughput_ratio"])
+        steps = c["runs"][0]["spec_decode"]["steps_per_k"]
+        assert sum(steps) > 0 and len(steps) == 5
+    assert sum(result["configs"][1]["runs"][0]["spec_decode"]["steps_per_k"][:4]) == 0  # fixed k=4: only k=4
+    printed = capsys.readouterr().out
+    assert "output throughput against no speculation" in printed and "mean k" in printed
