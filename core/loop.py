@@ -144,7 +144,7 @@ class DraftVerifyLoop:
         self.k_counts[k_step] += 1
         self._steps += 1
         rows = [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)] if k_step else []
-        timed = bool(rows) and self._steps % self.time_every == 0
+        timed = bool(rows) and (self._steps % self.time_every == 0 or self.length.needs_timing(B))
         if timed:
             _sync(self.target.device)
         t_draft = time.perf_counter()

@@ -154,6 +154,10 @@ class FixedLength:
                      step_seconds: float | None) -> None:
         """A step's measured wall times (None when not measured this step)."""
 
+    def needs_timing(self, batch_size: int) -> bool:
+        """Whether this step's drafting should be timed now (besides every few steps)."""
+        return False
+
 
 class BatchSizeSchedule(FixedLength):
     """``k`` by the step's batch size (``num_speculative_tokens_per_batch_size`` ranges)."""
@@ -235,16 +239,26 @@ class AutoLength(FixedLength):
                 + (o.value or 0.0 if o else 0.0))
 
     def rates(self, seqs, acceptance: Seq[float] | None = None) -> list[float]:
-        """Predicted tokens/s for k = 0..max_k."""
+        """Predicted tokens/s for k = 0..max_k (vectorised over the batch: it runs every step)."""
+        import numpy as np
         B = len(seqs)
-        caps = [(self.max_k if s.max_k is None else min(s.max_k, self.max_k)) if s.speculative else 0 for s in seqs]
-        accs = acceptance if acceptance is not None else [self.acceptance_of(s) if c else 0.0
-                                                          for s, c in zip(seqs, caps)]
+        caps = np.array([(self.max_k if s.max_k is None else min(s.max_k, self.max_k)) if s.speculative else 0
+                         for s in seqs])
+        if acceptance is None:
+            prior = self.global_acceptance.estimate(self.prior)
+            acceptance = [s.acceptance.estimate(prior) if c else 0.0 for s, c in zip(seqs, caps)]
+        a = np.minimum(np.array(acceptance, dtype=np.float64), 1 - 1e-9)
         out = []
         for k in range(self.max_k + 1):
-            tokens = sum(expected_tokens(a, min(k, c)) for a, c in zip(accs, caps))
+            n = np.minimum(caps, k)
+            tokens = float(((1.0 - a ** (n + 1)) / (1.0 - a)).sum())  # (1 - a^(n+1)) / (1 - a) per row
             out.append(tokens / max(self.step_seconds(B, k), 1e-9))
         return out
+
+    def needs_timing(self, batch_size: int) -> bool:
+        """Whether drafting at this batch size has never been timed (then time this step)."""
+        d = self._draft_per_token.get(_bucket(batch_size))
+        return d is None or d.value is None
 
     def choose(self, seqs) -> int:
         if not any(s.speculative and s.max_k != 0 for s in seqs):

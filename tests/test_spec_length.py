@@ -161,6 +161,9 @@ class Alternating:
     def observe_step(self, *a, **kw):
         pass
 
+    def needs_timing(self, batch_size):
+        return False
+
 
 def _specs(tiny_llama, tmp_path):
     specs = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
