@@ -53,6 +53,8 @@ class MethodResult:
     groups: dict[str, GroupResult]
     total: GroupResult
     texts: list[str] = attrs.field(factory=list)
+    #: engine steps run at each speculation length k (index k) over the timed groups
+    steps_per_k: list[int] = attrs.field(factory=list)
 
     def speedup(self, base: "MethodResult", group: str | None = None) -> float:
         mine = self.total if group is None else self.groups[group]
@@ -73,7 +75,7 @@ class MethodResult:
                 same, n = self.identical(base, name)
                 d.update(speedup=self.speedup(base, name), identical=same == n, num_identical=same)
             return d
-        return {"method": self.name, "config": self.config,
+        return {"method": self.name, "config": self.config, "steps_per_k": list(self.steps_per_k),
                 "categories": {c: entry(c, g) for c, g in self.groups.items()}, "total": entry(None, self.total)}
 
 
@@ -94,6 +96,7 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
     out: dict[str, GroupResult] = {}
     total = GroupResult()
     texts: list[str] = []
+    k_before = list(llm.loop.k_counts)
     for cat, prompts in groups.items():
         if progress:
             progress(f"{name}: {cat} ({len(prompts)} prompts)")
@@ -110,7 +113,8 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
         out[cat] = g
         total.add(GroupResult(g.tokens, g.seconds, SpecDecodeMetrics(), list(g.outputs)))
         total.metrics.merge(g.metrics)
-    return MethodResult(name, config, out, total, texts)
+    steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
+    return MethodResult(name, config, out, total, texts, steps_per_k)
 
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
