@@ -139,7 +139,7 @@ class DraftVerifyLoop:
         t_start = time.perf_counter()
         sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], self.target.device,
                                              histories=[(s.token_ids, s.num_prompt_tokens) for s in seqs],
-                                             rules=[s.rules for s in seqs])
+                                             rules=[s.rules for s in seqs], needs=any(s.processed for s in seqs))
         k_step = min(self.length.choose(seqs), self.k) if self.k else 0
         self.k_counts[k_step] += 1
         self._steps += 1
@@ -202,7 +202,8 @@ class DraftVerifyLoop:
             # KV kept: old tokens plus the accepted drafts (the new last token has none yet)
             self.target.truncate(s.seq_id, old_len + a)
             s.metrics.record_step(drafted[b], a)
-            self.length.observe_acceptance(s, drafted[b], a)
+            if drafted[b]:
+                self.length.observe_acceptance(s, drafted[b], a)
             try:
                 kept = s.append(tokens[: a + 1], self.tokenizer)
             except Exception as exc:  # a detokeniser or stop-string failure is this request's

@@ -165,7 +165,7 @@ class SamplingBatch:
 
     def __init__(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                  device: torch.device | str = "cpu", histories: Sequence[tuple[Sequence[int], int]] | None = None,
-                 rules: Sequence[TokenRules] | None = None):
+                 rules: Sequence[TokenRules] | None = None, needs: bool | None = None):
         self.params = list(params)
         # one generator per row, or a single generator shared by all rows
         self.generators = generators if isinstance(generators, torch.Generator) else list(generators)
@@ -177,14 +177,17 @@ class SamplingBatch:
         self.histories = list(histories) if histories is not None else None
         self.rules = list(rules) if rules is not None else [NO_RULES] * len(self.params)
         #: whether any row's logits go through :class:`~speculum.logits_process.LogitsRules`
-        self.needs_processing = any(needs_processing(p, r) for p, r in zip(self.params, self.rules))
+        self.needs_processing = (any(needs_processing(p, r) for p, r in zip(self.params, self.rules))
+                                 if needs is None else needs)
         self._logits_rules = None
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                     device: torch.device | str = "cpu", histories: Sequence[tuple[Sequence[int], int]] | None = None,
-                    rules: Sequence[TokenRules] | None = None) -> "SamplingBatch":
-        return cls(params, generators, device, histories, rules)
+                    rules: Sequence[TokenRules] | None = None, needs: bool | None = None) -> "SamplingBatch":
+        """``needs``: whether any row needs :meth:`process_logits`, when the caller knows
+        (the loop does, per sequence); None works it out from the parameters."""
+        return cls(params, generators, device, histories, rules, needs)
 
     def select(self, rows: Sequence[int]) -> "SamplingBatch":
         """The batch of the given rows only (a proposer's subset), histories included."""

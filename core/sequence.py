@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from speculum.interfaces import SequenceView
-from speculum.logits_process import NO_RULES, TokenRules
+from speculum.logits_process import NO_RULES, TokenRules, needs_processing
 from speculum.metrics import SpecDecodeMetrics
 from speculum.sampling import SamplingParams
 from speculum.spec_length import Acceptance
@@ -45,6 +45,8 @@ class Sequence:
     prompt_logprobs: list | None = None
     #: index of this sample among its request's n / best_of samples
     index: int = 0
+    #: whether its logits go through speculum.logits_process (set from params and rules)
+    processed: bool = attrs.field(init=False, default=False)
     text: str | None = None
     arrival_time: float = attrs.field(factory=time.perf_counter)
     first_token_time: float | None = None
@@ -52,6 +54,7 @@ class Sequence:
 
     def __attrs_post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        self.processed = needs_processing(self.params, self.rules)
         if self.params.logprobs is not None:
             self.logprobs = []
             self.cumulative_logprob = 0.0

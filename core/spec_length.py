@@ -206,6 +206,7 @@ class AutoLength(FixedLength):
         self.prior = prior_acceptance
         self._draft_per_token: dict[int, _Ema] = {}
         self._other: dict[int, _Ema] = {}
+        self._costs: dict[int, list[float]] = {}
         self._zero_steps = 0
         #: the last choice's predicted tokens/s per k (for logs and tests)
         self.last_rates: list[float] = []
@@ -223,35 +224,45 @@ class AutoLength(FixedLength):
             d.add(draft_seconds / k, 0.2)
         if step_seconds is not None:
             drafting = draft_seconds if draft_seconds is not None else (d.value or 0.0) * k
-            rest = step_seconds - self.verify_cost(batch_size, q) - drafting
+            rest = step_seconds - self._verify(batch_size)[min(q, self.max_k + 1) - 1] - drafting
             self._other.setdefault(key, _Ema()).add(max(rest, 0.0), 0.1)
 
     # -- the choice -----------------------------------------------------------------------------
     def acceptance_of(self, seq) -> float:
         return seq.acceptance.estimate(self.global_acceptance.estimate(self.prior))
 
+    def _verify(self, batch_size: int) -> list[float]:
+        """verify_cost(B, k + 1) for k = 0..max_k (cached per batch size: read every step)."""
+        costs = self._costs.get(batch_size)
+        if costs is None:
+            costs = self._costs[batch_size] = [self.verify_cost(batch_size, k + 1) for k in range(self.max_k + 1)]
+        return costs
+
     def step_seconds(self, batch_size: int, k: int) -> float:
         """Predicted wall time of a step drafting ``k`` tokens for ``batch_size`` rows."""
         key = _bucket(batch_size)
         d = self._draft_per_token.get(key)
         o = self._other.get(key)
-        return (self.verify_cost(batch_size, k + 1) + (d.value or 0.0 if d else 0.0) * k
+        return (self._verify(batch_size)[k] + (d.value or 0.0 if d else 0.0) * k
                 + (o.value or 0.0 if o else 0.0))
 
     def rates(self, seqs, acceptance: Seq[float] | None = None) -> list[float]:
-        """Predicted tokens/s for k = 0..max_k (vectorised over the batch: it runs every step)."""
-        import numpy as np
+        """Predicted tokens/s for k = 0..max_k. Runs every step, so plain arithmetic:
+        E_b(k) = E_b(k - 1) + a_b^k while k is within the row's cap."""
         B = len(seqs)
-        caps = np.array([(self.max_k if s.max_k is None else min(s.max_k, self.max_k)) if s.speculative else 0
-                         for s in seqs])
+        K = self.max_k
+        caps = [(K if s.max_k is None else min(s.max_k, K)) if s.speculative else 0 for s in seqs]
         if acceptance is None:
             prior = self.global_acceptance.estimate(self.prior)
             acceptance = [s.acceptance.estimate(prior) if c else 0.0 for s, c in zip(seqs, caps)]
-        a = np.minimum(np.array(acceptance, dtype=np.float64), 1 - 1e-9)
-        out = []
-        for k in range(self.max_k + 1):
-            n = np.minimum(caps, k)
-            tokens = float(((1.0 - a ** (n + 1)) / (1.0 - a)).sum())  # (1 - a^(n+1)) / (1 - a) per row
+        powers = list(acceptance)
+        tokens = float(B)
+        out = [tokens / max(self.step_seconds(B, 0), 1e-9)]
+        for k in range(1, K + 1):
+            for i, c in enumerate(caps):
+                if c >= k:
+                    tokens += powers[i]
+                    powers[i] *= acceptance[i]
             out.append(tokens / max(self.step_seconds(B, k), 1e-9))
         return out
 
