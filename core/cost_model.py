@@ -100,9 +100,11 @@ def _sync(device: torch.device) -> None:
 
 
 def profile_verify_cost(runner, batch_sizes: Sequence[int], query_lens: Sequence[int], context: int = 128,
-                        reps: int | None = None, seed: int = 0) -> VerifyCost:
-    """Time ``runner.forward`` for every (B, q) of the grid (median of ``reps`` after a
-    warm-up), on ``max(batch_sizes)`` throw-away sequences of ``context`` random tokens.
+                        reps: int | None = None, seed: int = 0, statistic: str = "median") -> VerifyCost:
+    """Time ``runner.forward`` for every (B, q) of the grid (the median, or ``"min"``, of
+    ``reps`` after a warm-up), on ``max(batch_sizes)`` throw-away sequences of ``context``
+    random tokens. The grid is walked ``reps`` times round robin, so a disturbance of the
+    machine spreads over every shape instead of spoiling one.
 
     The sequences are removed afterwards; the runner's cache is as it was.
     """
@@ -114,25 +116,22 @@ def profile_verify_cost(runner, batch_sizes: Sequence[int], query_lens: Sequence
     ids = [PROFILE_SEQ_BASE - i for i in range(n)]
     prompts = [torch.randint(0, V, (context,), generator=gen).tolist() for _ in range(n)]
     runner.add_many(ids, prompts)
-    table: dict[int, dict[int, float]] = {}
+    times: dict[tuple[int, int], list[float]] = {(B, q): [] for B in batch_sizes for q in query_lens}
+    toks = {(B, q): torch.randint(0, V, (B, q), generator=gen) for B, q in times}
     try:
-        for B in batch_sizes:
-            row = {}
-            for q in query_lens:
-                toks = torch.randint(0, V, (B, q), generator=gen)
-                times = []
-                for r in range(reps + 1):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    out = runner.forward(ids[:B], toks, [q] * B)
-                    out.logits[:, -1, :1].sum().item()  # the step's host sync, as in the loop
-                    dt = time.perf_counter() - t0
-                    for sid in ids[:B]:
-                        runner.truncate(sid, context)
-                    if r:  # the first is a warm-up (lazy graph capture, allocator)
-                        times.append(dt)
-                row[q] = statistics.median(times)
-            table[B] = row
+        for r in range(reps + 1):  # round 0 warms up (lazy graph capture, allocator)
+            for B, q in times:
+                _sync(device)
+                t0 = time.perf_counter()
+                out = runner.forward(ids[:B], toks[(B, q)], [q] * B)
+                out.logits[:, -1, :1].sum().item()  # the step's host sync, as in the loop
+                dt = time.perf_counter() - t0
+                for sid in ids[:B]:
+                    runner.truncate(sid, context)
+                if r:
+                    times[(B, q)].append(dt)
+        pick = min if statistic == "min" else statistics.median
+        table = {B: {q: pick(times[(B, q)]) for q in query_lens} for B in batch_sizes}
     finally:
         for sid in ids:
             runner.remove(sid)

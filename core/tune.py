@@ -273,49 +273,55 @@ def guide_rows(report: TuneReport) -> list[tuple[str, str, str]]:
 
 
 def tune(make_llm: Callable[[dict | None], Any], methods: dict[str, dict], prompts: list, params: SamplingParams,
-         batches: Sequence[int], max_k: int, check: bool = False, context: int = 128,
+         batches: Sequence[int], max_k: int, check: bool = False, context: int = 128, repeats: int = 1,
          progress: Callable[[str], Any] | None = None) -> TuneReport:
     """Measure, predict and (``check``) verify; ``methods``: name -> speculative config
-    (without k). ``make_llm(config)`` builds an engine for up to ``max(batches)`` requests."""
+    (without k). ``make_llm(config)`` builds an engine for up to ``max(batches)`` requests.
+
+    ``repeats`` > 1 measures every configuration that many times, round robin over the
+    configurations of a load level, and keeps the fastest run of each: other processes
+    only ever slow a run down, so on a shared machine the fastest is the least disturbed.
+    """
     from speculum.cost_model import profile_verify_cost
     say = progress or (lambda _m: None)
     batches = sorted(set(batches))
-    runs: list[Run] = []
-    base_llm = make_llm(None)
     warm = attrs.evolve(params, max_tokens=min(8, params.max_tokens))
-    base_llm.generate(prompts[:1], warm)
-    say(f"profiling the verify cost (batch {', '.join(map(str, batches))}; q = 1..{max_k + 1})")
-    cost = profile_verify_cost(base_llm.target, batches, list(range(1, max_k + 2)), context=context)
-    for B in batches:
-        say(f"baseline at batch {B}")
-        runs.append(measure(base_llm, prompts, params, B, 0, "none"))
-    del base_llm
-    for name, cfg in methods.items():
-        full = {**cfg, "num_speculative_tokens": max_k,
-                "num_speculative_tokens_per_batch_size": [[1, 4096, max_k]]}  # every width captured
-        llm = make_llm(full)
+    engines = {"none": make_llm(None)}
+    for name, cfg in methods.items():  # every width captured: k changes between runs
+        engines[name] = make_llm({**cfg, "num_speculative_tokens": max_k,
+                                  "num_speculative_tokens_per_batch_size": [[1, 4096, max_k]]})
+    for llm in engines.values():
         llm.generate(prompts[:1], warm)
-        for B in batches:
-            ks = range(1, max_k + 1) if check else [max_k]
-            for k in sorted(ks, reverse=True):
-                say(f"{name} k={k} at batch {B}")
-                runs.append(measure(llm, prompts, params, B, k, name))
-        del llm
+    say(f"profiling the verify cost (batch {', '.join(map(str, batches))}; q = 1..{max_k + 1})")
+    cost = profile_verify_cost(engines["none"].target, batches, list(range(1, max_k + 2)), context=context,
+                               reps=max(3, 2 * repeats), statistic="min" if repeats > 1 else "median")
+    configs = [("none", 0)] + [(name, k) for name in methods
+                               for k in (range(max_k, 0, -1) if check else [max_k])]
+    best: dict[tuple[str, int, int], Run] = {}
+    for B in batches:
+        for rep in range(repeats):
+            for name, k in configs:
+                say(f"{name}{'' if name == 'none' else f' k={k}'} at batch {B}"
+                    + (f" (round {rep + 1}/{repeats})" if repeats > 1 else ""))
+                r = measure(engines[name], prompts, params, B, k, name)
+                key = (name, k, B)
+                if key not in best or r.seconds < best[key].seconds:
+                    best[key] = r
+    del engines
+    runs = list(best.values())
     levels = []
     for B in batches:
-        base = next(r for r in runs if r.method == "none" and r.batch == B)
+        base = best[("none", 0, B)]
         lv = Level(B)
         lv.predicted[("none", 0)] = predict(base, None, 0, cost)
-        lv.measured[("none", 0)] = base.tokens_per_s
+        if check:
+            lv.measured[("none", 0)] = base.tokens_per_s
         for name in methods:
-            at_max = next(r for r in runs if r.method == name and r.batch == B and r.k == max_k)
+            at_max = best[(name, max_k, B)]
             for k in range(1, max_k + 1):
                 lv.predicted[(name, k)] = predict(base, at_max, k, cost)
-                r = next((r for r in runs if r.method == name and r.batch == B and r.k == k), None)
-                if r is not None and check:
-                    lv.measured[(name, k)] = r.tokens_per_s
-        if not check:
-            lv.measured = {}
+                if check:
+                    lv.measured[(name, k)] = best[(name, k, B)].tokens_per_s
         levels.append(lv)
     report = TuneReport(max_k, levels, runs, dict(methods), cost)
     report.guide = guide_rows(report)

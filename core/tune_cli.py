@@ -38,6 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts run at every load level")
     p.add_argument("--no-chat", action="store_true", help="text prompts as plain text, not chat messages")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (EOS ignored: equal lengths)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every configuration this many times (round robin) and keep the fastest: on a "
+                        "shared machine other processes only slow runs down")
     p.add_argument("--check", action="store_true",
                    help="measure every candidate as well, and compare the recommendation with the best measured")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
@@ -52,8 +55,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _methods(args) -> dict[str, dict]:
     from speculum.cli import DEFAULT_COMPARE, _installed
     from speculum.config import SpeculativeConfig
+    from speculum.errors import ConfigError
     if args.speculative_config:
-        cfgs = [SpeculativeConfig.from_cli(v).to_dict() for v in args.speculative_config]
+        cfgs = []
+        for v in args.speculative_config:  # k is tune's to choose: it may be left out
+            raw = SpeculativeConfig.from_cli(v) if '"num_speculative_tokens"' in v else None
+            if raw is None:
+                data = json.loads(v) if v.strip().startswith("{") else None
+                if not isinstance(data, dict):
+                    raise ConfigError(f"--speculative-config must be a JSON object, got {v!r}")
+                raw = SpeculativeConfig.from_dict({**data, "num_speculative_tokens": 1})
+            cfgs.append(raw.to_dict())
     elif args.model is None:
         cfgs = _installed([dict(c) for c in DEFAULT_COMPARE])
     else:
@@ -93,6 +105,7 @@ def cmd_tune(args) -> int:
     print(f"tune: {len(prompts)} prompts x {args.max_tokens} tokens; methods {', '.join(methods)}; k = 1.."
           f"{args.max_k}; batch sizes {', '.join(map(str, args.batch_sizes))}", file=sys.stderr)
     report = tune(make, methods, prompts, params, args.batch_sizes, args.max_k, check=args.check,
+                  repeats=max(1, args.repeats),
                   progress=lambda m: print(f"tune: {m}", file=sys.stderr, flush=True))
     print(format_report(report))
     if args.json:
