@@ -47,6 +47,14 @@ def test_vllm_ranges_with_gaps_and_clamping():
     assert k_for_batch(cfg({"8-16": 2}).length_schedule, 3, 4) == 4  # below the first range: the engine's k
 
 
+def test_vllm_disable_by_batch_size_is_a_two_range_schedule():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8})
+    assert [k_for_batch(c.length_schedule, b, 3) for b in (1, 7, 8, 500)] == [3, 3, 0, 0]
+    with pytest.raises(ConfigError, match="not both"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8,
+                                     "num_speculative_tokens_per_batch_size": "auto"})
+
+
 def test_list_form_and_round_trip():
     c = cfg([[1, 4, 2], [5, 1000, 0]])
     assert c.length_schedule == ((1, 4, 2), (5, 1000, 0))
