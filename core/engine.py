@@ -147,8 +147,14 @@ class LLM:
     def _verify_cost(self, k: int):
         """The target's verify cost curve on this machine (cached; speculum.cost_model)."""
         from speculum.cost_model import describe, load_or_profile
-        cost = load_or_profile(self.target, self.model_path, self.max_num_seqs, k,
-                               context=min(128, max(8, self.max_model_len // 4)))
+        context = min(128, max(8, self.max_model_len // 4))
+        try:
+            cost = load_or_profile(self.target, self.model_path, self.max_num_seqs, k, context=context)
+        except KVCacheFull as exc:
+            raise ConfigError(f"num_speculative_tokens_per_batch_size 'auto' profiles the target with "
+                              f"{self.max_num_seqs} sequences of {context} tokens at start, which the KV cache "
+                              f"cannot hold ({exc}); raise kv_cache_memory, lower max_num_seqs, or give batch-size "
+                              "ranges instead of 'auto'") from exc
         log.info("verify cost (seconds of one target forward, and q tokens against 1):\n%s", describe(cost, k))
         return cost
 
