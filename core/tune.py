@@ -11,9 +11,12 @@ those runs and a profile of the target's verify cost:
 - costs: ``T_target(B, q)`` profiled (:mod:`speculum.cost_model`), the method's drafting
   seconds per step (timed around ``propose``) and the rest of a step (verification and
   bookkeeping: the run's measured step time less its profiled forward and its drafting);
-- prediction: a run of ``N`` tokens takes ``fixed + N / (B E_m(k)) * (T_target(B, k+1) +
-  T_draft(B, k) + T_other(B))`` seconds (``fixed``: what the run spent outside decode
-  steps, prefill mostly), so tokens/s for every (method, k) and none.
+- prediction: the run at the longest k ``K`` took ``fixed + S * t(K)`` seconds (``fixed``:
+  outside decode steps, prefill mostly; ``S`` steps); cut at ``k`` it takes
+  ``S E_m(K) / E_m(k)`` steps of ``t(k) = T_target(B, min(q, k+1)) + T_draft(K) k / K +
+  T_other``, the verify width ``q`` of every recorded step capped at ``k + 1`` (model-free
+  drafts are often shorter), so tokens/s for every (method, k); no speculation is
+  measured.
 
 The recommendation per level is the best prediction; ``--check`` measures every
 candidate too and prints the recommended one's measured tokens/s against the best
@@ -50,6 +53,8 @@ class Run:
     num_accepted_tokens: int = 0
     #: verify steps summed over requests (a batch step of B rows counts B)
     row_steps: int = 0
+    #: the verify width (q = drafts + 1) of each decode step: model-free drafts are often empty
+    widths: list[int] = attrs.field(factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,7 +106,16 @@ def measure(llm, prompts: list, params: SamplingParams, batch: int, k: int, meth
             _sync(llm)
             steps["draft"] += time.perf_counter() - t0
 
+    widths: list[int] = []
+    target = loop.target
+    inner_forward = target.forward
+
+    def recorded_forward(seq_ids, token_ids, *a, **kw):
+        widths.append(int(token_ids.shape[1]))
+        return inner_forward(seq_ids, token_ids, *a, **kw)
+
     loop.step = timed_step
+    target.forward = recorded_forward
     if inner_propose is not None:
         llm.proposer.propose = timed_propose
     try:
@@ -112,6 +126,7 @@ def measure(llm, prompts: list, params: SamplingParams, batch: int, k: int, meth
         seconds = time.perf_counter() - t0
     finally:
         loop.step = inner_step
+        target.forward = inner_forward
         if inner_propose is not None:
             llm.proposer.propose = inner_propose
     acc: list[int] = []
@@ -126,7 +141,8 @@ def measure(llm, prompts: list, params: SamplingParams, batch: int, k: int, meth
         accepted += m.num_accepted_tokens
     ttfts = [o.time_to_first_token for o in outs if o.time_to_first_token is not None]
     return Run(method, k, batch, sum(len(o.token_ids) for o in outs), seconds, steps["seconds"], steps["n"],
-               steps["draft"], sum(ttfts) / len(ttfts) if ttfts else None, acc, drafted, accepted, row_steps)
+               steps["draft"], sum(ttfts) / len(ttfts) if ttfts else None, acc, drafted, accepted, row_steps,
+               widths)
 
 
 def _sync(llm) -> None:
@@ -136,21 +152,25 @@ def _sync(llm) -> None:
 
 
 def predict(base: Run, spec: Run | None, k: int, verify_cost: Callable[[int, int], float]) -> float:
-    """Predicted tokens/s of ``spec``'s method at ``k`` drafts (``spec`` None or k = 0: the
-    baseline's own configuration) at ``base.batch``, from the module doc's model."""
-    B = base.batch
+    """Predicted tokens/s of ``spec``'s method cut at ``k`` drafts, at ``base.batch``.
+
+    No speculation (``spec`` None or k = 0) is the baseline's measurement itself. For a
+    method, measured at its longest k: steps shrink with the tokens each step gives,
+    ``steps(k) = steps(K) E(K) / E(k)``; a step costs the target's verify of its width
+    capped at ``k + 1`` (every step's width as recorded: model-free drafts are often
+    shorter or empty), drafting in proportion to ``k``, and the rest of a step as
+    measured; the time outside steps (prefill) is the run's own. At ``k = K`` this gives
+    the measured run back."""
     if spec is None or k == 0:
-        other = max(base.step_seconds / max(base.steps, 1) - verify_cost(B, 1), 0.0)
-        fixed, per_step, E = base.fixed_seconds, verify_cost(B, 1) + other, 1.0
-    else:
-        # the speculative run's own rest of a step (verification, bookkeeping), measured at its k
-        drafting = spec.draft_seconds / max(spec.steps, 1)
-        other = max(spec.step_seconds / max(spec.steps, 1) - verify_cost(B, spec.k + 1) - drafting, 0.0)
-        draft = drafting * k / max(spec.k, 1)
-        fixed, per_step, E = spec.fixed_seconds, verify_cost(B, k + 1) + draft + other, spec.expected_tokens(k)
-    rows = base.tokens / max(base.steps, 1)  # rows per step, the tail of the run included
-    steps = base.tokens / (rows * E)
-    return base.tokens / (fixed + steps * per_step)
+        return base.tokens_per_s
+    B = base.batch
+    widths = spec.widths or [spec.k + 1]
+    verify_at = lambda cap: sum(verify_cost(B, min(w, cap)) for w in widths) / len(widths)  # noqa: E731
+    drafting = spec.draft_seconds / max(spec.steps, 1)
+    other = spec.step_seconds / max(spec.steps, 1) - verify_at(spec.k + 1) - drafting
+    per_step = verify_at(k + 1) + drafting * k / max(spec.k, 1) + other
+    steps = spec.steps * spec.expected_tokens(spec.k) / spec.expected_tokens(k)
+    return spec.tokens / (spec.fixed_seconds + steps * per_step)
 
 
 @attrs.define

@@ -172,14 +172,20 @@ def _run(method, k, batch, tokens, seconds, step_seconds, steps, draft=0.0, acc=
 def test_prediction_reproduces_the_run_it_was_measured_from():
     cost = lambda B, q: 0.01 * (1 + 0.1 * (q - 1))  # noqa: E731
     base = _run("none", 0, 4, tokens=400, seconds=2.0, step_seconds=1.8, steps=100)
-    assert predict(base, None, 0, cost) == pytest.approx(200.0)
-    # at k = 2: 400 tokens in 400 / (4 * 1.5) steps of 0.03 s, plus 0.3 s outside steps
-    spec = _run("m", 2, 4, tokens=400, seconds=0.3 + 400 / 6 * 0.03, step_seconds=400 / 6 * 0.03, steps=400 / 6,
-                draft=400 / 6 * 0.004, acc=[80, 40], row_steps=160)
-    assert spec.expected_tokens(2) == pytest.approx(1.75) or spec.expected_tokens(2) > 1
-    got = predict(base, spec, 2, cost)
-    steps = 400 / (4 * spec.expected_tokens(2))
-    assert got == pytest.approx(400 / (0.3 + steps * 0.03))
+    assert predict(base, None, 0, cost) == pytest.approx(200.0)  # no speculation: measured
+    # 400 tokens at k = 2 in 400 / (4 * 1.75) steps of 0.035 s, plus 0.3 s outside steps
+    steps = 400 / (4 * 1.75)
+    spec = _run("m", 2, 4, tokens=400, seconds=0.3 + steps * 0.035, step_seconds=steps * 0.035, steps=steps,
+                draft=steps * 0.004, acc=[60, 15], row_steps=100)
+    spec.widths = [3] * 40 + [1] * 17  # some steps drafted nothing
+    assert spec.expected_tokens(2) == pytest.approx(1.75) and spec.expected_tokens(1) == pytest.approx(1.6)
+    assert predict(base, spec, 2, cost) == pytest.approx(spec.tokens_per_s)  # its own k: the run itself
+    # cut at k = 1: more steps (E 1.6), each verifying at most 2 tokens and drafting half as much
+    verify2 = sum(cost(4, w) for w in spec.widths) / 57
+    verify1 = sum(cost(4, min(w, 2)) for w in spec.widths) / 57
+    other = 0.035 - verify2 - 0.004
+    want = 400 / (0.3 + steps * 1.75 / 1.6 * (verify1 + 0.002 + other))
+    assert predict(base, spec, 1, cost) == pytest.approx(want)
 
 
 def test_guide_rows_name_the_figures_that_triggered_them():
