@@ -98,10 +98,12 @@ class Proposer(Protocol):
     def observe(self, feedback: StepFeedback) -> None:
         """Learn the outcome of verification (roll back draft caches, adapt).
 
-        Called after every step for the proposer's requests, also after steps that did
-        not call :meth:`propose` (a step whose speculation length is 0: load-aware
-        speculation, ``speculum.spec_length``); then ``num_accepted`` is 0 and whatever
-        the proposer had pending (e.g. target states to catch up on) must be kept.
+        Called after every step that drafted for the proposer's requests. A
+        :class:`HiddenStateProposer` is also called after steps that did not call
+        :meth:`propose` (a step whose speculation length is 0: load-aware speculation,
+        ``speculum.spec_length``), to receive the target's states of the new token; then
+        ``num_accepted`` is 0 and whatever it had pending must be kept. Other proposers
+        catch up from the sequence's tokens at their next :meth:`propose`.
         """
 
 

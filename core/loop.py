@@ -153,8 +153,14 @@ class DraftVerifyLoop:
             _sync(self.target.device)
         draft_seconds = time.perf_counter() - t_draft if timed else None
         # draft tokens per row (host), capped so no row drafts past what it may emit or its own k
-        lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
-        drafted = [min(n, max(s.room() - 1, 0), self._cap(s)) for n, s in zip(lengths, seqs)]
+        # drafts each row was asked for (what its acceptance is measured against) and got,
+        # capped so no row drafts past what it may emit or its own k
+        asked, drafted = [0] * B, [0] * B
+        if draft.token_ids.shape[1]:
+            lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
+            drafted = [min(n, max(s.room() - 1, 0), self._cap(s)) for n, s in zip(lengths, seqs)]
+        for b in rows:
+            asked[b] = min(k_step, max(seqs[b].room() - 1, 0), self._cap(seqs[b]))
         k = draft.token_ids.shape[1]
         ids = draft.token_ids
         if k:
@@ -202,8 +208,8 @@ class DraftVerifyLoop:
             # KV kept: old tokens plus the accepted drafts (the new last token has none yet)
             self.target.truncate(s.seq_id, old_len + a)
             s.metrics.record_step(drafted[b], a)
-            if drafted[b]:
-                self.length.observe_acceptance(s, drafted[b], a)
+            if asked[b]:
+                self.length.observe_acceptance(s, asked[b], drafted[b], a)
             try:
                 kept = s.append(tokens[: a + 1], self.tokenizer)
             except Exception as exc:  # a detokeniser or stop-string failure is this request's
@@ -211,7 +217,10 @@ class DraftVerifyLoop:
                 continue
             if b in scored:
                 s.record_logprobs(scored[b][:kept])
-        observed = [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)] if self.k else []
+        # the proposer learns every step it drafted for; a step without drafts only
+        # concerns a head that needs the target's states of every token
+        observed = rows if rows or not self.wants_hidden else \
+            [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)]
         self._observe(seqs, observed, accepted, new_lengths, out.hidden_states)
         self.length.observe_step(B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
 

@@ -19,8 +19,10 @@ the first range, ``num_speculative_tokens``. ``k`` is clamped to
 ``T_draft``: the proposer's measured drafting time per draft token at this batch size;
 ``T_other``: what the rest of a step measurably costs (sampling, host work); ``a_b``:
 request ``b``'s running acceptance, an exponential moving average of accepted drafts
-per drafted position reached (:class:`Acceptance`; a new request starts from the
-engine-wide average). ``k = 0`` wins ties within a 2% margin, so the engine never
+per drafted position reached, and ``u_b`` the share of its steps that got any draft
+(:class:`Acceptance`; a new request starts from the engine-wide averages), so that
+``E_b(k) = 1 + u_b ((1 - a_b^(k+1)) / (1 - a_b) - 1)`` (the formula above when the
+proposer always drafts). ``k = 0`` wins ties within a 2% margin, so the engine never
 speculates on a predicted gain smaller than the model's error. When ``k = 0`` was chosen
 although a high acceptance (0.9) would make speculation pay, one step in 32 drafts a
 single token, so a request whose drafts became good is noticed again.
@@ -101,25 +103,41 @@ def k_for_batch(schedule: Seq[tuple[int, int, int]], batch_size: int, max_k: int
 
 @attrs.define(eq=False)
 class Acceptance:
-    """A request's running acceptance: exponential moving averages of accepted drafts
-    (successes) and drafted positions reached (trials), one update per drafting step.
+    """A request's running acceptance, as exponential moving averages (one update per
+    step in which it was asked for drafts):
 
-    A step that drafted ``n`` tokens and accepted ``a`` reached ``a + 1`` positions when
-    ``a < n`` (the last one rejected) and ``n`` when all were accepted: the maximum-
-    likelihood estimate of a per-token acceptance ``a`` under the geometric model.
+    - *availability* ``u``: the share of those steps in which the proposer drafted
+      anything (n-gram lookup often finds nothing to copy; a model always drafts);
+    - *acceptance* ``a``: accepted drafts per drafted position reached, over the steps
+      that drafted. A step asked for ``k`` that accepted ``a`` reached ``a + 1`` positions
+      when ``a < k`` (a rejection, or a draft shorter than asked: either ends the run) and
+      ``k`` when all were accepted: the maximum-likelihood estimate of a per-token
+      acceptance under the geometric model.
+
+    Expected tokens per step with ``k`` drafts: ``1 + u ((1 - a^(k+1)) / (1 - a) - 1)``.
     """
 
     successes: float = 0.0
     trials: float = 0.0
+    asked: float = 0.0
+    offered: float = 0.0
 
-    def update(self, drafted: int, accepted: int, decay: float) -> None:
-        if drafted <= 0:
+    def update(self, asked: int, drafted: int, accepted: int, decay: float) -> None:
+        if asked <= 0:
             return
-        self.successes = decay * self.successes + accepted
-        self.trials = decay * self.trials + accepted + (1 if accepted < drafted else 0)
+        self.asked = decay * self.asked + 1
+        self.offered = decay * self.offered + (drafted > 0)
+        if drafted > 0:
+            self.successes = decay * self.successes + accepted
+            self.trials = decay * self.trials + accepted + (1 if accepted < asked else 0)
 
     def estimate(self, prior: float, prior_weight: float = 2.0) -> float:
+        """Per-token acceptance ``a`` (``prior`` weighs as ``prior_weight`` positions)."""
         return (self.successes + prior_weight * prior) / (self.trials + prior_weight)
+
+    def availability(self, prior: float = 1.0, prior_weight: float = 2.0) -> float:
+        """Share of asked steps that got a draft (``u``)."""
+        return (self.offered + prior_weight * prior) / (self.asked + prior_weight)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -146,9 +164,10 @@ class FixedLength:
     def choose(self, seqs) -> int:
         return self.max_k
 
-    def observe_acceptance(self, seq, drafted: int, accepted: int) -> None:
-        """A step of ``seq`` drafted ``drafted`` tokens and ``accepted`` were accepted."""
-        seq.acceptance.update(drafted, accepted, self.decay)
+    def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
+        """A step asked ``seq``'s proposer for ``asked`` drafts; it drafted ``drafted``,
+        ``accepted`` of them were accepted."""
+        seq.acceptance.update(asked, drafted, accepted, self.decay)
 
     def observe_step(self, batch_size: int, k: int, q: int, draft_seconds: float | None,
                      step_seconds: float | None) -> None:
@@ -197,6 +216,7 @@ class AutoLength(FixedLength):
     global_decay = 0.995   # per drafting row-step, the engine-wide acceptance EMA
     probe_every = 32
     probe_acceptance = 0.9
+    every = 4              # steps between two choices at an unchanged batch size
 
     def __init__(self, max_k: int, verify_cost, prior_acceptance: float = 0.5):
         super().__init__(max_k)
@@ -208,13 +228,15 @@ class AutoLength(FixedLength):
         self._other: dict[int, _Ema] = {}
         self._costs: dict[int, list[float]] = {}
         self._zero_steps = 0
+        self._probe_gap = self.probe_every
+        self._since, self._last_batch, self._last_k = 0, -1, None
         #: the last choice's predicted tokens/s per k (for logs and tests)
         self.last_rates: list[float] = []
 
     # -- what each step teaches -----------------------------------------------------------
-    def observe_acceptance(self, seq, drafted: int, accepted: int) -> None:
-        seq.acceptance.update(drafted, accepted, self.decay)
-        self.global_acceptance.update(drafted, accepted, self.global_decay)
+    def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
+        seq.acceptance.update(asked, drafted, accepted, self.decay)
+        self.global_acceptance.update(asked, drafted, accepted, self.global_decay)
 
     def observe_step(self, batch_size: int, k: int, q: int, draft_seconds: float | None,
                      step_seconds: float | None) -> None:
@@ -252,10 +274,15 @@ class AutoLength(FixedLength):
         B = len(seqs)
         K = self.max_k
         caps = [(K if s.max_k is None else min(s.max_k, K)) if s.speculative else 0 for s in seqs]
+        g = self.global_acceptance
         if acceptance is None:
-            prior = self.global_acceptance.estimate(self.prior)
+            prior = g.estimate(self.prior)
             acceptance = [s.acceptance.estimate(prior) if c else 0.0 for s, c in zip(seqs, caps)]
-        powers = list(acceptance)
+            avail_prior = g.availability()
+            avail = [s.acceptance.availability(avail_prior) if c else 0.0 for s, c in zip(seqs, caps)]
+        else:
+            avail = [1.0] * B
+        powers = [u * a for u, a in zip(avail, acceptance)]  # u a^k: the k-th draft's expected token
         tokens = float(B)
         out = [tokens / max(self.step_seconds(B, 0), 1e-9)]
         for k in range(1, K + 1):
@@ -272,6 +299,27 @@ class AutoLength(FixedLength):
         return d is None or d.value is None
 
     def choose(self, seqs) -> int:
+        """The step's k: re-chosen every ``every`` steps, and at once when the batch size
+        changes (acceptance moves slowly; the choice costs tens of microseconds). After
+        ``probe_every`` steps at 0, one step drafts a single token if speculation could
+        pay; each probe that changes nothing doubles the wait for the next (up to 1024)."""
+        B = len(seqs)
+        self._since += 1
+        if B != self._last_batch or self._since >= self.every or self._last_k is None:
+            self._since, self._last_batch = 0, B
+            self._last_k = self._choose(seqs)
+        k = self._last_k
+        if k == 0:
+            self._zero_steps += 1
+            if self._zero_steps >= self._probe_gap and self._could_pay(seqs):
+                # probe; if the drafts stay poor, wait twice as long for the next one
+                self._zero_steps, self._probe_gap = 0, min(2 * self._probe_gap, 1024)
+                return 1
+        else:
+            self._zero_steps, self._probe_gap = 0, self.probe_every
+        return k
+
+    def _choose(self, seqs) -> int:
         if not any(s.speculative and s.max_k != 0 for s in seqs):
             return 0
         rates = self.rates(seqs)
@@ -279,12 +327,6 @@ class AutoLength(FixedLength):
         best = max(range(len(rates)), key=lambda k: rates[k])
         if best > 0 and rates[best] < rates[0] * (1 + self.margin):
             best = 0
-        if best == 0:
-            self._zero_steps += 1
-            if self._zero_steps % self.probe_every == 0 and self._could_pay(seqs):
-                return 1
-        else:
-            self._zero_steps = 0
         return best
 
     def _could_pay(self, seqs) -> bool:

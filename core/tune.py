@@ -314,7 +314,7 @@ def tune(make_llm: Callable[[dict | None], Any], methods: dict[str, dict], promp
         llm.generate(prompts[:1], warm)
     say(f"profiling the verify cost (batch {', '.join(map(str, batches))}; q = 1..{max_k + 1})")
     cost = profile_verify_cost(engines["none"].target, batches, list(range(1, max_k + 2)), context=context,
-                               reps=max(3, 2 * repeats), statistic="min" if repeats > 1 else "median")
+                               reps=max(3, 2 * repeats), statistic="min" if repeats > 1 else "median").monotone()
     configs = [("none", 0)] + [(name, k) for name in methods
                                for k in (range(max_k, 0, -1) if check else [max_k])]
     best: dict[tuple[str, int, int], Run] = {}

@@ -88,17 +88,25 @@ def test_expected_tokens_per_step():
 def test_acceptance_is_the_geometric_estimate():
     a = Acceptance()
     for _ in range(50):
-        a.update(4, 2, 0.9)  # two accepted, the third rejected: a = 2 / 3
-    assert abs(a.estimate(0.5) - 2 / 3) < 0.02
+        a.update(4, 4, 2, 0.9)  # two accepted, the third rejected: a = 2 / 3
+    assert abs(a.estimate(0.5) - 2 / 3) < 0.02 and abs(a.availability() - 1.0) < 1e-9
     b = Acceptance()
-    b.update(0, 0, 0.9)
-    assert b.estimate(0.4) == 0.4  # nothing drafted: the prior
+    b.update(0, 0, 0, 0.9)
+    assert b.estimate(0.4) == 0.4  # never asked: the prior
+    c = Acceptance()
+    for i in range(200):  # n-gram-like: a draft one step in four, fully accepted when there
+        c.update(4, 4 if i % 4 == 0 else 0, 4 if i % 4 == 0 else 0, 0.99)
+    assert abs(c.availability() - 0.25) < 0.03 and c.estimate(0.5) > 0.95
+    d = Acceptance()
+    for _ in range(50):
+        d.update(4, 2, 2, 0.9)  # a short draft, all accepted: the run ended at position 3
+    assert abs(d.estimate(0.5) - 2 / 3) < 0.02
 
 
 class _Seq:
     def __init__(self, acceptance: float, speculative=True, max_k=None):
         self.speculative, self.max_k = speculative, max_k
-        self.acceptance = Acceptance(successes=1000 * acceptance, trials=1000.0)
+        self.acceptance = Acceptance(successes=1000 * acceptance, trials=1000.0, asked=1000.0, offered=1000.0)
 
 
 def _cost(fn) -> VerifyCost:
@@ -122,6 +130,15 @@ def test_auto_shortens_with_load_and_follows_acceptance():
     assert AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.3 * (q - 1)))).choose([_Seq(0.9)]) >= 3
 
 
+def test_auto_weighs_drafts_by_how_often_they_come():
+    cost = _cost(lambda b, q: 0.01 * (1 + 0.25 * (q - 1)))
+    always = _Seq(0.8)
+    rarely = _Seq(0.8)
+    rarely.acceptance.offered = 100.0  # a draft one step in ten
+    assert AutoLength(4, cost).choose([always]) >= 2
+    assert AutoLength(4, cost).choose([rarely]) == 0
+
+
 def test_auto_counts_requests_without_speculation_as_one_token():
     auto = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.1 * (q - 1))))
     assert auto.choose([_Seq(0.9, speculative=False)] * 4) == 0
@@ -130,18 +147,36 @@ def test_auto_counts_requests_without_speculation_as_one_token():
 
 def test_auto_probes_after_choosing_zero_only_when_speculation_could_pay():
     cheap = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.05 * (q - 1))))
-    ks = [cheap.choose([_Seq(0.0)]) for _ in range(64)]
-    assert ks.count(1) == 2 and ks.count(0) == 62
+    ks = [cheap.choose([_Seq(0.0)]) for _ in range(32 + 64 + 128)]
+    assert [i for i, k in enumerate(ks) if k] == [31, 95, 223]  # after 32, then 64, then 128 steps at 0
     costly = AutoLength(4, _cost(lambda b, q: 0.01 * q))
     assert set(costly.choose([_Seq(0.0)]) for _ in range(64)) == {0}
 
 
 def test_measured_drafting_cost_lowers_k():
     auto = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.05 * (q - 1))))
+    auto.every = 1  # choose afresh every step
     assert auto.choose([_Seq(0.5)]) >= 3
     for _ in range(30):
         auto.observe_step(1, 4, 5, draft_seconds=0.04, step_seconds=0.04 + 0.012)  # a draft token costs a step
     assert auto.choose([_Seq(0.5)]) == 0
+
+
+def test_a_noisy_profile_is_made_monotone():
+    c = VerifyCost({1: {1: 9.0, 2: 1.3, 5: 1.9}, 4: {1: 2.0, 2: 9.0, 5: 7.0}}).monotone()
+    assert c.table == {1: {1: 9.0, 2: 9.0, 5: 9.0}, 4: {1: 9.0, 2: 9.0, 5: 9.0}}
+    d = VerifyCost({1: {1: 1.0, 2: 1.1}, 4: {1: 2.0, 2: 2.5}}).monotone()
+    assert d.table == {1: {1: 1.0, 2: 1.1}, 4: {1: 2.0, 2: 2.5}}
+
+
+def test_auto_rechooses_every_few_steps_and_when_the_batch_changes():
+    auto = AutoLength(4, _cost(lambda b, q: 0.01 * max(1.0, b * q / 32)))
+    calls = []
+    inner = auto._choose
+    auto._choose = lambda seqs: calls.append(len(seqs)) or inner(seqs)
+    for B in (1, 1, 1, 1, 1, 64, 64, 1):
+        auto.choose([_Seq(0.6)] * B)
+    assert calls == [1, 1, 64, 1]
 
 
 def test_verify_cost_interpolates_and_extrapolates():
@@ -163,8 +198,8 @@ class Alternating:
         self.i += 1
         return self.seq[self.i % len(self.seq)]
 
-    def observe_acceptance(self, seq, drafted, accepted):
-        seq.acceptance.update(drafted, accepted, self.decay)
+    def observe_acceptance(self, seq, asked, drafted, accepted):
+        seq.acceptance.update(asked, drafted, accepted, self.decay)
 
     def observe_step(self, *a, **kw):
         pass
