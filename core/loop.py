@@ -152,7 +152,6 @@ class DraftVerifyLoop:
         if timed:
             _sync(self.target.device)
         draft_seconds = time.perf_counter() - t_draft if timed else None
-        # draft tokens per row (host), capped so no row drafts past what it may emit or its own k
         # drafts each row was asked for (what its acceptance is measured against) and got,
         # capped so no row drafts past what it may emit or its own k
         asked, drafted = [0] * B, [0] * B
