@@ -30,7 +30,7 @@ case $PART in
     python3 -m speculum.bench.load_check ${SWEEP:-docs/results/h200/load_sweep.json} ${C1:-docs/results/h200/load_c1.json} \
       --json $OUT/load_check.json | tee $OUT/load_check.txt ;;
   tune)
-    speculum tune --model $M --check --batch-sizes 1,8,64 --num-prompts 64 --max-tokens 128 --max-k $K \
+    speculum tune --model $M --check --batch-sizes 1,8,64 --num-prompts 64 --max-tokens 128 --max-k $K --repeats 2 \
       --speculative-config "$(cfg 1)" --json $OUT/tune.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tee $OUT/tune.txt | tail -45 ;;
   *) echo "usage: load_aware.sh sweep|c1|check|tune" >&2; exit 2 ;;
 esac
