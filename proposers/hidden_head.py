@@ -179,6 +179,9 @@ class ChainHeadProposer:
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.pending: dict[int, torch.Tensor | None] = {}
+        #: per sequence, states of steps that drafted nothing (speculation length 0), as
+        #: (the step's features [B, 1, H], row): folded into ``pending`` when it drafts next
+        self.backlog: dict[int, list[tuple[torch.Tensor, int]]] = {}
         # greedy steps after a request's first run as one static function, replayed as a
         # CUDA graph (``static_draft`` forces the static function on or off; tests run it
         # eagerly on the CPU)
@@ -212,6 +215,7 @@ class ChainHeadProposer:
     def remove_request(self, seq_id: int) -> None:
         self.cache.remove(seq_id)
         self.pending.pop(seq_id, None)
+        self.backlog.pop(seq_id, None)
 
     # -- drafting ---------------------------------------------------------------------------
     def _run(self, seq_ids, feats, tokens, counts) -> torch.Tensor:
@@ -221,6 +225,8 @@ class ChainHeadProposer:
     def propose(self, batch: ProposeBatch) -> Draft:
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
+        for s in seqs:
+            self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
                 and self.pending[s.seq_id].shape[0] > 0]
         token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
@@ -269,18 +275,33 @@ class ChainHeadProposer:
             q[idx] = torch.stack(probs, dim=1)
         return Draft(token_ids=token_ids, probs=q, lengths=lengths)
 
+    def _fold(self, seq_id: int) -> None:
+        """Join a sequence's backlog of draft-less steps to its pending states."""
+        backlog = self.backlog.pop(seq_id, None)
+        if backlog:
+            with torch.inference_mode():
+                self.pending[seq_id] = torch.cat([self.pending[seq_id]] + [f[b, :1] for f, b in backlog])
+
     def observe(self, feedback: StepFeedback) -> None:
         hs = feedback.hidden_states
         if hs is None:
             raise RuntimeError(f"{type(self).__name__} got no hidden states from the verify step")
         with torch.inference_mode():
             feats = self.head.features(hs)  # [B, k+1, H]
+        kept = None  # this step's first-position states, copied once (the target's buffers are reused)
         for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
             prev = self.pending.get(sid)
             if prev is not None and prev.shape[0] > 0:
                 # no propose this step (speculation length 0): nothing was drafted or
-                # cached; the new token's state joins what is still to catch up on
-                self.pending[sid] = torch.cat([prev, feats[b, : a + 1]])
+                # cached; the new token's state joins what is still to catch up on (kept
+                # by reference: no tensor op per row in a step without drafts)
+                if kept is None:
+                    with torch.inference_mode():
+                        kept = feats[:, :1].clone()
+                backlog = self.backlog.setdefault(sid, [])
+                backlog.append((kept, b))
+                if len(backlog) >= 64:  # bounded: fold now and then
+                    self._fold(sid)
                 continue
             # keep KV of the positions made from true features: 0 .. old length - 2
             self.cache.truncate(sid, new_len - a - 2)

@@ -208,6 +208,17 @@ class Alternating:
         return False
 
 
+class LongPause(Alternating):
+    """Test policy: 70 steps without drafts (a head's backlog folds at 64), then k."""
+
+    def __init__(self, k):
+        self.seq, self.i = [0] * 70 + [k], -1
+
+    def choose(self, seqs):
+        self.i += 1
+        return self.seq[min(self.i, len(self.seq) - 1)]
+
+
 def _specs(tiny_llama, tmp_path):
     specs = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
              "draft_model": {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}}
@@ -220,9 +231,14 @@ def _specs(tiny_llama, tmp_path):
 
 def test_any_sequence_of_lengths_keeps_greedy_output_identical(tiny_llama, tmp_path):
     base = [o.token_ids for o in LLM(str(tiny_llama), None, **ENGINE).generate(PROMPTS, GREEDY)]
+    long = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    base_long = [o.token_ids for o in LLM(str(tiny_llama), None, **ENGINE).generate(PROMPTS[:1], long)]
     for name, spec in _specs(tiny_llama, tmp_path).items():
         llm = LLM(str(tiny_llama), spec, **ENGINE)
+        llm.loop.length = LongPause(3)
+        assert [o.token_ids for o in llm.generate(PROMPTS[:1], long)] == base_long, name
         llm.loop.length = Alternating(3)
+        llm.loop.k_counts = [0] * 4
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == base, name
         counts = llm.loop.k_counts
