@@ -1,4 +1,5 @@
-"""The ``speculum`` command line: ``generate``, ``plugins``, ``serve``, ``bench`` and ``train``."""
+"""The ``speculum`` command line: ``generate``, ``plugins``, ``serve``, ``bench``, ``train``,
+``verify-quality`` and ``tune``."""
 
 from __future__ import annotations
 
@@ -311,11 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plugins)
 
     from speculum.bench.cli import add_parser as add_bench_parser
+    from speculum.quality_cli import add_parser as add_quality_parser
     from speculum.server.cli import add_parser as add_serve_parser
     from speculum.train.cli import add_parser as add_train_parser
+    from speculum.tune_cli import add_parser as add_tune_parser
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_train_parser(sub)
+    add_quality_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import attrs
 
 from speculum.errors import ConfigError
+from speculum.spec_length import parse_schedule
 
 NGRAM_ALIASES = ("ngram", "[ngram]")
 DRAFT_SAMPLE_METHODS = ("sample", "greedy")
@@ -86,6 +87,14 @@ class SpeculativeConfig:
     tree_topk: int | None = None
     tree_depth: int | None = None
     num_draft_tokens: int | None = None
+    #: k by batch size: {"1-16": 3, "64-128": 2, "256-4096": 0} (inclusive ranges; a gap
+    #: takes the range before it; k clamped to num_speculative_tokens, 0 = off), the list
+    #: form [[1, 16, 3], ...], or "auto" (k chosen per step by a cost model of this
+    #: machine); None = always num_speculative_tokens. See speculum.spec_length.
+    num_speculative_tokens_per_batch_size: Any = None
+    #: vLLM's older switch: no drafts once this many requests run together (the same as
+    #: {"1-(N-1)": k, "N-...": 0}); not together with num_speculative_tokens_per_batch_size
+    disable_by_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
 
     def __attrs_post_init__(self):
         from speculum.tree import tree_from_config
@@ -111,6 +120,11 @@ class SpeculativeConfig:
                 f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, "
                 f"got {self.draft_sample_method!r}"
             )
+        parse_schedule(self.num_speculative_tokens_per_batch_size, k)  # raises ConfigError when malformed
+        if self.disable_by_batch_size is not None and self.num_speculative_tokens_per_batch_size is not None:
+            raise ConfigError("give num_speculative_tokens_per_batch_size or disable_by_batch_size, not both "
+                              f"(disable_by_batch_size={self.disable_by_batch_size} is the ranges "
+                              f'{{"1-{self.disable_by_batch_size - 1}": {k}, "{self.disable_by_batch_size}-1000000": 0}})')
         if self.method is None and self.model is None:
             raise ConfigError(
                 "speculative config needs a 'method' or a 'model' (a draft checkpoint, or "
@@ -190,6 +204,15 @@ class SpeculativeConfig:
         return tree_from_config(self.speculative_token_tree, self.tree_topk, self.tree_depth, self.num_draft_tokens)
 
     # -- derived ------------------------------------------------------------------
+    @property
+    def length_schedule(self):
+        """The parsed ``num_speculative_tokens_per_batch_size``: None, ``"auto"`` or
+        sorted ``((lo, hi, k), ...)`` with k clamped to ``num_speculative_tokens``."""
+        n = self.disable_by_batch_size
+        if n is not None:
+            return ((1, n - 1, self.num_speculative_tokens), (n, 1 << 30, 0)) if n > 1 else ((1, 1 << 30, 0),)
+        return parse_schedule(self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
+
     @property
     def model_is_ngram(self) -> bool:
         return self.model is not None and self.model.lower() in NGRAM_ALIASES

@@ -6,6 +6,7 @@ differs. Requests go through ``add_request`` / ``step``; ``generate`` drives tho
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import time
@@ -20,11 +21,13 @@ from speculum.interfaces import Backend, HiddenStateProposer, KVCacheFull
 from speculum.loop import DraftVerifyLoop
 from speculum.metrics import SpecDecodeMetrics
 from speculum.model_source import resolve_model_path
-from speculum.outputs import CompletionOutput, RequestOutput
+from speculum.outputs import RequestOutput
 from speculum.plugins import build_registry
-from speculum.sampling import SamplingParams, make_generator
+from speculum.requests import RequestLimits, check_params, request_output, token_rules
+from speculum.sampling import SamplingParams, make_generator, sample_params
 from speculum.scheduler import Scheduler
 from speculum.sequence import Sequence
+from speculum.spec_length import make_policy
 from speculum.threads import apply_threads
 from speculum.tokenizer import Tokenizer
 from speculum.tree import TreeProposer, check_tree_support
@@ -48,7 +51,7 @@ class LLM:
                  backend: str = "torch", max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None,
-                 threads: int | None = None, **backend_options: Any):
+                 threads: int | None = None, max_logprobs: int = 20, **backend_options: Any):
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"threads must be an integer >= 1 (torch CPU threads), got {threads!r}; "
                               "leave it None for the default (the CPUs not busy with other processes)")
@@ -106,18 +109,26 @@ class LLM:
             self.backend.plan_memory(self.max_model_len, self.max_num_seqs, lookahead=self.lookahead)
         except KVCacheFull as exc:
             raise ConfigError(str(exc)) from exc
-        self._capture_graphs(k, hidden_layers, tree is not None)
+        schedule = spec_cfg.length_schedule if spec_cfg is not None else None
+        # a schedule may change k between steps: every q = 1..k+1 is then captured up front
+        # (a tree is drafted whole or not at all: q = 1 and the tree's width)
+        self._capture_graphs(k, hidden_layers, tree is not None, all_lengths=schedule is not None)
+        #: picks each step's speculation length (speculum.spec_length): fixed, by batch size, or "auto"
+        self.spec_length = make_policy(schedule, k, lambda: self._verify_cost(k))
         self.verifier_spec, self.verifier = build_verifier(
             self.registry, verifier_name, spec_cfg.verifier_options if spec_cfg is not None else None)
         if tree is not None:
             check_tree_support(tree, spec_cfg.method, proposer, self.verifier, verifier_name, self.target)
         self.proposer = proposer
-        self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers)
-        self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs, lookahead=self.lookahead,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers,
+                                    length=self.spec_length, trees=tree is not None)
+        self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs,
+                                   lookahead=self.lookahead, max_num_batched_tokens=max_num_batched_tokens)
         self._seed_gen = make_generator(seed)
         self._ids = itertools.count()
-        self._by_request: dict[str, Sequence] = {}
+        #: each request's samples (one Sequence, or n / best_of of them) and parameters
+        self._by_request: dict[str, list[Sequence]] = {}
+        self._params: dict[str, SamplingParams] = {}
         self.stats = SpecDecodeMetrics(lossless=self.verifier_spec.lossless)
         self.num_generated_tokens = 0
         #: requests that finished with finish_reason="error"
@@ -125,21 +136,40 @@ class LLM:
         #: why the engine refuses work (its device failed), or None
         self.dead: str | None = None
         self.k = k
+        self.limits = RequestLimits(self.target.vocab_size, k, max_logprobs,
+                                    "logits_sink" in inspect.signature(self.target.add_many).parameters)
         log.info("engine ready: model=%s method=%s k=%d verifier=%s (%s)%s", self.model_path.name,
                  spec_cfg.method if spec_cfg else None, k, verifier_name,
                  "lossless" if self.verifier_spec.lossless else "LOSSY", f" ({tree.describe()})" if tree else "")
 
-    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = (), tree: bool = False) -> None:
+    def _capture_graphs(self, k: int, hidden_layers: tuple[int, ...] = (), tree: bool = False,
+                        all_lengths: bool = False) -> None:
         """Capture CUDA graphs for the common decode/verify shapes up front (others lazily),
-        returning the hidden states the proposer asked for, as the loop will request them."""
+        returning the hidden states the proposer asked for, as the loop will request them.
+        ``all_lengths``: every verify width 1..k+1 (a speculation length that varies)."""
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs] + [self.max_num_seqs]
         t0 = time.perf_counter()
         if tree:  # verify steps are tree forwards
             n = self.backend.capture(self.target, sizes, [1], hidden_layers, tree_query_lens=[k + 1])
         else:
-            n = self.backend.capture(self.target, sizes, sorted({1, k + 1}), hidden_layers)
+            qs = list(range(1, k + 2)) if all_lengths else sorted({1, k + 1})
+            n = self.backend.capture(self.target, sizes, qs, hidden_layers)
         if n:
             log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+
+    def _verify_cost(self, k: int):
+        """The target's verify cost curve on this machine (cached; speculum.cost_model)."""
+        from speculum.cost_model import describe, load_or_profile
+        context = min(128, max(8, self.max_model_len // 4))
+        try:
+            cost = load_or_profile(self.target, self.model_path, self.max_num_seqs, k, context=context)
+        except KVCacheFull as exc:
+            raise ConfigError(f"num_speculative_tokens_per_batch_size 'auto' profiles the target with "
+                              f"{self.max_num_seqs} sequences of {context} tokens at start, which the KV cache "
+                              f"cannot hold ({exc}); raise kv_cache_memory, lower max_num_seqs, or give batch-size "
+                              "ranges instead of 'auto'") from exc
+        log.info("verify cost (seconds of one target forward, and q tokens against 1):\n%s", describe(cost, k))
+        return cost
 
     # -- requests -----------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -182,26 +212,40 @@ class LLM:
             )
         if params.stop and self.tokenizer.hf is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids")
-        gen = None
-        if not params.greedy:
-            seed = params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-            gen = make_generator(seed, self.target.device)
-        seq = Sequence(request_id, next(self._ids), text, ids, params, gen, self.max_model_len)
-        seq.metrics.lossless = self.verifier_spec.lossless
-        self.scheduler.add(seq)
-        self._by_request[request_id] = seq
+        check_params(params, self.limits)
+        rules = token_rules(params, self.tokenizer)
+        n = params.num_samples
+        seqs = []
+        for i in range(n):
+            p = sample_params(params, i) if n > 1 else params
+            gen = None
+            if not p.greedy:
+                seed = p.seed
+                if seed is None:
+                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+                gen = make_generator(seed, self.target.device)
+            seq = Sequence(request_id, next(self._ids), text, ids, p, gen, self.max_model_len, index=i, rules=rules)
+            seq.metrics.lossless = self.verifier_spec.lossless
+            # per-request control: speculative=False or num_speculative_tokens=0 runs without drafts
+            seq.max_k = min(p.num_speculative_tokens, self.k) if p.num_speculative_tokens is not None else None
+            seq.speculative = bool(self.k) and p.speculative and seq.max_k != 0
+            seqs.append(seq)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self._by_request[request_id] = seqs
+        self._params[request_id] = params
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV cache."""
-        seq = self._by_request.get(request_id)
-        if seq is None:
+        seqs = self._by_request.get(request_id)
+        if seqs is None:
             return
-        seq.abort()
-        if self.scheduler.remove(seq):
-            self.loop.finish(seq)
+        for seq in seqs:
+            seq.abort()
+            if self.scheduler.remove(seq):
+                self.loop.finish(seq)
         del self._by_request[request_id]
+        self._params.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -233,7 +277,7 @@ class LLM:
         sched = self.scheduler.schedule()
         for seq, why in sched.failed:
             seq.fail(why)
-            outputs.append(self._retire(seq))
+            self._retire(seq, outputs)
         if sched.admitted:
             try:
                 self.loop.start(sched.admitted)
@@ -248,24 +292,32 @@ class LLM:
         except Exception as exc:
             self._batch_failed(list(running), "step", exc, outputs)
             return outputs
+        advanced: dict[str, None] = {}
         for s, b in zip(list(running), before):
             self.num_generated_tokens += s.num_output_tokens - b
             if s.finished:
                 self.scheduler.remove(s)
                 self.loop.finish(s)
-                outputs.append(self._retire(s))
+                self._retire(s, outputs)
             elif include_running:
-                outputs.append(self._output(s))
+                advanced[s.request_id] = None
+        done = {o.request_id for o in outputs}
+        outputs += [self._output(rid) for rid in advanced if rid not in done and rid in self._by_request]
         return outputs
 
-    def _retire(self, s: Sequence) -> RequestOutput:
-        """Bookkeeping of a request that left the engine (not running, KV freed)."""
+    def _retire(self, s: Sequence, outputs: list[RequestOutput]) -> None:
+        """Bookkeeping of a sample that left the engine (not running, KV freed); its
+        request's final output joins ``outputs`` once every sample of it finished."""
         self.stats.merge(s.metrics)
-        self._by_request.pop(s.request_id, None)
         if s.finish_reason == "error":
             self.num_failed_requests += 1
             log.warning("request %s failed: %s", s.request_id, s.error)
-        return self._output(s)
+        seqs = self._by_request.get(s.request_id)
+        if seqs is None or not all(x.finished for x in seqs):
+            return
+        outputs.append(self._output(s.request_id))
+        del self._by_request[s.request_id]
+        self._params.pop(s.request_id, None)
 
     def _batch_failed(self, seqs: list[Sequence], what: str, exc: Exception, outputs: list) -> None:
         """A target forward raised: its requests fail; if the device is gone, every request."""
@@ -282,7 +334,7 @@ class LLM:
                 except Exception:
                     log.exception("freeing request %s failed", s.request_id)
             s.fail(self.dead or f"the target model failed on this batch ({type(exc).__name__}: {exc})")
-            outputs.append(self._retire(s))
+            self._retire(s, outputs)
 
     def _device_failure(self) -> str | None:
         """None if the target's device still computes, else what went wrong."""
@@ -295,19 +347,11 @@ class LLM:
         except Exception as probe:  # e.g. a CUDA error: the context is lost
             return f"{type(probe).__name__}: {probe}"
 
-    def _output(self, s: Sequence) -> RequestOutput:
-        out_ids = s.output_token_ids
-        if s.finished:
-            text = s.text if s.text is not None else self.tokenizer.decode(out_ids)
-        else:  # decoding every step is the caller's choice (streaming); keep it lazy here
-            text = None
-        return RequestOutput(
-            request_id=s.request_id, prompt=s.prompt, prompt_token_ids=list(s.prompt_token_ids),
-            outputs=[CompletionOutput(0, text, list(out_ids), s.finish_reason, s.stop_reason)],
-            finished=s.finished, metrics=s.metrics, error=s.error,
-            time_to_first_token=(s.first_token_time - s.arrival_time) if s.first_token_time else None,
-            latency=(s.finish_time - s.arrival_time) if s.finish_time else None,
-        )
+    def _output(self, request_id: str) -> RequestOutput:
+        seqs = self._by_request[request_id]
+        first = seqs[0]
+        return request_output(request_id, first.prompt, first.prompt_token_ids, seqs, self._params[request_id],
+                              self.tokenizer)
 
     # -- convenience --------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

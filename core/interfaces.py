@@ -111,7 +111,15 @@ class Proposer(Protocol):
         """Return up to ``batch.num_speculative_tokens`` draft tokens per sequence."""
 
     def observe(self, feedback: StepFeedback) -> None:
-        """Learn the outcome of verification (roll back draft caches, adapt)."""
+        """Learn the outcome of verification (roll back draft caches, adapt).
+
+        Called after every step that drafted for the proposer's requests. A
+        :class:`HiddenStateProposer` is also called after steps that did not call
+        :meth:`propose` (a step whose speculation length is 0: load-aware speculation,
+        ``speculum.spec_length``), to receive the target's states of the new token; then
+        ``num_accepted`` is 0 and whatever it had pending must be kept. Other proposers
+        catch up from the sequence's tokens at their next :meth:`propose`.
+        """
 
 
 @runtime_checkable
@@ -236,7 +244,12 @@ class ModelRunner(Protocol):
 
     def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
                  hidden_layers: Sequence[int] = ()) -> dict[int, dict[int, torch.Tensor]]:
-        """Prefill several sequences together; returns ``{seq_id: {layer: [len, H]}}``."""
+        """Prefill several sequences together; returns ``{seq_id: {layer: [len, H]}}``.
+
+        Optional keyword ``logits_sink(seq_id, start, logits [n, V])``: a runner that
+        accepts it hands over the logits of every prefilled position, chunk by chunk
+        (``prompt_logprobs`` need it; the engine refuses them for a runner without it).
+        """
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:

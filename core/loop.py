@@ -25,6 +25,7 @@ path order, as a chain's would.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence as Seq
 
 import torch
@@ -32,8 +33,10 @@ import torch
 from speculum.errors import RowError
 from speculum.interfaces import (Draft, HiddenStateProposer, ModelRunner, ProposeBatch, Proposer, StatefulProposer,
                                  StepFeedback, Verdict, Verifier)
+from speculum.logprobs import position_logprobs, prompt_scorer
 from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
+from speculum.spec_length import FixedLength
 from speculum.tokenizer import Tokenizer
 from speculum.tree import TokenTree, gather_path, path_moves
 
@@ -45,12 +48,21 @@ class DraftVerifyLoop:
 
     def __init__(self, target: ModelRunner, verifier: Verifier, tokenizer: Tokenizer,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 hidden_layers: Seq[int] = ()):
+                 hidden_layers: Seq[int] = (), length=None, trees: bool = False):
         self.target = target
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
+        #: the proposer drafts token trees of k nodes (the length policy turns them on or off)
+        self.trees = trees and self.k > 0
+        #: picks each step's k (:mod:`speculum.spec_length`); fixed k by default
+        self.length = length if length is not None else FixedLength(self.k)
+        #: steps run at each k (index k): the chosen-k histogram
+        self.k_counts: list[int] = [0] * (self.k + 1)
+        #: every how many steps drafting is timed with a device sync (CUDA; always elsewhere)
+        self.time_every = 8 if target.device.type == "cuda" else 1
+        self._steps = 0
         self.hidden_layers = tuple(hidden_layers)
         self.stateful = isinstance(proposer, StatefulProposer)
         self.wants_hidden = isinstance(proposer, HiddenStateProposer)
@@ -74,12 +86,20 @@ class DraftVerifyLoop:
         """
         if not seqs:
             return
-        ids, prompts = [s.seq_id for s in seqs], [s.token_ids[:-1] for s in seqs]
-        hidden = None
-        if self.hidden_layers:  # {seq_id: {layer: [len - 1, H]}} for proposers that asked
-            hidden = self.target.add_many(ids, prompts, hidden_layers=self.hidden_layers)
-        else:
-            self.target.add_many(ids, prompts)
+        scored = [s for s in seqs if s.params.prompt_logprobs is not None and s.prompt_logprobs is None]
+        plain = [s for s in seqs if s not in scored]
+        hidden = {}
+        if plain:
+            ids, prompts = [s.seq_id for s in plain], [s.token_ids[:-1] for s in plain]
+            if self.hidden_layers:  # {seq_id: {layer: [len - 1, H]}} for proposers that asked
+                hidden.update(self.target.add_many(ids, prompts, hidden_layers=self.hidden_layers))
+            else:
+                self.target.add_many(ids, prompts)
+        for s in scored:  # one at a time: their logits are scored chunk by chunk
+            sink, entries = prompt_scorer(s.prompt_token_ids, s.params.prompt_logprobs)
+            hidden.update(self.target.add_many([s.seq_id], [s.token_ids[:-1]], hidden_layers=self.hidden_layers,
+                                               logits_sink=lambda sid, start, logits, f=sink: f(start, logits)))
+            s.prompt_logprobs = [None] + [entries[i] for i in range(1, s.num_prompt_tokens)]
         if not self.stateful or not self.k:
             return
         for s in seqs:
@@ -124,18 +144,40 @@ class DraftVerifyLoop:
         itself propagate: they concern the whole batch (the engine decides).
         """
         B = len(seqs)
-        device = self.target.device
-        sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], device)
-        rows = [b for b, s in enumerate(seqs) if s.speculative] if self.k else []
-        draft = self._propose(seqs, rows, sampling)
+        t_start = time.perf_counter()
+        sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], self.target.device,
+                                             histories=[(s.token_ids, s.num_prompt_tokens) for s in seqs],
+                                             rules=[s.rules for s in seqs], needs=any(s.processed for s in seqs))
+        k_step = min(self.length.choose(seqs), self.k) if self.k else 0
+        if k_step and self.trees:  # a tree is drafted whole or not at all (the node budget is fixed)
+            k_step = self.k
+        self.k_counts[k_step] += 1
+        self._steps += 1
+        # with trees, rows whose logits processors read the history (penalties, min_tokens,
+        # bad words...) decode without drafts: their drafts' histories are tree paths
+        rows = [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)
+                and not (self.trees and s.processed)] if k_step else []
+        timed = bool(rows) and (self._steps % self.time_every == 0 or self.length.needs_timing(B))
+        if timed:
+            _sync(self.target.device)
+        t_draft = time.perf_counter()
+        draft = self._propose(seqs, rows, sampling, k_step)
+        if timed:
+            _sync(self.target.device)
+        draft_seconds = time.perf_counter() - t_draft if timed else None
         tree = draft.tree
-        # draft tokens per row (host), capped so no row drafts past what it may emit
-        lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
-        if tree is None:
-            drafted = [min(n, max(s.room() - 1, 0)) for n, s in zip(lengths, seqs)]
-        else:  # a tree keeps its nodes; those deeper than a row may emit are never accepted
-            drafted = [n if s.room() > 1 else 0 for n, s in zip(lengths, seqs)]
-            depths = [min(tree.depth_bound, s.room() - 1) if n else 0 for n, s in zip(drafted, seqs)]
+        # drafts each row was asked for (what its acceptance is measured against) and got,
+        # capped so no row drafts past what it may emit or its own k
+        asked, drafted = [0] * B, [0] * B
+        if draft.token_ids.shape[1]:
+            lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
+            if tree is None:
+                drafted = [min(n, max(s.room() - 1, 0), self._cap(s)) for n, s in zip(lengths, seqs)]
+            else:  # a tree keeps its nodes; those deeper than a row may emit are never accepted
+                drafted = [n if s.room() > 1 else 0 for n, s in zip(lengths, seqs)]
+                depths = [min(tree.depth_bound, s.room() - 1) if n else 0 for n, s in zip(drafted, seqs)]
+        for b in rows:
+            asked[b] = drafted[b] if tree is not None else min(k_step, max(seqs[b].room() - 1, 0), self._cap(seqs[b]))
         k = draft.token_ids.shape[1]
         ids = draft.token_ids
         if k:
@@ -166,7 +208,10 @@ class DraftVerifyLoop:
         out = self.target.forward([s.seq_id for s in seqs], inputs, num_tokens, self.hidden_layers, **extra)
         # [B]: rows with NaN/inf logits (padding positions compute on real tokens: finite too)
         bad = ~torch.isfinite(out.logits).all(-1).all(-1)
-        verdict, failed_rows = self._verify(out.logits, draft, sampling)
+        # [B, k+1, V] penalties, bias, min_tokens, bad_words, min_p per position (drafts
+        # before each position count as generated); the raw logits when no row uses them
+        logits = sampling.process_logits(out.logits, ids) if sampling.needs_processing else out.logits
+        verdict, failed_rows = self._verify(logits, draft, sampling)
         if tree is not None and verdict.path is None:  # the plain-sampling fallback: nothing accepted
             verdict.path = torch.full_like(ids, -1)
         # the host synchronisation of the step (greedy verification has synced already)
@@ -174,11 +219,16 @@ class DraftVerifyLoop:
         accepted = [r[0] for r in both]
         width = verdict.token_ids.shape[1]
         hidden = out.hidden_states
+        raw = out.logits
         if tree is not None:
             self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
                              [bool(r[1]) or b in failed_rows for b, r in enumerate(both)])
             if hidden:  # the accepted path's states in path order, as for a chain
                 hidden = gather_path(hidden, verdict.path)
+            if any(s.params.logprobs is not None for s in seqs):  # logits along the path, in path order
+                cols = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1).clamp_min(0)
+                raw = raw.gather(1, cols.to(raw.device).unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
+        scored = self._logprobs(seqs, raw, verdict)
         new_lengths = []
         for b, s in enumerate(seqs):
             a, row_bad, tokens = accepted[b], both[b][1], both[b][2: 2 + width]
@@ -191,11 +241,21 @@ class DraftVerifyLoop:
             # KV kept: old tokens plus the accepted drafts (the new last token has none yet)
             self.target.truncate(s.seq_id, old_len + a)
             s.metrics.record_step(drafted[b], a, depths[b] if tree is not None and drafted[b] else None)
+            if asked[b]:
+                self.length.observe_acceptance(s, asked[b], drafted[b], a)
             try:
-                s.append(tokens[: a + 1], self.tokenizer)
+                kept = s.append(tokens[: a + 1], self.tokenizer)
             except Exception as exc:  # a detokeniser or stop-string failure is this request's
                 s.fail(f"stop check / detokenisation failed: {type(exc).__name__}: {exc}")
-        self._observe(seqs, rows, accepted, new_lengths, hidden)
+                continue
+            if b in scored:
+                s.record_logprobs(scored[b][:kept])
+        # the proposer learns every step it drafted for; a step without drafts only
+        # concerns a head that needs the target's states of every token
+        observed = rows if rows or not self.wants_hidden else \
+            [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)]
+        self._observe(seqs, observed, accepted, new_lengths, hidden)
+        self.length.observe_step(B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
 
     def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],
                     failed: list[bool]) -> None:
@@ -207,17 +267,32 @@ class DraftVerifyLoop:
         if moves:
             self.target.move_kv([m[0] for m in moves], [m[1] for m in moves], [m[2] for m in moves])
 
-    def _propose(self, seqs: list[Sequence], rows: list[int], sampling: SamplingBatch) -> Draft:
-        """Drafts for the speculative ``rows``, scattered into a [B, <=k] draft (others -1)."""
+    def _cap(self, s: Sequence) -> int:
+        """The most drafts per step for ``s`` (its own num_speculative_tokens, else the engine's)."""
+        return self.k if s.max_k is None else min(s.max_k, self.k)
+
+    def _logprobs(self, seqs: list[Sequence], raw: torch.Tensor, verdict: Verdict) -> dict[int, list]:
+        """{row: per emitted position (token, logprob, rank, top ids, top logprobs)} for rows
+        that asked for logprobs: from the target's raw logits (speculum.logprobs)."""
+        rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None and not s.finished]
+        if not rows:
+            return {}
+        idx = torch.tensor(rows, device=raw.device)
+        top_n = max(seqs[b].params.logprobs for b in rows)
+        scored = position_logprobs(raw[idx], verdict.token_ids.to(raw.device)[idx], top_n)
+        return {b: [(t, lp, rank, ids[: seqs[b].params.logprobs], lps[: seqs[b].params.logprobs])
+                    for t, lp, rank, ids, lps in row] for b, row in zip(rows, scored)}
+
+    def _propose(self, seqs: list[Sequence], rows: list[int], sampling: SamplingBatch, k: int) -> Draft:
+        """Up to ``k`` drafts for the speculative ``rows``, scattered into a [B, <=k] draft (others -1)."""
         B = len(seqs)
         if not rows:
             return Draft.empty(B)
-        sub = sampling if len(rows) == B else SamplingBatch.from_params(
-            [seqs[b].params for b in rows], [seqs[b].generator for b in rows], sampling.device)
+        sub = sampling if len(rows) == B else sampling.select(rows)
         name = type(self.proposer).__name__
         try:
-            draft = self.proposer.propose(ProposeBatch([seqs[b].view() for b in rows], self.k, sub))
-            problem = _malformed(draft, len(rows), self.k, self.target.vocab_size)
+            draft = self.proposer.propose(ProposeBatch([seqs[b].view() for b in rows], k, sub))
+            problem = _malformed(draft, len(rows), k, self.target.vocab_size)
         except RowError as exc:
             for r in exc.rows:
                 if 0 <= r < len(rows):
@@ -298,6 +373,11 @@ class DraftVerifyLoop:
             self._drop_from_proposer([seqs[b] for b in rows],
                                      f"proposer {type(self.proposer).__name__}.observe raised {type(exc).__name__}: "
                                      f"{exc}; its requests continue without speculation")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _to_host(verdict: Verdict, bad: torch.Tensor) -> list[list[int]]:

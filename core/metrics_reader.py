@@ -49,6 +49,8 @@ def engine_metrics(llm) -> list[Metric]:
         Counter(p + "spec_decode_num_emitted_tokens", labels, m.num_emitted_tokens),
         Vector(p + "spec_decode_num_accepted_tokens_per_pos", labels, list(m.accepted_per_position)),
         Vector(p + "spec_decode_num_drafts_per_pos", labels, list(m.drafts_per_position)),
+        # steps run at each speculation length k (values[k]): fixed, by batch size or "auto"
+        Vector(p + "spec_decode_speculation_length_steps", labels, list(llm.loop.k_counts)),
     ]
     if m.draft_acceptance_rate is not None:  # absent, like the server's gauge, until something is drafted
         out.append(Gauge(p + "spec_decode_draft_acceptance_rate", labels, m.draft_acceptance_rate))

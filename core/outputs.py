@@ -11,7 +11,7 @@ from speculum.metrics import SpecDecodeMetrics
 class CompletionOutput:
     """One generated continuation."""
 
-    #: its index among the request's outputs (always 0: one output per request)
+    #: its index among the request's outputs (0 .. n - 1)
     index: int
     #: None while the request runs (decode ``token_ids`` yourself to stream text)
     text: str | None
@@ -21,6 +21,11 @@ class CompletionOutput:
     finish_reason: str | None
     #: the stop string or stop token id that ended generation, if any
     stop_reason: str | int | None = None
+    #: per output token ``{token id: Logprob}`` (the token and the top-n) when
+    #: ``logprobs`` was asked for: the target's raw log-probabilities (speculum.logprobs)
+    logprobs: list | None = None
+    #: sum of the output tokens' log-probabilities (with logprobs, or best_of > n)
+    cumulative_logprob: float | None = None
 
 
 @attrs.define
@@ -39,6 +44,8 @@ class RequestOutput:
     latency: float | None = None
     #: why the request failed (``finish_reason == "error"``), else None
     error: str | None = None
+    #: per prompt token ``{token id: Logprob}`` (None for the first) when ``prompt_logprobs`` was asked for
+    prompt_logprobs: list | None = None
 
     @property
     def text(self) -> str:

@@ -7,6 +7,8 @@ from typing import Sequence
 import attrs
 import torch
 
+from speculum.logits_process import NO_RULES, LogitsRules, TokenRules, needs_processing
+
 
 def _non_negative(_inst, attribute, value):
     if value is not None and value < 0:
@@ -21,12 +23,49 @@ def _to_stop_list(value) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _to_logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (ids may be strings, as JSON writes them) -> sorted pairs."""
+    if not value:
+        return ()
+    items = value.items() if hasattr(value, "items") else value
+    out = {}
+    for tok, bias in items:
+        try:
+            out[int(tok)] = float(bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias maps token ids to numbers, got {tok!r}: {bias!r}") from None
+    return tuple(sorted(out.items()))
+
+
+def _optional_count(_inst, attribute, value):
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{attribute.name} must be None or an integer >= 0, got {value!r}")
+
+
+def _in_range(lo: float, hi: float):
+    def check(_inst, attribute, value):
+        if not lo <= value <= hi:
+            raise ValueError(f"{attribute.name} must be in [{lo}, {hi}], got {value}")
+    return check
+
+
 @attrs.frozen
 class SamplingParams:
     """How to sample one request (the fields vLLM and OpenAI users know).
 
     ``temperature=0`` is greedy decoding. ``top_k=0`` or ``-1`` and ``top_p=1`` disable
     those filters. ``seed`` makes a sampled request reproducible.
+
+    Every field works with speculation on and keeps it lossless (docs/config.md,
+    "Sampling under speculation"): ``n`` / ``best_of`` samples; ``presence_penalty``,
+    ``frequency_penalty`` (OpenAI's, over the output) and ``repetition_penalty`` (over
+    prompt and output); ``min_p``; ``logit_bias`` (``{token id: bias}``, added to the
+    logits); ``min_tokens`` (EOS and ``stop_token_ids`` masked until that many tokens);
+    ``bad_words`` (strings never generated); ``logprobs`` (top-n log-probabilities of each
+    generated token, from the target's raw logits as vLLM's default ``raw_logprobs``)
+    and ``prompt_logprobs`` (the same for prompt tokens). ``speculative=False`` runs the
+    request without drafts (in the same batch as speculative ones);
+    ``num_speculative_tokens`` caps its drafts per step (at most the engine's).
     """
 
     temperature: float = attrs.field(default=1.0, validator=_non_negative)
@@ -37,6 +76,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(v or ()))
     ignore_eos: bool = False
     seed: int | None = None
+    #: samples returned per prompt, and samples drawn to pick them from (highest cumulative logprob)
+    n: int = attrs.field(default=1)
+    best_of: int | None = attrs.field(default=None)
+    presence_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    repetition_penalty: float = attrs.field(default=1.0)
+    min_p: float = attrs.field(default=0.0, validator=_in_range(0.0, 1.0))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_to_logit_bias)
+    min_tokens: int = attrs.field(default=0, validator=_non_negative)
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_to_stop_list)
+    logprobs: int | None = attrs.field(default=None, validator=_optional_count)
+    prompt_logprobs: int | None = attrs.field(default=None, validator=_optional_count)
+    speculative: bool = True
+    num_speculative_tokens: int | None = attrs.field(default=None, validator=_optional_count)
 
     @top_p.validator
     def _check_top_p(self, _attr, value):
@@ -53,9 +106,54 @@ class SamplingParams:
         if value is None or value < 1:
             raise ValueError(f"max_tokens must be >= 1, got {value}")
 
+    @n.validator
+    def _check_n(self, _attr, value):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"n must be an integer >= 1, got {value!r}")
+
+    @best_of.validator
+    def _check_best_of(self, _attr, value):
+        if value is not None and (not isinstance(value, int) or value < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {value!r}")
+
+    @repetition_penalty.validator
+    def _check_repetition(self, _attr, value):
+        if not value > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {value}")
+
+    @logit_bias.validator
+    def _check_bias(self, _attr, value):
+        bad = [(t, b) for t, b in value if t < 0 or not -100.0 <= b <= 100.0]
+        if bad:
+            raise ValueError(f"logit_bias entries must map token ids >= 0 to biases in [-100, 100], got {bad[:3]}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences this request runs (``best_of`` if set, else ``n``)."""
+        return self.best_of or self.n
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample ``index`` of a request with ``n`` / ``best_of`` > 1.
+
+    Each sample is one sequence with ``n=1``. A seeded request gives sample ``i`` its own
+    seed derived from ``(seed, i)`` (sample 0 keeps ``seed``), so the samples are
+    independent draws and the request stays reproducible. ``best_of > n`` needs the
+    cumulative log-probability of each sample: their logprobs are computed (top 0) and
+    dropped from the output unless the request asked for them.
+    """
+    seed = params.seed
+    if seed is not None and index:
+        seed = (seed * 1_000_003 + index * 7_919) % (2 ** 63 - 1)
+    logprobs = params.logprobs
+    if logprobs is None and (params.best_of or 1) > params.n:
+        logprobs = 0
+    return attrs.evolve(params, n=1, best_of=None, seed=seed, logprobs=logprobs,
+                        prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 class SamplingBatch:
@@ -66,18 +164,53 @@ class SamplingBatch:
     """
 
     def __init__(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", histories: Sequence[tuple[Sequence[int], int]] | None = None,
+                 rules: Sequence[TokenRules] | None = None, needs: bool | None = None):
         self.params = list(params)
         # one generator per row, or a single generator shared by all rows
         self.generators = generators if isinstance(generators, torch.Generator) else list(generators)
         self.device = device
         self.all_greedy = all(p.temperature == 0 for p in self.params)
         self._t = None
+        #: per row (token ids so far, prompt length) and token rules: what penalties,
+        #: min_tokens and bad_words read (None: rows without them only)
+        self.histories = list(histories) if histories is not None else None
+        self.rules = list(rules) if rules is not None else [NO_RULES] * len(self.params)
+        #: whether any row's logits go through :class:`~speculum.logits_process.LogitsRules`
+        self.needs_processing = (any(needs_processing(p, r) for p, r in zip(self.params, self.rules))
+                                 if needs is None else needs)
+        self._logits_rules = None
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                    device: torch.device | str = "cpu") -> "SamplingBatch":
-        return cls(params, generators, device)
+                    device: torch.device | str = "cpu", histories: Sequence[tuple[Sequence[int], int]] | None = None,
+                    rules: Sequence[TokenRules] | None = None, needs: bool | None = None) -> "SamplingBatch":
+        """``needs``: whether any row needs :meth:`process_logits`, when the caller knows
+        (the loop does, per sequence); None works it out from the parameters."""
+        return cls(params, generators, device, histories, rules, needs)
+
+    def select(self, rows: Sequence[int]) -> "SamplingBatch":
+        """The batch of the given rows only (a proposer's subset), histories included."""
+        gens = self.generators if isinstance(self.generators, torch.Generator) else [self.generators[b] for b in rows]
+        return SamplingBatch([self.params[b] for b in rows], gens, self.device,
+                             [self.histories[b] for b in rows] if self.histories is not None else None,
+                             [self.rules[b] for b in rows])
+
+    def process_logits(self, logits: torch.Tensor, new_tokens: torch.Tensor | None = None, offset: int = 0,
+                       rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Penalties, logit_bias, min_tokens, bad_words and min_p applied to ``logits``
+        [R, T, V] (see :mod:`speculum.logits_process`); the logits unchanged when no row
+        uses them. ``new_tokens`` [R, n]: tokens after each row's history (drafts);
+        position ``t`` follows ``new_tokens[:, :offset + t]``. ``rows``: which of this
+        batch's rows ``logits`` holds (default: all)."""
+        if not self.needs_processing:
+            return logits
+        if self._logits_rules is None:
+            if self.histories is None:
+                raise ValueError("these sampling parameters (penalties, min_tokens, bad_words...) need the rows' "
+                                 "token histories: build the batch with SamplingBatch.from_params(..., histories=)")
+            self._logits_rules = LogitsRules(self.params, self.histories, self.rules, self.device)
+        return self._logits_rules.apply(logits, new_tokens, offset, rows)
 
     @classmethod
     def from_tensors(cls, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -14,6 +14,13 @@ paged group (target, draft model, draft head), before the step runs:
   being overtaken, so it is never starved;
 - a sequence that could not fit even in an empty cache fails on its own
   (``finish_reason="error"``) instead of blocking the queue.
+
+With load-aware speculation (``num_speculative_tokens_per_batch_size``) a step may draft
+fewer than ``k`` tokens; the reservation stays at ``k`` (the engine's
+``num_speculative_tokens``, or a request's own smaller one). The step's k is chosen after
+admission, from the batch that runs, so a reservation that followed it would admit
+sequences that a longer step must preempt again; the price is at most one block per
+speculative sequence.
 """
 
 from __future__ import annotations
@@ -81,7 +88,7 @@ class Scheduler:
     # -- KV arithmetic ------------------------------------------------------------------
     def tokens_after_step(self, seq: Sequence, cache: PagedKVAllocator) -> int:
         """Tokens of KV ``seq`` may hold in ``cache`` after its next step."""
-        k = self.lookahead if seq.speculative else 0
+        k = (self.lookahead if seq.max_k is None else min(seq.max_k, self.lookahead)) if seq.speculative else 0
         n = len(seq.token_ids) + k
         return min(n, cache.max_model_len) if cache.max_model_len else n
 

@@ -8,8 +8,10 @@ import attrs
 import torch
 
 from speculum.interfaces import SequenceView
+from speculum.logits_process import NO_RULES, TokenRules, needs_processing
 from speculum.metrics import SpecDecodeMetrics
 from speculum.sampling import SamplingParams
+from speculum.spec_length import Acceptance
 from speculum.tokenizer import Tokenizer
 
 
@@ -30,6 +32,21 @@ class Sequence:
     error: str | None = None
     #: drafts are proposed for this request (off: plain decoding in the same batch)
     speculative: bool = True
+    #: the most drafts per step for this request (its num_speculative_tokens); None: the engine's k
+    max_k: int | None = None
+    #: token-id form of bad_words / min_tokens (resolved when the request was added)
+    rules: TokenRules = NO_RULES
+    #: running acceptance of its drafts (what speculation length "auto" reads)
+    acceptance: Acceptance = attrs.field(factory=Acceptance)
+    #: per output token: (token id, logprob, rank, top ids, top logprobs) when logprobs were asked
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    #: per prompt token (None for the first) when prompt_logprobs were asked; filled at prefill
+    prompt_logprobs: list | None = None
+    #: index of this sample among its request's n / best_of samples
+    index: int = 0
+    #: whether its logits go through speculum.logits_process (set from params and rules)
+    processed: bool = attrs.field(init=False, default=False)
     text: str | None = None
     arrival_time: float = attrs.field(factory=time.perf_counter)
     first_token_time: float | None = None
@@ -37,6 +54,10 @@ class Sequence:
 
     def __attrs_post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        self.processed = needs_processing(self.params, self.rules)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+            self.cumulative_logprob = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,6 +106,13 @@ class Sequence:
                 self._finish("length", None)
                 break
         return kept
+
+    def record_logprobs(self, entries: list) -> None:
+        """Logprobs of the tokens just appended (one entry per kept token)."""
+        if self.logprobs is None:
+            return
+        self.logprobs.extend(entries)
+        self.cumulative_logprob += sum(e[1] for e in entries)
 
     def _check_stop_strings(self, tokenizer: Tokenizer) -> bool:
         text = tokenizer.decode(self.output_token_ids)

@@ -45,6 +45,8 @@ def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: i
         # [B, V] logits at each row's last valid input
         last = out.logits[:, -1] if max(counts) == min(counts) else \
             out.logits[torch.arange(B, device=out.logits.device), torch.tensor(counts, device=out.logits.device) - 1]
+        if sampling.needs_processing:  # penalties etc. counting this step's drafts so far
+            last = sampling.process_logits(last.unsqueeze(1), torch.stack(tokens, dim=1) if tokens else None, i)[:, 0]
         if sample:
             p = processed_probs(last.unsqueeze(1), sampling.temperature, sampling.top_k, sampling.top_p,
                                 sampling.flags(last.shape[-1]))[:, 0]

@@ -153,12 +153,17 @@ def head_checkpoint_path(ctx, method: str, shipped_root: Path) -> Path:
 
 
 def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBatch,
-                sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                sample: bool, drafted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token per row from logits [R, V] (rows index the step's batch).
 
     Greedy requests (or ``sample=False``) take the argmax and no probabilities; sampled
-    ones draw from the processed distribution and return it ([R, V]).
+    ones draw from the processed distribution and return it ([R, V]). ``drafted`` [R, i]:
+    this step's drafts so far, which penalties and bad words count
+    (:meth:`SamplingBatch.process_logits`).
     """
+    if sampling.needs_processing:
+        logits = sampling.process_logits(logits.unsqueeze(1), drafted, 0 if drafted is None else drafted.shape[1],
+                                         rows=rows)[:, 0]
     if not sample or sampling.all_greedy:
         return logits.argmax(dim=-1), None
     idx = torch.tensor(list(rows), device=sampling.temperature.device)
@@ -186,6 +191,9 @@ class ChainHeadProposer:
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.pending: dict[int, torch.Tensor | None] = {}
+        #: per sequence, states of steps that drafted nothing (speculation length 0), as
+        #: (the step's features [B, 1, H], row): folded into ``pending`` when it drafts next
+        self.backlog: dict[int, list[tuple[torch.Tensor, int]]] = {}
         # greedy steps after a request's first run as one static function, replayed as a
         # CUDA graph (``static_draft`` forces the static function on or off; tests run it
         # eagerly on the CPU)
@@ -234,6 +242,7 @@ class ChainHeadProposer:
     def remove_request(self, seq_id: int) -> None:
         self.cache.remove(seq_id)
         self.pending.pop(seq_id, None)
+        self.backlog.pop(seq_id, None)
 
     # -- drafting ---------------------------------------------------------------------------
     def _run(self, seq_ids, feats, tokens, counts) -> torch.Tensor:
@@ -245,6 +254,8 @@ class ChainHeadProposer:
             return self._propose_tree(batch)
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
+        for s in seqs:
+            self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
                 and self.pending[s.seq_id].shape[0] > 0]
         token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
@@ -264,7 +275,8 @@ class ChainHeadProposer:
         for b in rows:
             lengths[b] = k
         if self.graphs is not None and not sample and self.graphs.fits(counts):
-            out = self.graphs.run(sids, feats, [toks[i, :n].tolist() for i, n in enumerate(counts)], counts)
+            # [R, graphs' k]: the static function drafts the engine's k; a shorter step keeps a prefix
+            out = self.graphs.run(sids, feats, [toks[i, :n].tolist() for i, n in enumerate(counts)], counts)[:, :k]
             for s in sids:
                 self.pending[s] = None  # consumed: the cache now holds them
             token_ids[torch.tensor(rows, device=self.device)] = out
@@ -275,7 +287,8 @@ class ChainHeadProposer:
             out = self._run(sids, x, toks, counts)
             last = out[torch.arange(R, device=self.device), torch.tensor(counts, device=self.device) - 1]
             for i in range(k):
-                tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample)
+                tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample,
+                                     torch.stack(drafts, dim=1) if drafts else None)
                 drafts.append(tok)
                 probs.append(p)
                 if i + 1 < k:
@@ -295,6 +308,8 @@ class ChainHeadProposer:
         """A token tree per sequence (the rows with pending target states)."""
         seqs, spec, graphs = batch.seqs, self.tree, self.graphs
         B, N, dev = len(seqs), spec.num_nodes, self.device
+        for s in seqs:
+            self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
                 and self.pending[s.seq_id].shape[0] > 0]
         lengths = [0] * B
@@ -333,13 +348,34 @@ class ChainHeadProposer:
         tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
         return Draft(token_ids=token_ids, lengths=lengths, tree=tree)
 
+    def _fold(self, seq_id: int) -> None:
+        """Join a sequence's backlog of draft-less steps to its pending states."""
+        backlog = self.backlog.pop(seq_id, None)
+        if backlog:
+            with torch.inference_mode():
+                self.pending[seq_id] = torch.cat([self.pending[seq_id]] + [f[b, :1] for f, b in backlog])
+
     def observe(self, feedback: StepFeedback) -> None:
         hs = feedback.hidden_states
         if hs is None:
             raise RuntimeError(f"{type(self).__name__} got no hidden states from the verify step")
         with torch.inference_mode():
             feats = self.head.features(hs)  # [B, k+1, H]
+        kept = None  # this step's first-position states, copied once (the target's buffers are reused)
         for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
+            prev = self.pending.get(sid)
+            if prev is not None and prev.shape[0] > 0:
+                # no propose this step (speculation length 0): nothing was drafted or
+                # cached; the new token's state joins what is still to catch up on (kept
+                # by reference: no tensor op per row in a step without drafts)
+                if kept is None:
+                    with torch.inference_mode():
+                        kept = feats[:, :1].clone()
+                backlog = self.backlog.setdefault(sid, [])
+                backlog.append((kept, b))
+                if len(backlog) >= 64:  # bounded: fold now and then
+                    self._fold(sid)
+                continue
             # keep KV of the positions made from true features: 0 .. old length - 2
             self.cache.truncate(sid, new_len - a - 2)
             # the target's states of the last token and the accepted drafts come next

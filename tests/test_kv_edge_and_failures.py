@@ -158,7 +158,7 @@ def test_a_row_error_fails_that_request_only(tiny_llama, reference):
     llm, p = _faulty(tiny_llama)
     for i, pr in enumerate(PROMPTS):
         llm.add_request(str(i), pr, GREEDY)
-    p.mode, p.victim = "row", llm._by_request["2"].seq_id
+    p.mode, p.victim = "row", llm._by_request["2"][0].seq_id
     done = {}
     while llm.has_unfinished_requests():
         for o in llm.step(include_running=False):
@@ -201,7 +201,7 @@ def test_nan_logits_fail_their_request_only(tiny_llama, reference, spec):
     llm.loop.target = NaNRows(llm.target, victims)
     for i, pr in enumerate(PROMPTS):
         llm.add_request(str(i), pr, GREEDY)
-    victims.add(llm._by_request["1"].seq_id)
+    victims.add(llm._by_request["1"][0].seq_id)
     done = {}
     while llm.has_unfinished_requests():
         for o in llm.step(include_running=False):

@@ -161,7 +161,7 @@ BAD = [  # (body, status, words the message must contain, param)
     ('{"prompt": [1, "a"]}', 400, ["prompt must be"], "prompt"),
     ('{"prompt": []}', 400, ["prompt"], "prompt"),
     ('{"max_tokens": 4}', 400, ["Missing", "prompt"], "prompt"),
-    ('{"prompt": [1, 2], "n": 3}', 400, ["n=1"], "n"),
+    ('{"prompt": [1, 2], "n": 0}', 400, ["n", "greater than or equal to 1"], "n"),
     ('{"prompt": [1, 2], "model": "gpt-4"}', 404, ["gpt-4", "does not exist", "tiny"], "model"),
     ('{"prompt": [1, 99999]}', 400, ["outside the vocabulary"], None),
     ('{"prompt": "text"}', 400, ["no tokenizer", "token ids"], "prompt"),

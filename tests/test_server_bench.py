@@ -72,3 +72,50 @@ def test_bench_serve_compare_starts_both_servers_and_plots(tiny_llama, dataset, 
         assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "With speculation" in printed and "What it means" in printed
+
+
+def test_bench_serve_compare_runs_several_configs_side_by_side(tiny_llama, dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    auto = '{"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": "auto"}'
+    out = tmp_path / "compare.json"
+    rc = main(_bench_args(dataset, out, "--compare", "--model", str(tiny_llama), "--speculative-config", auto,
+                          "--speculative-config", NGRAM, "--sweep", "inf,100", "--max-num-seqs", "4",
+                          "--dtype", "float32", "--device", "cpu"))
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert [c["label"] for c in result["configs"]] == ["ngram(auto,k<=4)", "ngram(k=4)"]
+    assert result["speculative"]["runs"] == result["configs"][0]["runs"]
+    for c in result["configs"]:
+        assert len(c["throughput_ratio"]) == 2 and all(r > 0 for r in c["throughput_ratio"])
+        steps = c["runs"][0]["spec_decode"]["steps_per_k"]
+        assert sum(steps) > 0 and len(steps) == 5
+    assert sum(result["configs"][1]["runs"][0]["spec_decode"]["steps_per_k"][:4]) == 0  # fixed k=4: only k=4
+    printed = capsys.readouterr().out
+    assert "output throughput against no speculation" in printed and "mean k" in printed
+
+
+def _result(labels_cfgs, base_tps, spec_tps):
+    return {"baseline": {"runs": [{"request_rate": r, "output_throughput": t} for r, t in base_tps]},
+            "configs": [{"label": lab, "speculative_config": cfg,
+                         "runs": [{"request_rate": r, "output_throughput": t, "spec_decode": {"steps_per_k": [1, 2]}}
+                                  for (r, _), t in zip(base_tps, tps)],
+                         "throughput_ratio": [t / b for (_, b), t in zip(base_tps, tps)]}
+                        for (lab, cfg), tps in zip(labels_cfgs, spec_tps)]}
+
+
+def test_load_check_verdicts(tmp_path):
+    from speculum.bench.load_check import check, format_check, main as check_main
+    auto = ("ngram(auto,k<=4)", {"method": "ngram", "num_speculative_tokens": 4,
+                                 "num_speculative_tokens_per_batch_size": "auto"})
+    fixed = [(f"ngram(k={k})", {"method": "ngram", "num_speculative_tokens": k}) for k in (1, 2, 3, 4)]
+    sweep = _result([auto, fixed[3]], [(1.0, 100.0), ("inf", 1000.0)], [[120.0, 980.0], [125.0, 700.0]])
+    c1 = _result([auto] + fixed, [("inf", 100.0)], [[118.0], [105.0], [112.0], [120.0], [119.0]])
+    v = check(sweep, c1)
+    assert v["sweep"]["worst_ratio"] == pytest.approx(0.98) and v["sweep"]["ok"]
+    assert v["concurrency_1"]["best_fixed"] == "ngram(k=3)" and v["concurrency_1"]["auto_share_of_best"] == \
+        pytest.approx(118 / 120) and v["ok"]
+    assert "FAIL" not in format_check(v)
+    bad = _result([auto, fixed[3]], [(1.0, 100.0), ("inf", 1000.0)], [[120.0, 900.0], [125.0, 700.0]])
+    (tmp_path / "s.json").write_text(json.dumps(bad))
+    (tmp_path / "c.json").write_text(json.dumps(c1))
+    assert check_main([str(tmp_path / "s.json"), str(tmp_path / "c.json")]) == 1

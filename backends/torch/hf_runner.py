@@ -106,10 +106,12 @@ class HFRunner:
         return self.add_many([seq_id], [list(token_ids)], hidden_layers)[seq_id]
 
     def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
-                 hidden_layers: Sequence[int] = ()) -> dict[int, dict[int, torch.Tensor]]:
+                 hidden_layers: Sequence[int] = (), logits_sink=None) -> dict[int, dict[int, torch.Tensor]]:
         """Prefill several new sequences in one batched forward (right padded).
 
         Returns ``{seq_id: {layer: [len(prompt), H]}}`` for the requested hidden layers.
+        ``logits_sink(seq_id, start, logits [n, V])``, when given, receives the logits of
+        every prefilled position (prompt logprobs).
         """
         hidden_layers = tuple(hidden_layers)
         hidden = {sid: {} for sid in seq_ids}
@@ -132,7 +134,11 @@ class HFRunner:
                     ids[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
             new_pos = torch.where(pos < lens.view(n, 1), pos, torch.full_like(pos, -1))
             empty = torch.full((n, 0), -1, dtype=torch.int64, device=self.device)
-            out, new_kv, new_pos = self._run(ids, pos, new_pos, None, empty, hidden_layers, logits_to_keep=1)
+            out, new_kv, new_pos = self._run(ids, pos, new_pos, None, empty, hidden_layers,
+                                             logits_to_keep=0 if logits_sink is not None else 1)
+            if logits_sink is not None:
+                for i, (sid, t) in enumerate(zip(seq_ids, prompts)):
+                    logits_sink(sid, 0, out.logits[i, : len(t)].float())
             for layer in hidden_layers:
                 h = self._hidden(out, layer)
                 for i, (sid, t) in enumerate(zip(seq_ids, prompts)):

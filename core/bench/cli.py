@@ -67,8 +67,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--compare", action="store_true",
                    help="start `speculum serve` without and with --speculative-config, sweep both, plot, and "
                         "print a baseline vs speculation table")
-    c.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="speculation of the second server (the first runs without)")
+    c.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
+                   help="speculation of the second server (the first runs without); repeatable: one more server "
+                        'per config, side by side (e.g. "auto" and a fixed k)')
     c.add_argument("--max-num-seqs", type=int, default=32, help="for the servers --compare starts")
     c.add_argument("--dtype", default="auto", help="of the servers --compare starts")
     c.add_argument("--threads", type=int, default=None,
@@ -134,6 +135,18 @@ async def _sweep(base_url: str, prompts, rates, args, extra, model) -> list[dict
     return runs
 
 
+def config_label(cfg: dict) -> str:
+    """A short name for a speculative config: method and k (or its schedule)."""
+    method = cfg.get("method") or cfg.get("model") or "spec"
+    k = cfg.get("num_speculative_tokens")
+    sched = cfg.get("num_speculative_tokens_per_batch_size")
+    if sched == "auto":
+        return f"{method}(auto,k<={k})"
+    if sched is not None:
+        return f"{method}(by batch,k<={k})"
+    return f"{method}(k={k})"
+
+
 def _compare(args, prompts, rates, extra) -> int:
     import asyncio
 
@@ -142,33 +155,53 @@ def _compare(args, prompts, rates, extra) -> int:
     from speculum.config import SpeculativeConfig
     from speculum.errors import ConfigError
 
-    if SpeculativeConfig.from_cli(args.speculative_config) is None:
+    specs = [v for v in (args.speculative_config or []) if SpeculativeConfig.from_cli(v) is not None]
+    if not specs:
         raise ConfigError("--compare needs --speculative-config (it compares speculation against none)")
     name = args.model or "default"
     log_dir = Path(args.server_log_dir) if args.server_log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
+    labels = []
+    for v in specs:
+        label = config_label(json.loads(v))
+        while label in labels:
+            label += "'"
+        labels.append(label)
     results = {}
-    for label, spec in (("baseline", None), ("speculative", args.speculative_config)):
+    for i, (label, spec) in enumerate([("baseline", None)] + list(zip(labels, specs))):
         print(f"bench: starting the {label} server", file=sys.stderr, flush=True)
+        log_name = "baseline" if spec is None else ("speculative" if i == 1 else f"speculative-{i}")
         with served(args.model, spec, served_name=name, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                     extra_args=["--threads", str(args.threads)] if args.threads else None,
-                    device=args.device, log_path=log_dir / f"{label}.log" if log_dir else None) as url:
+                    device=args.device, log_path=log_dir / f"{log_name}.log" if log_dir else None) as url:
             results[label] = asyncio.run(_sweep(url, prompts, rates, args, extra, name))
-    base, spec_runs = results["baseline"], results["speculative"]
+    base = results["baseline"]
     print("== baseline")
     print(report.sweep_table(base))
-    print("== speculation")
-    print(report.sweep_table(spec_runs))
-    rows = report.compare_rows(base, spec_runs)
-    print("== what to look for (ratio > 1: speculation is better)")
-    print(report.compare_table(rows))
+    comparisons = {}
+    for label in labels:
+        print(f"== speculation: {label}")
+        print(report.sweep_table(results[label]))
+        comparisons[label] = report.compare_rows(base, results[label])
+        print(f"== what to look for, {label} (ratio > 1: speculation is better)")
+        print(report.compare_table(comparisons[label]))
+    if len(labels) > 1:
+        print("== output throughput against no speculation, per request rate")
+        print(report.ratio_table(base, {label: results[label] for label in labels}))
     plot_dir = Path(args.plot_dir) if args.plot_dir else (Path(args.result_json).parent if args.result_json else Path("."))
-    paths = plot(base, spec_runs, plot_dir, title=Path(args.model).name if args.model else "default model")
+    paths = plot(base, [(label, results[label]) for label in labels], plot_dir,
+                 title=Path(args.model).name if args.model else "default model")
     print("plots: " + ", ".join(str(p) for p in paths))
     if args.result_json:
-        write_json(args.result_json, {"model": args.model, "speculative_config": json.loads(args.speculative_config),
-                                      "num_prompts": len(prompts), "baseline": {"runs": base},
-                                      "speculative": {"runs": spec_runs}, "comparison": rows})
+        first = labels[0]
+        write_json(args.result_json, {
+            "model": args.model, "speculative_config": json.loads(specs[0]), "num_prompts": len(prompts),
+            "max_concurrency": args.max_concurrency, "baseline": {"runs": base},
+            "speculative": {"runs": results[first]}, "comparison": comparisons[first],
+            "configs": [{"label": label, "speculative_config": json.loads(v), "runs": results[label],
+                         "comparison": comparisons[label],
+                         "throughput_ratio": report.throughput_ratios(base, results[label])}
+                        for label, v in zip(labels, specs)]})
         print(f"wrote {args.result_json}")
     return 0

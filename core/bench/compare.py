@@ -69,16 +69,23 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: 
     raise TimeoutError(f"the server at {url} was not healthy after {timeout_s:.0f} s")
 
 
-def plot(base: list[dict], spec: list[dict], out_dir: Path, title: str = "") -> list[Path]:
-    """Four PNGs: throughput vs TPOT, TTFT vs rate, TPOT vs rate, and throughput side by side."""
+def plot(base: list[dict], spec, out_dir: Path, title: str = "") -> list[Path]:
+    """Four PNGs: throughput vs TPOT, TTFT vs rate, TPOT vs rate, and throughput side by side.
+
+    ``spec``: one sweep (runs of one speculative server) or ``[(label, runs), ...]``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if spec and isinstance(spec[0], dict):
+        spec = [("speculation", spec)]
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [str(r["request_rate"]) for r in base]
     x = list(range(len(labels)))
-    series = (("baseline", base, "tab:gray", "o"), ("speculation", spec, "tab:blue", "s"))
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+    markers = ("s", "^", "D", "v", "P", "X")
+    series = [("baseline", base, "tab:gray", "o")] + [
+        (name, runs, colors[i % len(colors)], markers[i % len(markers)]) for i, (name, runs) in enumerate(spec)]
     paths = []
 
     def save(fig, ax, name, xlabel, ylabel, categorical=True):
@@ -87,7 +94,7 @@ def plot(base: list[dict], spec: list[dict], out_dir: Path, title: str = "") -> 
         if categorical:
             ax.set_xticks(x, labels)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.set_title(name.replace("_", " ") + (f" ({title})" if title else ""), fontsize=10)
         fig.tight_layout()
         p = out_dir / f"{name}.png"
@@ -111,9 +118,10 @@ def plot(base: list[dict], spec: list[dict], out_dir: Path, title: str = "") -> 
         save(fig, ax, name, "request rate (req/s)", ylabel)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    w = 0.38
-    for off, (sname, runs, color, _m) in zip((-w / 2, w / 2), series):
-        ax.bar([i + off for i in x], [r["output_throughput"] for r in runs], w, color=color, label=sname)
+    w = 0.8 / len(series)
+    for i, (sname, runs, color, _m) in enumerate(series):
+        off = (i - (len(series) - 1) / 2) * w
+        ax.bar([j + off for j in x], [r["output_throughput"] for r in runs], w, color=color, label=sname)
     save(fig, ax, "baseline_vs_speculation", "request rate (req/s)", "output throughput (tok/s)")
     return paths
 

@@ -12,7 +12,7 @@ def load_prompts(dataset: str | None = None, num_prompts: int | None = None) -> 
     """Prompts as strings (or token-id lists), repeated in order to reach ``num_prompts``.
 
     ``dataset``: a JSONL file whose lines hold ``prompt`` (a string or a list of token
-    ids); MT-bench style lines (``turns``) work too. None: the MT-bench questions.
+    ids) or ``prompt_token_ids``; MT-bench style lines (``turns``) work too. None: the MT-bench questions.
     """
     if dataset is None:
         from speculum.datasets import first_turn, mt_bench
@@ -29,7 +29,7 @@ def load_prompts(dataset: str | None = None, num_prompts: int | None = None) -> 
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise RequestError(f"{path}:{n}: not JSON ({exc})") from exc
-            p = row.get("prompt") if isinstance(row, dict) else None
+            p = (row.get("prompt") or row.get("prompt_token_ids")) if isinstance(row, dict) else None
             if p is None and isinstance(row, dict) and row.get("turns"):
                 p = row["turns"][0]
             if not (isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p))):

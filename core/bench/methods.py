@@ -55,6 +55,8 @@ class MethodResult:
     texts: list[str] = attrs.field(factory=list)
     #: more figures for the JSON (e.g. ``profile``: a step's time split)
     extra: dict = attrs.field(factory=dict)
+    #: engine steps run at each speculation length k (index k) over the timed groups
+    steps_per_k: list[int] = attrs.field(factory=list)
 
     def speedup(self, base: "MethodResult", group: str | None = None) -> float:
         mine = self.total if group is None else self.groups[group]
@@ -75,7 +77,7 @@ class MethodResult:
                 same, n = self.identical(base, name)
                 d.update(speedup=self.speedup(base, name), identical=same == n, num_identical=same)
             return d
-        return {"method": self.name, "config": self.config,
+        return {"method": self.name, "config": self.config, "steps_per_k": list(self.steps_per_k),
                 "categories": {c: entry(c, g) for c, g in self.groups.items()}, "total": entry(None, self.total),
                 **self.extra}
 
@@ -103,6 +105,7 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
     out: dict[str, GroupResult] = {}
     total = GroupResult()
     texts: list[str] = []
+    k_before = list(llm.loop.k_counts)
     for cat, prompts in groups.items():
         if progress:
             progress(f"{name}: {cat} ({len(prompts)} prompts)")
@@ -119,7 +122,8 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
         out[cat] = g
         total.add(GroupResult(g.tokens, g.seconds, SpecDecodeMetrics(), list(g.outputs)))
         total.metrics.merge(g.metrics)
-    return MethodResult(name, config, out, total, texts)
+    steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
+    return MethodResult(name, config, out, total, texts, steps_per_k)
 
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],

@@ -8,12 +8,15 @@ import httpx
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _POS = re.compile(r'position="(\d+)"')
+_K = re.compile(r'k="(\d+)"')
 PREFIXES = ("speculum:", "vllm:")
 COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
             "spec_decode_num_accepted_tokens_total", "spec_decode_num_emitted_tokens_total",
             "request_success_total", "prompt_tokens_total", "generation_tokens_total")
 PER_POS = {"spec_decode_num_accepted_tokens_per_pos_total": "accepted_per_pos",
            "spec_decode_num_drafts_per_pos_total": "drafts_per_pos"}
+#: steps per speculation length k (speculum's own counter; label k)
+PER_K = "spec_decode_speculation_length_steps_total"
 
 
 def parse_metrics(text: str) -> dict:
@@ -21,6 +24,7 @@ def parse_metrics(text: str) -> dict:
     tokens and the drafts that reached it (the latter is speculum's own counter)."""
     out: dict = {name: 0.0 for name in COUNTERS}
     per_pos: dict[str, dict[int, float]] = {key: {} for key in PER_POS.values()}
+    per_k: dict[int, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -40,6 +44,10 @@ def parse_metrics(text: str) -> dict:
             continue
         if name in out:
             out[name] += v
+        elif name == PER_K:
+            km = _K.search(labels)
+            if km:
+                per_k[int(km.group(1))] = per_k.get(int(km.group(1)), 0.0) + v
         elif name in PER_POS:
             pm = _POS.search(labels)
             if pm:
@@ -47,6 +55,7 @@ def parse_metrics(text: str) -> dict:
                 d[int(pm.group(1))] = d.get(int(pm.group(1)), 0.0) + v
     for key, d in per_pos.items():
         out[key] = [d[i] for i in sorted(d)]
+    out["steps_per_k"] = [per_k.get(k, 0.0) for k in range(max(per_k) + 1)] if per_k else []
     return out
 
 
@@ -83,6 +92,7 @@ def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
         b, a = before[key], after[key]
         return [x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(a)]
     per_pos, reached = delta("accepted_per_pos"), delta("drafts_per_pos")
+    per_k = delta("steps_per_k") if "steps_per_k" in after else []
     if not reached and drafts:  # vLLM: every draft reaches every position
         reached = [drafts] * len(per_pos)
     return {
@@ -97,5 +107,7 @@ def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
         "accepted_per_position": [int(x) for x in per_pos],
         "drafts_per_position": [int(x) for x in reached],
         "requests": int(d["request_success_total"]),
+        # engine steps per speculation length k during the run (k chosen per step)
+        "steps_per_k": [int(x) for x in per_k],
         "generation_tokens": int(d["generation_tokens_total"]),
     }

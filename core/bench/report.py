@@ -39,14 +39,15 @@ def run_table(r: dict, title: str = "Serving Benchmark Result") -> str:
 def sweep_table(runs: list[dict]) -> str:
     """One row per request rate."""
     head = ("rate", "done", "fail", "req/s", "out tok/s", "TTFT mean", "TTFT p99", "TPOT mean", "TPOT p99",
-            "ITL mean", "E2E mean", "accept")
+            "ITL mean", "E2E mean", "accept", "mean k")
     rows = [head]
     for r in runs:
         sd = r.get("spec_decode") or {}
         rows.append((str(r["request_rate"]), str(r["completed"]), str(r["failed"]), _f(r["request_throughput"]),
                      _f(r["output_throughput"], ".1f"), _f(r["mean_ttft_ms"], ".1f"), _f(r["p99_ttft_ms"], ".1f"),
                      _f(r["mean_tpot_ms"], ".1f"), _f(r["p99_tpot_ms"], ".1f"), _f(r["mean_itl_ms"], ".1f"),
-                     _f(r["mean_e2el_ms"], ".0f"), _f(sd.get("acceptance_rate") if sd else None, ".3f")))
+                     _f(r["mean_e2el_ms"], ".0f"), _f(sd.get("acceptance_rate") if sd else None, ".3f"),
+                     _f(mean_k(r), ".2f")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -110,4 +111,36 @@ def compare_table(rows: list[dict]) -> str:
     widths = [max(len(row[i]) for row in out) for i in range(5)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in out]
     lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def throughput_ratios(base: list[dict], spec: list[dict]) -> list[float | None]:
+    """Output throughput with speculation over without, per request rate (same order)."""
+    return [(s["output_throughput"] / b["output_throughput"]) if b["output_throughput"] else None
+            for b, s in zip(base, spec)]
+
+
+def mean_k(run: dict) -> float | None:
+    """Mean speculation length per engine step during a run (from steps_per_k)."""
+    per_k = (run.get("spec_decode") or {}).get("steps_per_k") or []
+    n = sum(per_k)
+    return sum(k * c for k, c in enumerate(per_k)) / n if n else None
+
+
+def ratio_table(base: list[dict], specs: dict[str, list[dict]]) -> str:
+    """Per rate: baseline tok/s, then each config's tok/s, ratio and mean k per step."""
+    head = ["rate", "none tok/s"]
+    for label in specs:
+        head += [f"{label} tok/s", "x", "mean k"]
+    rows = [head]
+    for i, b in enumerate(base):
+        row = [str(b["request_rate"]), _f(b["output_throughput"], ".1f")]
+        for runs in specs.values():
+            s = runs[i]
+            ratio = s["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
+            row += [_f(s["output_throughput"], ".1f"), _f(ratio, ".3f"), _f(mean_k(s), ".2f")]
+        rows.append(row)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -140,10 +140,11 @@ def soak_engine(llm, *, num_requests: int, seed: int = 0, fault_rate: float = 0.
                 plan_abort[rid] = (rng.choice(["waiting", "admitted", "decoding"]), rng.randrange(1, 12))
         # aborts at their stage
         for rid, (stage, after) in list(plan_abort.items()):
-            seq = llm._by_request.get(rid)
-            if seq is None:
+            seqs = llm._by_request.get(rid)
+            if seqs is None:
                 plan_abort.pop(rid)
                 continue
+            seq = seqs[0]
             running = seq in llm.scheduler.running
             hit = (stage == "waiting" and not running) or (stage == "admitted" and running and reqs[rid]["steps"] <= 1) \
                 or (stage == "decoding" and running and reqs[rid]["steps"] >= after)

@@ -64,6 +64,13 @@ class EngineUpdate:
     #: (drafted, accepted) per verify step, when step records are on (finished only)
     steps: list[tuple[int, int]] | None = None
     error: BaseException | None = None
+    #: per new token ``{token id: Logprob}`` when the request asked for logprobs
+    new_logprobs: list | None = None
+    #: every token's logprobs, the sample's cumulative logprob and the prompt's logprobs
+    #: (finished only, when asked)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list | None = None
 
 
 @attrs.define(eq=False)
@@ -272,6 +279,8 @@ class AsyncEngine:
                 continue
             ids = out.token_ids
             new = ids[live.num_sent:]
+            lps = out.outputs[0].logprobs
+            new_lps = list(lps[live.num_sent: len(ids)]) if lps is not None else None
             generated += len(new)
             if new:
                 if live.first_token_time is None:
@@ -301,9 +310,11 @@ class AsyncEngine:
                     "output", new_token_ids=list(new), finished=True, finish_reason=reason,
                     stop_reason=out.outputs[0].stop_reason, text=out.text, token_ids=list(ids),
                     num_prompt_tokens=live.num_prompt_tokens, num_output_tokens=len(ids),
-                    metrics=out.metrics, steps=live.steps))
+                    metrics=out.metrics, steps=live.steps, new_logprobs=new_lps,
+                    logprobs=list(lps) if lps is not None else None,
+                    cumulative_logprob=out.outputs[0].cumulative_logprob, prompt_logprobs=out.prompt_logprobs))
             elif live.stream and new:
-                live.push(EngineUpdate("output", new_token_ids=list(new)))
+                live.push(EngineUpdate("output", new_token_ids=list(new), new_logprobs=new_lps))
         if self.metrics is not None and generated:
             self.metrics.count_step_tokens(generated)
 
@@ -333,6 +344,9 @@ class AsyncEngine:
             return
         try:
             self.metrics.set_scheduler_state(self.llm.num_running, self.llm.num_waiting, kv_cache_usage(self.llm))
+            counts = getattr(getattr(self.llm, "loop", None), "k_counts", None)
+            if counts is not None:
+                self.metrics.count_speculation_lengths(counts)
         except Exception:
             log.exception("updating gauges failed")
 

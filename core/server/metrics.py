@@ -64,6 +64,9 @@ class ServerMetrics:
         self.acceptance_rate = gauge("spec_decode_draft_acceptance_rate",
                                      "Accepted / drafted tokens since the server started (absent until "
                                      "something was drafted).")
+        self.length_steps = counter("spec_decode_speculation_length_steps",
+                                    "Engine steps run at each speculation length k (the k chosen per step: "
+                                    "fixed, by batch size, or auto; k=0 ran without drafts).", ["k"])
         self.request_success = counter("request_success", "Requests that left the engine, by finish reason.",
                                        ["finished_reason"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that left the engine.")
@@ -86,6 +89,9 @@ class ServerMetrics:
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(model_name, str(pos))
             self.drafts_per_pos.labels(model_name, str(pos))
+        for k in range(num_speculative_tokens + 1):
+            self.length_steps.labels(model_name, str(k))
+        self._length_seen: list[int] = []
         # the acceptance rate gauge stays absent until something is drafted (no rate, not 0)
         for g in (self.running, self.waiting, self.kv_usage):
             g.labels(model_name)
@@ -143,6 +149,15 @@ class ServerMetrics:
             self.drafts_per_pos.labels(m, str(pos)).inc(n)
         if drafted:
             self.acceptance_rate.labels(m).set(accepted / drafted)
+
+    def count_speculation_lengths(self, k_counts: list[int]) -> None:
+        """The engine's steps per speculation length so far (its ``loop.k_counts``)."""
+        seen = self._length_seen
+        for k, n in enumerate(k_counts):
+            before = seen[k] if k < len(seen) else 0
+            if n > before:
+                self.length_steps.labels(self.model_name, str(k)).inc(n - before)
+        self._length_seen = list(k_counts)
 
     def set_scheduler_state(self, running: int, waiting: int, kv_usage: float) -> None:
         m = self.model_name

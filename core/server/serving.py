@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from speculum.errors import EngineDeadError, RequestError
+from speculum.sampling import sample_params
 from speculum.server import protocol as P
 from speculum.server.async_engine import AsyncEngine, EngineStepError, EngineStoppedError, EngineUpdate, RequestStream
 from speculum.server.detokenize import IncrementalDetokenizer
@@ -81,7 +82,7 @@ class OpenAIServing:
             else:
                 ids, text = list(p), None
             max_tokens = self._check_length(len(ids), req.max_tokens, "prompt")
-            jobs.append(({"prompt_token_ids": ids, "prompt": text}, ids, _params(req, max_tokens)))
+            jobs += _samples({"prompt_token_ids": ids, "prompt": text}, ids, _params(req, max_tokens))
         return await self._serve("completion", f"cmpl-{uuid.uuid4().hex}", model, req, jobs, raw, arrival)
 
     async def chat(self, req: P.ChatCompletionRequest, raw: Request):
@@ -90,15 +91,18 @@ class OpenAIServing:
         messages = [m.as_template_message() for m in req.messages]
         ids = self._encode(self.tokenizer.apply_chat_template, messages)
         max_tokens = self._check_length(len(ids), req.requested_max_tokens, "messages")
-        jobs = [({"prompt_token_ids": ids, "prompt": None}, ids, _params(req, max_tokens))]
+        jobs = _samples({"prompt_token_ids": ids, "prompt": None}, ids, _params(req, max_tokens))
         return await self._serve("chat", f"chatcmpl-{uuid.uuid4().hex}", model, req, jobs, raw, arrival)
 
     # -- the common path --------------------------------------------------------------
     async def _serve(self, kind: str, rid: str, model: str, req, jobs: list, raw: Request, arrival: float):
+        if req.stream and req.samples > req.n:
+            raise APIError(f"best_of ({req.samples}) > n ({req.n}) cannot stream: the best samples are known "
+                           "only at the end; set stream to false or leave best_of unset", param="best_of")
         added = await asyncio.gather(*(
             self.engine.add_request(f"{rid}-{i}", prompt, params, stream=req.stream, num_prompt_tokens=len(ids),
                                     arrival=arrival)
-            for i, (prompt, ids, params) in enumerate(jobs)), return_exceptions=True)
+            for i, (prompt, ids, params, _j) in enumerate(jobs)), return_exceptions=True)
         streams: list[RequestStream] = [s for s in added if isinstance(s, RequestStream)]
         failed = [e for e in added if not isinstance(e, RequestStream)]
         if failed:  # one prompt of the request was refused: the others go too
@@ -106,7 +110,7 @@ class OpenAIServing:
             if not isinstance(failed[0], Exception):
                 raise failed[0]
             raise _as_api_error(failed[0])
-        prompt_ids = [ids for _, ids, _ in jobs]
+        prompt_ids = [ids for _, ids, _, _ in jobs]
         if req.stream:
             cleanup = BackgroundTask(self._abort_unfinished, streams)
             return StreamingResponse(self._stream(kind, rid, model, req, streams, prompt_ids),
@@ -137,21 +141,43 @@ class OpenAIServing:
         for u in finals:
             if u.kind == "error":
                 raise _as_api_error(u.error)
+        per = req.samples
         choices, n_prompt, n_out = [], 0, 0
-        for i, (u, ids) in enumerate(zip(finals, prompt_ids)):
-            ids_out = u.token_ids or []
-            text = u.text if u.text is not None else self.tokenizer.decode(ids_out)
-            tok = ids_out if req.return_token_ids else None
-            pids = ids if req.return_token_ids else None
-            if kind == "chat":
-                choices.append(P.chat_choice(i, text, u.finish_reason, tok, pids))
-            else:
-                choices.append(P.completion_choice(i, text, u.finish_reason, tok, pids))
-            n_prompt += u.num_prompt_tokens
-            n_out += u.num_output_tokens
+        decode = self._decode_one
+        for p in range(len(finals) // per):
+            group = list(zip(finals[p * per:(p + 1) * per], range(per)))
+            n_prompt += group[0][0].num_prompt_tokens  # a prompt counts once, whatever n is
+            n_out += sum(u.num_output_tokens for u, _ in group)
+            if per > req.n:  # best_of: the n samples with the highest cumulative logprob
+                group = sorted(group, key=lambda g: (-(g[0].cumulative_logprob or 0.0), g[1]))[: req.n]
+            for j, (u, _) in enumerate(group):
+                i, ids = p * req.n + j, prompt_ids[p * per]
+                ids_out = u.token_ids or []
+                text = u.text if u.text is not None else self.tokenizer.decode(ids_out)
+                tok = ids_out if req.return_token_ids else None
+                pids = ids if req.return_token_ids else None
+                lps = self._logprobs_json(kind, req, u.logprobs) if u.logprobs is not None and \
+                    req.top_logprobs_n is not None else None
+                if kind == "chat":
+                    choices.append(P.chat_choice(i, text, u.finish_reason, tok, pids, lps))
+                else:
+                    choices.append(P.completion_choice(i, text, u.finish_reason, tok, pids, lps,
+                                                       P.prompt_logprobs_json(u.prompt_logprobs)))
         metrics = self._metrics_obj(finals)
         make = P.chat_response if kind == "chat" else P.completion_response
-        return JSONResponse(make(rid, model, choices, P.usage(n_prompt, n_out), metrics))
+        body = make(rid, model, choices, P.usage(n_prompt, n_out), metrics)
+        if kind == "chat" and req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = P.prompt_logprobs_json(finals[0].prompt_logprobs)
+        return JSONResponse(body)
+
+    def _decode_one(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer.hf is not None else \
+            f"token_id:{ids[0]}"
+
+    def _logprobs_json(self, kind: str, req, entries: list, offset: int = 0) -> dict:
+        if kind == "chat":
+            return P.chat_logprobs(entries, self._decode_one, req.top_logprobs or 0)
+        return P.completion_logprobs(entries, self._decode_one, req.logprobs or 0, offset)
 
     def _metrics_obj(self, finals: list[EngineUpdate]) -> dict | None:
         if self.spec_metrics_level == "none":
@@ -164,6 +190,7 @@ class OpenAIServing:
     async def _stream(self, kind, rid, model, req, streams: list[RequestStream], prompt_ids) -> AsyncIterator[str]:
         created = int(time.time())
         detoks = [IncrementalDetokenizer(self.tokenizer.decode, req.stop_list) for _ in streams]
+        offsets = [0] * len(streams)  # text offset of each choice (completions logprobs)
         finals: list[EngineUpdate | None] = [None] * len(streams)
 
         def chunk(choices, usage_=None, metrics=None) -> str:
@@ -179,25 +206,29 @@ class OpenAIServing:
                     yield _sse(_as_api_error(u.error).body())
                     break
                 tok = list(u.new_token_ids) if req.return_token_ids else None
+                lps = None
+                if u.new_logprobs and req.top_logprobs_n is not None:
+                    lps = self._logprobs_json(kind, req, u.new_logprobs, offsets[i])
+                    offsets[i] += sum(len(t) for t in lps.get("tokens", []))
                 if u.finished:
                     finals[i] = u
                     delta = detoks[i].finish(u.text, u.new_token_ids)
                 else:
                     delta = detoks[i].add(u.new_token_ids)
-                    if not delta and not tok:
+                    if not delta and not tok and not lps:
                         continue
                 reason = u.finish_reason if u.finished else None
                 metrics = self._metrics_obj([u]) if u.finished and len(streams) == 1 else None
                 if kind == "chat":
-                    if delta or tok:
-                        yield chunk([P.chat_chunk_choice(i, {"content": delta}, None, tok)])
+                    if delta or tok or lps:
+                        yield chunk([P.chat_chunk_choice(i, {"content": delta}, None, tok, lps)])
                     if u.finished:
                         yield chunk([P.chat_chunk_choice(i, {}, reason)], metrics=metrics)
                 else:
-                    yield chunk([P.completion_choice(i, delta, reason, tok)], metrics=metrics)
+                    yield chunk([P.completion_choice(i, delta, reason, tok, logprobs=lps)], metrics=metrics)
             else:
                 if req.include_usage:
-                    n_prompt = sum(u.num_prompt_tokens for u in finals if u)
+                    n_prompt = sum(u.num_prompt_tokens for j, u in enumerate(finals) if u and j % req.n == 0)
                     n_out = sum(u.num_output_tokens for u in finals if u)
                     yield chunk([], P.usage(n_prompt, n_out))
             yield "data: [DONE]\n\n"
@@ -210,6 +241,15 @@ def _params(req, max_tokens: int):
         return req.sampling_params(max_tokens)
     except ValueError as exc:
         raise APIError(str(exc)) from exc
+
+
+def _samples(prompt: dict, ids: list[int], params) -> list[tuple]:
+    """One engine request per sample of a prompt (n, or best_of): (prompt, ids, params, index).
+    Each sample gets its own seed from the request's (speculum.sampling.sample_params)."""
+    n = params.num_samples
+    if n == 1:
+        return [(prompt, ids, params, 0)]
+    return [(prompt, ids, sample_params(params, j), j) for j in range(n)]
 
 
 async def _final(s: RequestStream) -> EngineUpdate:
@@ -255,6 +295,8 @@ def _coalesce(u: EngineUpdate, s: RequestStream) -> EngineUpdate:
         if nxt.kind != "output":
             return nxt
         nxt.new_token_ids = u.new_token_ids + nxt.new_token_ids
+        if u.new_logprobs is not None or nxt.new_logprobs is not None:
+            nxt.new_logprobs = (u.new_logprobs or []) + (nxt.new_logprobs or [])
         u = nxt
     return u
 

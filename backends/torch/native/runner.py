@@ -112,12 +112,14 @@ class NativeRunner:
         return self.add_many([seq_id], [token_ids], hidden_layers)[seq_id]
 
     def add_many(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
-                 hidden_layers: Sequence[int] = ()) -> dict[int, dict[int, torch.Tensor]]:
+                 hidden_layers: Sequence[int] = (), logits_sink=None) -> dict[int, dict[int, torch.Tensor]]:
         """Prefill new sequences together, in chunks of ``prefill_chunk`` tokens (eager).
 
         Rows are right padded to the longest chunk; padding writes to the scratch block.
         Returns ``{seq_id: {layer: [len(prompt), H]}}``: the requested hidden states of
         every prefilled position (empty dicts when no layers are asked for).
+        ``logits_sink(seq_id, start, logits [n, V])``, when given, receives the logits of
+        every prefilled position chunk by chunk (prompt logprobs), never all at once.
         """
         hidden_layers = tuple(hidden_layers)
         parts: dict[int, dict[int, list[torch.Tensor]]] = {sid: {l: [] for l in hidden_layers} for sid in seq_ids}
@@ -140,7 +142,10 @@ class NativeRunner:
                     ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
                     self.allocator.allocate(sid, len(toks))
                 out = self._eager([sid for sid, _ in part], ids, [len(t) for _, t in part], hidden_layers,
-                                  compute_logits=False)
+                                  compute_logits=logits_sink is not None)
+                if logits_sink is not None:
+                    for r, (sid, toks) in enumerate(part):
+                        logits_sink(sid, start, out.logits[r, : len(toks)])
                 for layer, h in out.hidden_states.items():  # [rows, q, H]
                     for r, (sid, toks) in enumerate(part):
                         parts[sid][layer].append(h[r, : len(toks)])

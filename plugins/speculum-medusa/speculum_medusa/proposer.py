@@ -101,7 +101,8 @@ class MedusaProposer:
         drafts, probs = [], []
         with torch.inference_mode():
             for i in range(k):
-                tok, p = pick_tokens(self.heads.logits(i, x), rows, batch.sampling, sample)
+                tok, p = pick_tokens(self.heads.logits(i, x), rows, batch.sampling, sample,
+                                     torch.stack(drafts, dim=1) if drafts else None)
                 drafts.append(tok)
                 probs.append(p)
         idx = torch.tensor(rows, device=self.device)

@@ -1,0 +1,355 @@
+"""How many draft tokens a step proposes: fixed, by batch size, or chosen by a cost model.
+
+``num_speculative_tokens_per_batch_size`` in the speculative config (vLLM's form) maps
+inclusive batch-size ranges to ``k``::
+
+    {"1-16": 3, "64-128": 2, "256-4096": 0}        # or [[1, 16, 3], [64, 128, 2], ...]
+
+A batch size in a gap takes the ``k`` of the range before it (17-63 above: 3); below
+the first range, ``num_speculative_tokens``. ``k`` is clamped to
+``num_speculative_tokens``; ``k = 0`` runs the step without drafts.
+
+``"auto"`` picks ``k`` every step to maximise expected tokens per second::
+
+    rate(k) = sum_b E_b(k) / (T_target(B, k + 1) + T_draft(B, k) + T_other(B))
+    E_b(k)  = (1 - a_b^(k+1)) / (1 - a_b)          (k + 1 when a_b = 1)
+
+``T_target(B, q)``: the target's measured cost of verifying ``q`` tokens at batch size
+``B`` (:mod:`speculum.cost_model`, profiled at engine start and cached on disk);
+``T_draft``: the proposer's measured drafting time per draft token at this batch size;
+``T_other``: what the rest of a step measurably costs (sampling, host work); ``a_b``:
+request ``b``'s running acceptance, an exponential moving average of accepted drafts
+per drafted position reached, and ``u_b`` the share of its steps that got any draft
+(:class:`Acceptance`; a new request starts from the engine-wide averages), so that
+``E_b(k) = 1 + u_b ((1 - a_b^(k+1)) / (1 - a_b) - 1)`` (the formula above when the
+proposer always drafts). ``k = 0`` wins ties within a 2% margin, so the engine never
+speculates on a predicted gain smaller than the model's error. When ``k = 0`` was chosen
+although a high acceptance (0.9) would make speculation pay, one step in 32 drafts a
+single token, so a request whose drafts became good is noticed again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence as Seq
+
+import attrs
+
+from speculum.errors import ConfigError
+
+AUTO = "auto"
+
+
+def parse_schedule(value: Any, max_k: int) -> tuple[tuple[int, int, int], ...] | str | None:
+    """``num_speculative_tokens_per_batch_size`` -> sorted ``((lo, hi, k), ...)`` or ``"auto"``.
+
+    Raises ConfigError on malformed ranges (lo > hi, overlaps, negative k) with the
+    expected form. ``k`` above ``max_k`` is clamped to it.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value == AUTO:
+            return AUTO
+        raise ConfigError(f"num_speculative_tokens_per_batch_size must be 'auto', a dict of batch-size ranges "
+                          f"to k (e.g. {{\"1-16\": 3, \"64-128\": 2, \"256-4096\": 0}}) or a list of [lo, hi, k]; "
+                          f"got {value!r}")
+    items: list[tuple[int, int, int]] = []
+    try:
+        if isinstance(value, Mapping):
+            for rng, k in value.items():
+                text = str(rng).strip()
+                lo, _, hi = text.partition("-")
+                items.append((int(lo), int(hi) if hi else int(lo), _int(k)))
+        else:
+            for entry in value:
+                lo, hi, k = entry
+                items.append((_int(lo), _int(hi), _int(k)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"num_speculative_tokens_per_batch_size: cannot read {value!r} ({exc}); write "
+                          '{"1-16": 3, "64-128": 2} (inclusive batch-size ranges to k) or [[1, 16, 3], ...]') from None
+    if not items:
+        raise ConfigError("num_speculative_tokens_per_batch_size is empty; give at least one range or leave it unset")
+    items.sort()
+    for lo, hi, k in items:
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"num_speculative_tokens_per_batch_size: range {lo}-{hi} is not a range of batch "
+                              "sizes (1 <= lo <= hi)")
+        if k < 0:
+            raise ConfigError(f"num_speculative_tokens_per_batch_size: k must be >= 0 (0 = no speculation), "
+                              f"got {k} for {lo}-{hi}")
+    for (lo1, hi1, _), (lo2, hi2, _) in zip(items, items[1:]):
+        if lo2 <= hi1:
+            raise ConfigError(f"num_speculative_tokens_per_batch_size: ranges {lo1}-{hi1} and {lo2}-{hi2} overlap")
+    return tuple((lo, hi, min(k, max_k)) for lo, hi, k in items)
+
+
+def _int(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, str) and not v.strip().isdigit()):
+        raise ValueError(f"{v!r} is not a non-negative integer")
+    return int(v)
+
+
+def k_for_batch(schedule: Seq[tuple[int, int, int]], batch_size: int, max_k: int) -> int:
+    """The ``k`` of ``batch_size``: its range's, a gap's previous range's, or ``max_k``
+    below the first range."""
+    k = max_k
+    for lo, hi, rk in schedule:
+        if batch_size < lo:
+            break
+        k = rk
+    return k
+
+
+@attrs.define(eq=False)
+class Acceptance:
+    """A request's running acceptance, as exponential moving averages (one update per
+    step in which it was asked for drafts):
+
+    - *availability* ``u``: the share of those steps in which the proposer drafted
+      anything (n-gram lookup often finds nothing to copy; a model always drafts);
+    - *acceptance* ``a``: accepted drafts per drafted position reached, over the steps
+      that drafted. A step asked for ``k`` that accepted ``a`` reached ``a + 1`` positions
+      when ``a < k`` (a rejection, or a draft shorter than asked: either ends the run) and
+      ``k`` when all were accepted: the maximum-likelihood estimate of a per-token
+      acceptance under the geometric model.
+
+    Expected tokens per step with ``k`` drafts: ``1 + u ((1 - a^(k+1)) / (1 - a) - 1)``.
+    """
+
+    successes: float = 0.0
+    trials: float = 0.0
+    asked: float = 0.0
+    offered: float = 0.0
+
+    def update(self, asked: int, drafted: int, accepted: int, decay: float) -> None:
+        if asked <= 0:
+            return
+        self.asked = decay * self.asked + 1
+        self.offered = decay * self.offered + (drafted > 0)
+        if drafted > 0:
+            self.successes = decay * self.successes + accepted
+            self.trials = decay * self.trials + accepted + (1 if accepted < asked else 0)
+
+    def estimate(self, prior: float, prior_weight: float = 2.0) -> float:
+        """Per-token acceptance ``a`` (``prior`` weighs as ``prior_weight`` positions)."""
+        return (self.successes + prior_weight * prior) / (self.trials + prior_weight)
+
+    def availability(self, prior: float = 1.0, prior_weight: float = 2.0) -> float:
+        """Share of asked steps that got a draft (``u``)."""
+        return (self.offered + prior_weight * prior) / (self.asked + prior_weight)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E[tokens per step] with ``k`` drafts each accepted with probability ``a``
+    (independently, stopping at the first rejection): ``(1 - a^(k+1)) / (1 - a)``."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class FixedLength:
+    """Every step proposes ``num_speculative_tokens`` (the default)."""
+
+    kind = "fixed"
+    decay = 0.8  # per drafting step, a request's acceptance EMA
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        #: the schedule can change k between steps (then every q = 1..k+1 is captured)
+        self.varies = False
+
+    def choose(self, seqs) -> int:
+        return self.max_k
+
+    def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
+        """A step asked ``seq``'s proposer for ``asked`` drafts; it drafted ``drafted``,
+        ``accepted`` of them were accepted."""
+        seq.acceptance.update(asked, drafted, accepted, self.decay)
+
+    def observe_step(self, batch_size: int, k: int, q: int, draft_seconds: float | None,
+                     step_seconds: float | None) -> None:
+        """A step's measured wall times (None when not measured this step)."""
+
+    def needs_timing(self, batch_size: int) -> bool:
+        """Whether this step's drafting should be timed now (besides every few steps)."""
+        return False
+
+
+class BatchSizeSchedule(FixedLength):
+    """``k`` by the step's batch size (``num_speculative_tokens_per_batch_size`` ranges)."""
+
+    kind = "batch_size"
+
+    def __init__(self, max_k: int, schedule: Seq[tuple[int, int, int]]):
+        super().__init__(max_k)
+        self.schedule = tuple(schedule)
+        self.varies = len({k_for_batch(self.schedule, b, max_k) for b in self._probe_sizes()}) > 1
+
+    def _probe_sizes(self):
+        edges = {1} | {lo for lo, _, _ in self.schedule} | {hi + 1 for _, hi, _ in self.schedule}
+        return sorted(edges)
+
+    def choose(self, seqs) -> int:
+        return k_for_batch(self.schedule, len(seqs), self.max_k)
+
+
+@attrs.define(eq=False)
+class _Ema:
+    value: float | None = None
+
+    def add(self, x: float, w: float) -> None:
+        self.value = x if self.value is None else (1 - w) * self.value + w * x
+
+
+class AutoLength(FixedLength):
+    """``k`` per step from the verify cost curve, drafting cost and acceptance (module doc).
+
+    ``verify_cost(B, q)``: seconds of a target forward verifying ``q`` tokens for ``B``
+    sequences (:class:`speculum.cost_model.VerifyCost`).
+    """
+
+    kind = "auto"
+    margin = 0.02          # k > 0 must beat no speculation by this much
+    global_decay = 0.995   # per drafting row-step, the engine-wide acceptance EMA
+    probe_every = 32
+    probe_acceptance = 0.9
+    every = 4              # steps between two choices at an unchanged batch size
+
+    def __init__(self, max_k: int, verify_cost, prior_acceptance: float = 0.5):
+        super().__init__(max_k)
+        self.varies = True
+        self.verify_cost = verify_cost
+        self.global_acceptance = Acceptance()
+        self.prior = prior_acceptance
+        self._draft_per_token: dict[int, _Ema] = {}
+        self._other: dict[int, _Ema] = {}
+        self._costs: dict[int, list[float]] = {}
+        self._zero_steps = 0
+        self._probe_gap = self.probe_every
+        self._since, self._last_batch, self._last_k = 0, -1, None
+        #: the last choice's predicted tokens/s per k (for logs and tests)
+        self.last_rates: list[float] = []
+
+    # -- what each step teaches -----------------------------------------------------------
+    def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
+        seq.acceptance.update(asked, drafted, accepted, self.decay)
+        self.global_acceptance.update(asked, drafted, accepted, self.global_decay)
+
+    def observe_step(self, batch_size: int, k: int, q: int, draft_seconds: float | None,
+                     step_seconds: float | None) -> None:
+        key = _bucket(batch_size)
+        d = self._draft_per_token.setdefault(key, _Ema())
+        if draft_seconds is not None and k > 0:
+            d.add(draft_seconds / k, 0.2)
+        if step_seconds is not None:
+            drafting = draft_seconds if draft_seconds is not None else (d.value or 0.0) * k
+            rest = step_seconds - self._verify(batch_size)[min(q, self.max_k + 1) - 1] - drafting
+            self._other.setdefault(key, _Ema()).add(max(rest, 0.0), 0.1)
+
+    # -- the choice -----------------------------------------------------------------------------
+    def acceptance_of(self, seq) -> float:
+        return seq.acceptance.estimate(self.global_acceptance.estimate(self.prior))
+
+    def _verify(self, batch_size: int) -> list[float]:
+        """verify_cost(B, k + 1) for k = 0..max_k (cached per batch size: read every step)."""
+        costs = self._costs.get(batch_size)
+        if costs is None:
+            costs = self._costs[batch_size] = [self.verify_cost(batch_size, k + 1) for k in range(self.max_k + 1)]
+        return costs
+
+    def step_seconds(self, batch_size: int, k: int) -> float:
+        """Predicted wall time of a step drafting ``k`` tokens for ``batch_size`` rows."""
+        key = _bucket(batch_size)
+        d = self._draft_per_token.get(key)
+        o = self._other.get(key)
+        return (self._verify(batch_size)[k] + (d.value or 0.0 if d else 0.0) * k
+                + (o.value or 0.0 if o else 0.0))
+
+    def rates(self, seqs, acceptance: Seq[float] | None = None) -> list[float]:
+        """Predicted tokens/s for k = 0..max_k. Runs every step, so plain arithmetic:
+        E_b(k) = E_b(k - 1) + a_b^k while k is within the row's cap."""
+        B = len(seqs)
+        K = self.max_k
+        caps = [(K if s.max_k is None else min(s.max_k, K)) if s.speculative else 0 for s in seqs]
+        g = self.global_acceptance
+        if acceptance is None:
+            prior = g.estimate(self.prior)
+            acceptance = [s.acceptance.estimate(prior) if c else 0.0 for s, c in zip(seqs, caps)]
+            avail_prior = g.availability()
+            avail = [s.acceptance.availability(avail_prior) if c else 0.0 for s, c in zip(seqs, caps)]
+        else:
+            avail = [1.0] * B
+        powers = [u * a for u, a in zip(avail, acceptance)]  # u a^k: the k-th draft's expected token
+        tokens = float(B)
+        out = [tokens / max(self.step_seconds(B, 0), 1e-9)]
+        for k in range(1, K + 1):
+            for i, c in enumerate(caps):
+                if c >= k:
+                    tokens += powers[i]
+                    powers[i] *= acceptance[i]
+            out.append(tokens / max(self.step_seconds(B, k), 1e-9))
+        return out
+
+    def needs_timing(self, batch_size: int) -> bool:
+        """Whether drafting at this batch size has never been timed (then time this step)."""
+        d = self._draft_per_token.get(_bucket(batch_size))
+        return d is None or d.value is None
+
+    def choose(self, seqs) -> int:
+        """The step's k: re-chosen every ``every`` steps, and at once when the batch size
+        changes (acceptance moves slowly; the choice costs tens of microseconds). After
+        ``probe_every`` steps at 0, one step drafts a single token if speculation could
+        pay; each probe that changes nothing doubles the wait for the next (up to 1024)."""
+        B = len(seqs)
+        self._since += 1
+        if B != self._last_batch or self._since >= self.every or self._last_k is None:
+            self._since, self._last_batch = 0, B
+            self._last_k = self._choose(seqs)
+        k = self._last_k
+        if k == 0:
+            self._zero_steps += 1
+            if self._zero_steps >= self._probe_gap and self._could_pay(seqs):
+                # probe; if the drafts stay poor, wait twice as long for the next one
+                self._zero_steps, self._probe_gap = 0, min(2 * self._probe_gap, 1024)
+                return 1
+        else:
+            self._zero_steps, self._probe_gap = 0, self.probe_every
+        return k
+
+    def _choose(self, seqs) -> int:
+        if not any(s.speculative and s.max_k != 0 for s in seqs):
+            return 0
+        rates = self.rates(seqs)
+        self.last_rates = rates
+        best = max(range(len(rates)), key=lambda k: rates[k])
+        if best > 0 and rates[best] < rates[0] * (1 + self.margin):
+            best = 0
+        return best
+
+    def _could_pay(self, seqs) -> bool:
+        """Whether speculation would win at a high acceptance (then a probe is worth it)."""
+        hi = [self.probe_acceptance if s.speculative and s.max_k != 0 else 0.0 for s in seqs]
+        r = self.rates(seqs, hi)
+        return max(r[1:]) > r[0] * (1 + self.margin)
+
+
+def _bucket(batch_size: int) -> int:
+    """Batch sizes grouped by powers of two (what one EMA of measured costs covers)."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+def make_policy(schedule, max_k: int, verify_cost_factory=None):
+    """The policy for a parsed schedule (None: fixed ``max_k``; ``"auto"``: cost model,
+    built by ``verify_cost_factory()`` only then, since it profiles the target)."""
+    if schedule is None or max_k == 0:
+        return FixedLength(max_k)
+    if schedule == AUTO:
+        t0 = time.perf_counter()
+        cost = verify_cost_factory()
+        policy = AutoLength(max_k, cost)
+        policy.profile_seconds = time.perf_counter() - t0
+        return policy
+    return BatchSizeSchedule(max_k, schedule)

@@ -1,0 +1,306 @@
+"""Load-aware speculation length: num_speculative_tokens_per_batch_size (ranges and "auto").
+
+- the ranges parse as vLLM writes them (dict or list), gaps take the range before, k is
+  clamped, malformed ranges are errors that show the form;
+- "auto" maximises predicted tokens per second from a cost curve and acceptance: it picks
+  the longest k when verifying is nearly free, none when verifying k+1 tokens costs
+  k+1 single steps, less as the batch grows; it probes now and then when it chose 0;
+- through the engine, any sequence of per-step lengths (including 0, and switching
+  back) keeps greedy output identical, for model-free, draft-model and head proposers;
+- the chosen length per step is counted; a varying schedule captures every verify
+  width up front; the verify cost profile is cached on disk and read back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from speculum import LLM, SamplingParams
+from speculum.config import SpeculativeConfig
+from speculum.cost_model import VerifyCost, load_or_profile, profile_verify_cost
+from speculum.errors import ConfigError
+from speculum.spec_length import Acceptance, AutoLength, expected_tokens, k_for_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [{"prompt_token_ids": [17, 4, 30, 9, 17, 4, 30, 9, 17, 4]},
+           {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 5, 6]},
+           {"prompt_token_ids": [100, 200, 300, 100, 200]}]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=8)
+
+
+def cfg(schedule, k=4):
+    return SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k,
+                                        "num_speculative_tokens_per_batch_size": schedule})
+
+
+# -- the ranges -----------------------------------------------------------------------------
+def test_vllm_ranges_with_gaps_and_clamping():
+    s = cfg({"1-16": 3, "64-128": 9, "256-4096": 0}).length_schedule
+    assert s == ((1, 16, 3), (64, 128, 4), (256, 4096, 0))  # 9 clamped to num_speculative_tokens
+    ks = {b: k_for_batch(s, b, 4) for b in (1, 16, 17, 63, 64, 200, 256, 9999)}
+    assert ks == {1: 3, 16: 3, 17: 3, 63: 3, 64: 4, 200: 4, 256: 0, 9999: 0}
+    assert k_for_batch(cfg({"8-16": 2}).length_schedule, 3, 4) == 4  # below the first range: the engine's k
+
+
+def test_vllm_disable_by_batch_size_is_a_two_range_schedule():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8})
+    assert [k_for_batch(c.length_schedule, b, 3) for b in (1, 7, 8, 500)] == [3, 3, 0, 0]
+    with pytest.raises(ConfigError, match="not both"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8,
+                                     "num_speculative_tokens_per_batch_size": "auto"})
+
+
+def test_list_form_and_round_trip():
+    c = cfg([[1, 4, 2], [5, 1000, 0]])
+    assert c.length_schedule == ((1, 4, 2), (5, 1000, 0))
+    assert SpeculativeConfig.from_dict(json.loads(json.dumps(c.to_dict()))).length_schedule == c.length_schedule
+    assert cfg("auto").length_schedule == "auto"
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"1-16": 3, "10-20": 2}, ["overlap"]),
+    ({"16-1": 3}, ["not a range"]),
+    ({"1-4": -1}, ["k must be >= 0"]),
+    ({"a-b": 1}, ["cannot read", "1-16"]),
+    ("fast", ["'auto'", "1-16"]),
+    ({}, ["empty"]),
+    ([[1, 2]], ["cannot read"]),
+])
+def test_malformed_ranges_are_config_errors_that_show_the_form(bad, words):
+    with pytest.raises(ConfigError) as info:
+        cfg(bad)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+# -- the cost model ---------------------------------------------------------------------------
+def test_expected_tokens_per_step():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert expected_tokens(0.9, 0) == 1.0
+
+
+def test_acceptance_is_the_geometric_estimate():
+    a = Acceptance()
+    for _ in range(50):
+        a.update(4, 4, 2, 0.9)  # two accepted, the third rejected: a = 2 / 3
+    assert abs(a.estimate(0.5) - 2 / 3) < 0.02 and abs(a.availability() - 1.0) < 1e-9
+    b = Acceptance()
+    b.update(0, 0, 0, 0.9)
+    assert b.estimate(0.4) == 0.4  # never asked: the prior
+    c = Acceptance()
+    for i in range(200):  # n-gram-like: a draft one step in four, fully accepted when there
+        c.update(4, 4 if i % 4 == 0 else 0, 4 if i % 4 == 0 else 0, 0.99)
+    assert abs(c.availability() - 0.25) < 0.03 and c.estimate(0.5) > 0.95
+    d = Acceptance()
+    for _ in range(50):
+        d.update(4, 2, 2, 0.9)  # a short draft, all accepted: the run ended at position 3
+    assert abs(d.estimate(0.5) - 2 / 3) < 0.02
+
+
+class _Seq:
+    def __init__(self, acceptance: float, speculative=True, max_k=None):
+        self.speculative, self.max_k = speculative, max_k
+        self.acceptance = Acceptance(successes=1000 * acceptance, trials=1000.0, asked=1000.0, offered=1000.0)
+
+
+def _cost(fn) -> VerifyCost:
+    return VerifyCost({b: {q: fn(b, q) for q in range(1, 6)} for b in (1, 2, 4, 8, 16, 32, 64)})
+
+
+def test_auto_picks_long_drafts_when_verifying_is_free_and_none_when_it_costs_per_token():
+    free = AutoLength(4, _cost(lambda b, q: 0.01))
+    assert free.choose([_Seq(0.7)]) == 4
+    linear = AutoLength(4, _cost(lambda b, q: 0.01 * q))
+    assert linear.choose([_Seq(0.7)]) == 0
+    assert linear.choose([_Seq(0.99)]) == 0  # E(k) < k + 1 always: never worth it
+
+
+def test_auto_shortens_with_load_and_follows_acceptance():
+    # memory-bound until batch * q tokens reach 32, compute-bound past it (a GPU's shape)
+    auto = AutoLength(4, _cost(lambda b, q: 0.01 * max(1.0, b * q / 32)))
+    ks = [auto.choose([_Seq(0.6)] * b) for b in (1, 4, 8, 16, 32, 64)]
+    assert ks[0] == 4 and ks[-1] == 0 and ks == sorted(ks, reverse=True), ks
+    assert AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.3 * (q - 1)))).choose([_Seq(0.1)]) == 0
+    assert AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.3 * (q - 1)))).choose([_Seq(0.9)]) >= 3
+
+
+def test_auto_weighs_drafts_by_how_often_they_come():
+    cost = _cost(lambda b, q: 0.01 * (1 + 0.25 * (q - 1)))
+    always = _Seq(0.8)
+    rarely = _Seq(0.8)
+    rarely.acceptance.offered = 100.0  # a draft one step in ten
+    assert AutoLength(4, cost).choose([always]) >= 2
+    assert AutoLength(4, cost).choose([rarely]) == 0
+
+
+def test_auto_counts_requests_without_speculation_as_one_token():
+    auto = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.1 * (q - 1))))
+    assert auto.choose([_Seq(0.9, speculative=False)] * 4) == 0
+    assert auto.choose([_Seq(0.9, max_k=1)]) == 1 or auto.last_rates[1] >= max(auto.last_rates[2:])
+
+
+def test_auto_probes_after_choosing_zero_only_when_speculation_could_pay():
+    cheap = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.05 * (q - 1))))
+    ks = [cheap.choose([_Seq(0.0)]) for _ in range(32 + 64 + 128)]
+    assert [i for i, k in enumerate(ks) if k] == [31, 95, 223]  # after 32, then 64, then 128 steps at 0
+    costly = AutoLength(4, _cost(lambda b, q: 0.01 * q))
+    assert set(costly.choose([_Seq(0.0)]) for _ in range(64)) == {0}
+
+
+def test_measured_drafting_cost_lowers_k():
+    auto = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.05 * (q - 1))))
+    auto.every = 1  # choose afresh every step
+    assert auto.choose([_Seq(0.5)]) >= 3
+    for _ in range(30):
+        auto.observe_step(1, 4, 5, draft_seconds=0.04, step_seconds=0.04 + 0.012)  # a draft token costs a step
+    assert auto.choose([_Seq(0.5)]) == 0
+
+
+def test_a_noisy_profile_is_made_monotone():
+    c = VerifyCost({1: {1: 9.0, 2: 1.3, 5: 1.9}, 4: {1: 2.0, 2: 9.0, 5: 7.0}}).monotone()
+    assert c.table == {1: {1: 9.0, 2: 9.0, 5: 9.0}, 4: {1: 9.0, 2: 9.0, 5: 9.0}}
+    d = VerifyCost({1: {1: 1.0, 2: 1.1}, 4: {1: 2.0, 2: 2.5}}).monotone()
+    assert d.table == {1: {1: 1.0, 2: 1.1}, 4: {1: 2.0, 2: 2.5}}
+
+
+def test_auto_rechooses_every_few_steps_and_when_the_batch_changes():
+    auto = AutoLength(4, _cost(lambda b, q: 0.01 * max(1.0, b * q / 32)))
+    calls = []
+    inner = auto._choose
+    auto._choose = lambda seqs: calls.append(len(seqs)) or inner(seqs)
+    for B in (1, 1, 1, 1, 1, 64, 64, 1):
+        auto.choose([_Seq(0.6)] * B)
+    assert calls == [1, 1, 64, 1]
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    c = VerifyCost({1: {1: 1.0, 3: 3.0}, 4: {1: 2.0, 3: 6.0}})
+    assert c(1, 2) == 2.0 and c(2, 1) == pytest.approx(4 / 3) and c(8, 1) == pytest.approx(10 / 3)
+    assert c(1, 5) == pytest.approx(5.0)
+
+
+# -- through the engine -----------------------------------------------------------------------
+class Alternating:
+    """Test policy: k = 0, max, 1, 0, max, ... whatever the batch (every switch exercised)."""
+
+    kind, varies, decay = "test", True, 0.8
+
+    def __init__(self, k):
+        self.seq, self.i = [0, k, 1, 0, 0, k, 2], 0
+
+    def choose(self, seqs):
+        self.i += 1
+        return self.seq[self.i % len(self.seq)]
+
+    def observe_acceptance(self, seq, asked, drafted, accepted):
+        seq.acceptance.update(asked, drafted, accepted, self.decay)
+
+    def observe_step(self, *a, **kw):
+        pass
+
+    def needs_timing(self, batch_size):
+        return False
+
+
+class LongPause(Alternating):
+    """Test policy: 70 steps without drafts (a head's backlog folds at 64), then k."""
+
+    def __init__(self, k):
+        self.seq, self.i = [0] * 70 + [k], -1
+
+    def choose(self, seqs):
+        self.i += 1
+        return self.seq[min(self.i, len(self.seq) - 1)]
+
+
+def _specs(tiny_llama, tmp_path):
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+             "draft_model": {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}}
+    if importlib.util.find_spec("speculum_eagle") is not None:
+        from speculum.testing import train_tiny
+        specs["eagle"] = {"method": "eagle", "model": str(train_tiny("eagle", tiny_llama, tmp_path)),
+                          "num_speculative_tokens": 3}
+    return specs
+
+
+def test_any_sequence_of_lengths_keeps_greedy_output_identical(tiny_llama, tmp_path):
+    base = [o.token_ids for o in LLM(str(tiny_llama), None, **ENGINE).generate(PROMPTS, GREEDY)]
+    long = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    base_long = [o.token_ids for o in LLM(str(tiny_llama), None, **ENGINE).generate(PROMPTS[:1], long)]
+    for name, spec in _specs(tiny_llama, tmp_path).items():
+        llm = LLM(str(tiny_llama), spec, **ENGINE)
+        llm.loop.length = LongPause(3)
+        assert [o.token_ids for o in llm.generate(PROMPTS[:1], long)] == base_long, name
+        llm.loop.length = Alternating(3)
+        llm.loop.k_counts = [0] * 4
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == base, name
+        counts = llm.loop.k_counts
+        assert counts[0] > 0 and counts[3] > 0, (name, counts)
+        if name == "draft_model":  # the target as its own draft: runs of drafts accepted
+            assert llm.metrics.num_accepted_tokens > 0, name
+
+
+def test_batch_size_schedule_through_the_engine(tiny_llama):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "num_speculative_tokens_per_batch_size": {"1-1": 3, "2-64": 0}}
+    llm = LLM(str(tiny_llama), spec, **ENGINE)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 12, 30)]
+    outs = llm.generate(PROMPTS, params)
+    base = LLM(str(tiny_llama), None, **ENGINE).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    counts = llm.loop.k_counts
+    assert counts[0] == 12 and counts[3] > 0 and counts[1] == counts[2] == 0, counts
+    m = {x.name: x for x in llm.get_metrics()}
+    assert m["speculum:spec_decode_speculation_length_steps"].values == counts
+
+
+def test_a_varying_length_captures_every_verify_width(tiny_llama, monkeypatch):
+    from speculum.backends.torch.backend import TorchBackend
+    seen = []
+    monkeypatch.setattr(TorchBackend, "capture", lambda self, runner, sizes, qs, hidden=(): seen.append(list(qs)) or 0)
+    LLM(str(tiny_llama), cfg({"1-4": 2, "5-64": 4}).to_dict(), **ENGINE)
+    LLM(str(tiny_llama), {"method": "ngram", "num_speculative_tokens": 4}, **ENGINE)
+    assert seen == [[1, 2, 3, 4, 5], [1, 5]]
+
+
+def test_auto_through_the_engine_profiles_once_and_caches(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "num_speculative_tokens_per_batch_size": "auto"}
+    llm = LLM(str(tiny_llama), spec, **ENGINE)
+    files = list((tmp_path / "cache" / "verify_cost").glob("*.json"))
+    assert len(files) == 1
+    table = json.loads(files[0].read_text())["table"]
+    assert set(table) == {"1", "4", "8"} and set(table["1"]) == {"1", "2", "4"}
+    outs = llm.generate(PROMPTS, GREEDY)
+    base = LLM(str(tiny_llama), None, **ENGINE).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert sum(llm.loop.k_counts) == max(o.metrics.num_steps for o in outs) or sum(llm.loop.k_counts) > 0
+    # a second engine reads the profile instead of measuring again
+    import speculum.cost_model as cm
+    monkeypatch.setattr(cm, "profile_verify_cost", lambda *a, **k: pytest.fail("profiled again"))
+    LLM(str(tiny_llama), spec, **ENGINE)
+
+
+def test_profiling_leaves_the_runner_as_it_was(tiny_llama):
+    llm = LLM(str(tiny_llama), None, **ENGINE)
+    before = llm.target.allocator.num_free_blocks
+    cost = profile_verify_cost(llm.target, [1, 3], [1, 2], context=20, reps=1)
+    assert set(cost.table) == {1, 3} and all(v > 0 for row in cost.table.values() for v in row.values())
+    assert llm.target.allocator.num_free_blocks == before
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids  # still serves
+
+
+def test_load_or_profile_cache_is_keyed_by_the_machine(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path))
+    llm = LLM(str(tiny_llama), None, **ENGINE)
+    load_or_profile(llm.target, llm.model_path, 2, 2, context=16)
+    load_or_profile(llm.target, llm.model_path, 4, 2, context=16)  # another batch range: another profile
+    assert len(list((tmp_path / "verify_cost").glob("*.json"))) == 2
