@@ -4,6 +4,7 @@ output objects vLLM users expect (issue 8)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -59,13 +60,17 @@ def test_main_command_runs_from_a_copy_without_shared(tmp_path):
     env["PYTHONPATH"] = str(pkg)
     code = ("import speculum, sys; assert speculum.__file__.startswith(sys.argv[1]), speculum.__file__; "
             "from speculum.cli import main; sys.exit(main(['generate', '--compare', '--num-prompts', '2', "
-            "'--max-tokens', '6', '--show', '1', '--speculative-config', "
+            "'--max-tokens', '6', '--show', '1', '--json', 'out/compare.json', '--speculative-config', "
             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}']))")
     r = subprocess.run([sys.executable, "-c", code, str(pkg)], cwd=root, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "writing" in r.stdout and "roleplay" in r.stdout  # one question from each of two categories
     assert "identical: 2/2" in r.stdout, r.stdout
+    report = json.loads((root / "out" / "compare.json").read_text())
+    spec = report["results"][1]
+    assert spec["config"]["method"] == "ngram" and spec["total"]["identical"] is True
+    assert sum(spec["steps_per_k"]) > 0 and set(spec["categories"]) == {"writing", "roleplay"}
 
 
 # ------------------------------------------------------------------------------ threads

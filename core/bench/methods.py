@@ -123,7 +123,7 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
         total.add(GroupResult(g.tokens, g.seconds, SpecDecodeMetrics(), list(g.outputs)))
         total.metrics.merge(g.metrics)
     steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
-    return MethodResult(name, config, out, total, texts, steps_per_k)
+    return MethodResult(name, config, out, total, texts, steps_per_k=steps_per_k)
 
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
