@@ -114,7 +114,7 @@ class LLM:
         # (a tree is drafted whole or not at all: q = 1 and the tree's width)
         self._capture_graphs(k, hidden_layers, tree is not None, all_lengths=schedule is not None)
         #: picks each step's speculation length (speculum.spec_length): fixed, by batch size, or "auto"
-        self.spec_length = make_policy(schedule, k, lambda: self._verify_cost(k))
+        self.spec_length = make_policy(schedule, k, lambda: self._verify_cost(k), trees=tree is not None)
         self.verifier_spec, self.verifier = build_verifier(
             self.registry, verifier_name, spec_cfg.verifier_options if spec_cfg is not None else None)
         if tree is not None:

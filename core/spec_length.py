@@ -336,20 +336,66 @@ class AutoLength(FixedLength):
         return max(r[1:]) > r[0] * (1 + self.margin)
 
 
+class TreeAutoLength(AutoLength):
+    """``"auto"`` for token trees: each step drafts the whole tree (k = ``max_k`` nodes) or
+    nothing. A tree's gain is not a chain's geometric series, so a request's expected
+    tokens per tree step are measured directly: ``1 + m_b``, ``m_b`` the running mean of
+    its accepted nodes per tree step (an exponential moving average; a new request
+    starts from the engine-wide mean, and before any tree step from ``prior_accepted``).
+    The tree runs when ``sum_b (1 + m_b) / T(B, tree)`` beats ``B / T(B, 0)`` by the margin.
+    """
+
+    kind = "auto_tree"
+    prior_accepted = 1.0   # accepted nodes per tree step assumed before any was measured
+    probe_accepted = 2.0   # what a probe step hopes for
+
+    def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
+        # Acceptance.successes / .asked: accepted nodes per tree step (steps that drafted)
+        seq.acceptance.update(asked, drafted, accepted, self.decay)
+        self.global_acceptance.update(asked, drafted, accepted, self.global_decay)
+
+    @staticmethod
+    def _mean_accepted(acc: Acceptance, prior: float, weight: float = 2.0) -> float:
+        return (acc.successes + weight * prior) / (acc.offered + weight)
+
+    def rates(self, seqs, acceptance: Seq[float] | None = None) -> list[float]:
+        """Predicted tokens/s for k = 0 (no drafts) and k = max_k (the tree); the k in
+        between never run (-inf)."""
+        B, K = len(seqs), self.max_k
+        on = [s.speculative and s.max_k != 0 for s in seqs]
+        if acceptance is None:
+            prior = self._mean_accepted(self.global_acceptance, self.prior_accepted)
+            acceptance = [self._mean_accepted(s.acceptance, prior) if o else 0.0 for s, o in zip(seqs, on)]
+        tokens = B + sum(m for m, o in zip(acceptance, on) if o)
+        out = [float("-inf")] * (K + 1)
+        out[0] = B / max(self.step_seconds(B, 0), 1e-9)
+        out[K] = tokens / max(self.step_seconds(B, K), 1e-9)
+        return out
+
+    def _could_pay(self, seqs) -> bool:
+        r = self.rates(seqs, [self.probe_accepted] * len(seqs))
+        return r[self.max_k] > r[0] * (1 + self.margin)
+
+    def choose(self, seqs) -> int:
+        k = super().choose(seqs)
+        return self.max_k if k else 0  # a probe (k = 1) drafts the tree too
+
+
 def _bucket(batch_size: int) -> int:
     """Batch sizes grouped by powers of two (what one EMA of measured costs covers)."""
     return 1 << max(0, batch_size - 1).bit_length()
 
 
-def make_policy(schedule, max_k: int, verify_cost_factory=None):
+def make_policy(schedule, max_k: int, verify_cost_factory=None, trees: bool = False):
     """The policy for a parsed schedule (None: fixed ``max_k``; ``"auto"``: cost model,
-    built by ``verify_cost_factory()`` only then, since it profiles the target)."""
+    built by ``verify_cost_factory()`` only then, since it profiles the target; with
+    ``trees``, the tree of ``max_k`` nodes on or off)."""
     if schedule is None or max_k == 0:
         return FixedLength(max_k)
     if schedule == AUTO:
         t0 = time.perf_counter()
         cost = verify_cost_factory()
-        policy = AutoLength(max_k, cost)
+        policy = (TreeAutoLength if trees else AutoLength)(max_k, cost)
         policy.profile_seconds = time.perf_counter() - t0
         return policy
     return BatchSizeSchedule(max_k, schedule)

@@ -304,3 +304,64 @@ def test_load_or_profile_cache_is_keyed_by_the_machine(tiny_llama, tmp_path, mon
     load_or_profile(llm.target, llm.model_path, 2, 2, context=16)
     load_or_profile(llm.target, llm.model_path, 4, 2, context=16)  # another batch range: another profile
     assert len(list((tmp_path / "verify_cost").glob("*.json"))) == 2
+
+
+# ------------------------------------------------------------------ trees: the whole tree or nothing
+def _tree_seq(accepted_per_step: float, steps: float = 100.0):
+    s = _Seq(0.0)
+    s.acceptance = Acceptance(successes=accepted_per_step * steps, trials=steps * (accepted_per_step + 1),
+                              asked=steps, offered=steps)
+    return s
+
+
+def _tree_cost(fn, nodes: int = 15) -> VerifyCost:
+    return VerifyCost({b: {q: fn(b, q) for q in (1, nodes + 1)} for b in (1, 4, 16, 64)})
+
+
+def test_tree_auto_runs_the_tree_where_its_measured_gain_beats_its_cost():
+    from speculum.spec_length import TreeAutoLength
+    gpu = _tree_cost(lambda b, q: 0.01 * max(1.0, b * q / 64))  # flat until 64 tokens, then per token
+    auto = TreeAutoLength(15, gpu)
+    # batch 1: the tree costs as much as a step; 1.2 accepted nodes per step pays
+    assert auto.choose([_tree_seq(1.2)]) == 15
+    # batch 16: 256 tokens cost 4 steps; 1.2 accepted nodes (2.2 tokens) do not pay
+    assert TreeAutoLength(15, gpu).choose([_tree_seq(1.2)] * 16) == 0
+    # a tree that accepts little does not pay even where verifying is cheap
+    assert TreeAutoLength(15, _tree_cost(lambda b, q: 0.01 * (1 + 0.2 * (q > 1)))).choose([_tree_seq(0.1)]) == 0
+    # only 0 and the whole tree are ever chosen; the chain's k in between are never run
+    auto = TreeAutoLength(15, gpu)
+    ks = {auto.choose([_tree_seq(a)] * b) for a in (0.1, 1.0, 3.0) for b in (1, 4, 16, 64)}
+    assert ks <= {0, 15} and ks == {0, 15}
+
+
+def test_tree_auto_learns_accepted_nodes_per_step_from_the_loop():
+    from speculum.spec_length import TreeAutoLength
+    auto = TreeAutoLength(15, _tree_cost(lambda b, q: 0.01 * (1 + 0.5 * (q > 1))))
+    s = _tree_seq(0.0, steps=0.0)
+    assert auto.choose([s]) == 15  # before any step: the prior (1 accepted node) would pay 2/1.5
+    for _ in range(30):
+        auto.observe_acceptance(s, 15, 15, 0)  # the tree never accepted anything
+    auto._last_k = None
+    assert auto.choose([s]) == 0
+    for _ in range(30):
+        auto.observe_acceptance(s, 15, 15, 3)
+    auto._last_k = None
+    assert auto.choose([s]) == 15
+
+
+def test_tree_auto_through_the_engine_keeps_greedy_output_identical(tiny_llama, tmp_path, monkeypatch):
+    import importlib.util
+    from speculum.testing import train_tiny
+    if importlib.util.find_spec("speculum_eagle") is None:
+        pytest.skip("needs speculum-eagle (trees are drafted by head methods)")
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    head = train_tiny("eagle", tiny_llama, tmp_path / "train")
+    spec = {"method": "eagle", "model": str(head), "tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 6,
+            "num_speculative_tokens_per_batch_size": "auto"}
+    llm = LLM(str(tiny_llama), spec, **ENGINE)
+    assert type(llm.spec_length).__name__ == "TreeAutoLength"
+    outs = llm.generate(PROMPTS, GREEDY)
+    base = LLM(str(tiny_llama), None, **ENGINE).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    k = llm.loop.k
+    assert all(n == 0 for i, n in enumerate(llm.loop.k_counts) if i not in (0, k)), llm.loop.k_counts
