@@ -20,6 +20,16 @@ DEFAULT_COMPARE = (
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "eagle3", "num_speculative_tokens": 3},
 )
+#: k on a CPU: fp32 GEMMs there cost about 1.1x a 1-token step up to 3 query tokens and
+#: 1.6-2.2x from 4 on (oneDNN/MKL change kernels at M = 4; docs/benchmarks.md), so k = 2
+CPU_COMPARE_K = 2
+
+
+def default_compare(device: str) -> list[dict]:
+    """The methods ``generate --compare`` runs when none is given, with a k that suits ``device``."""
+    import torch
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return [dict(c, num_speculative_tokens=CPU_COMPARE_K) if cpu else dict(c) for c in DEFAULT_COMPARE]
 GPU_HINT = ("On a GPU (bf16, CUDA graphs) verifying k+1 tokens costs about one step: try the same command there, "
             "e.g. --speculative-config '{\"method\": \"eagle3\", \"num_speculative_tokens\": 4}' "
             "(H200 figures: docs/benchmarks.md).")
@@ -200,7 +210,7 @@ def _installed(configs: list[dict]) -> list[dict]:
 def _compare(args, rows, params, common, specs) -> int:
     from speculum.bench import methods as cmp
 
-    configs = [s.to_dict() for s in specs] or _installed([dict(c) for c in DEFAULT_COMPARE])
+    configs = [s.to_dict() for s in specs] or _installed(default_compare(args.device))
     configs = [{k: v for k, v in c.items() if v is not None and v != {}} for c in configs]
     groups: dict[str, list] = {}
     for r in rows:
@@ -287,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     g.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
                    help='speculation settings, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
-                        "repeatable with --compare (default: none; with --compare: ngram and eagle3, k=3)")
+                        "repeatable with --compare (default: none; with --compare: ngram and eagle3, k=3 "
+                        "on a GPU, k=2 on a CPU)")
     g.add_argument("--compare", action="store_true",
                    help="run the prompts without speculation and with each method; table, speedups, identity")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable) (default: MT-bench questions)")
