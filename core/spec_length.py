@@ -283,14 +283,24 @@ class AutoLength(FixedLength):
         else:
             avail = [1.0] * B
         powers = [u * a for u, a in zip(avail, acceptance)]  # u a^k: the k-th draft's expected token
+        # a step verifies k + 1 tokens only if some row got a draft (a proposer that often
+        # finds nothing, like n-gram lookup, then mostly runs 1-token steps)
+        none = 1.0
+        for u, c in zip(avail, caps):
+            if c:
+                none *= 1.0 - min(max(u, 0.0), 1.0)
+        wide = 1.0 - none
         tokens = float(B)
-        out = [tokens / max(self.step_seconds(B, 0), 1e-9)]
+        base = self.step_seconds(B, 0)
+        out = [tokens / max(base, 1e-9)]
+        verify = self._verify(B)
         for k in range(1, K + 1):
             for i, c in enumerate(caps):
                 if c >= k:
                     tokens += powers[i]
                     powers[i] *= acceptance[i]
-            out.append(tokens / max(self.step_seconds(B, k), 1e-9))
+            seconds = self.step_seconds(B, k) - (1.0 - wide) * (verify[k] - verify[0])
+            out.append(tokens / max(seconds, 1e-9))
         return out
 
     def needs_timing(self, batch_size: int) -> bool:

@@ -136,7 +136,12 @@ def test_auto_weighs_drafts_by_how_often_they_come():
     rarely = _Seq(0.8)
     rarely.acceptance.offered = 100.0  # a draft one step in ten
     assert AutoLength(4, cost).choose([always]) >= 2
-    assert AutoLength(4, cost).choose([rarely]) == 0
+    # alone, a rare drafter pays the wide verify only when it drafts: worth it
+    assert AutoLength(4, cost).choose([rarely]) >= 2
+    # sixteen of them: most steps have some row drafting (1 - 0.9^16 = 0.81), each row
+    # gains a token one step in ten: not worth it; sixteen that always draft: worth it
+    assert AutoLength(4, cost).choose([rarely] * 16) == 0
+    assert AutoLength(4, cost).choose([always] * 16) >= 2
 
 
 def test_auto_counts_requests_without_speculation_as_one_token():
@@ -365,3 +370,18 @@ def test_tree_auto_through_the_engine_keeps_greedy_output_identical(tiny_llama, 
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     k = llm.loop.k
     assert all(n == 0 for i, n in enumerate(llm.loop.k_counts) if i not in (0, k)), llm.loop.k_counts
+
+
+def test_auto_pays_the_wide_verify_only_when_some_row_drafts():
+    """A proposer that drafts one step in five (n-gram lookup) costs a wide verify one step
+    in five: at batch 1 it pays although a wide step every time would not."""
+    cost = _cost(lambda b, q: 0.01 * (1 + 0.3 * (q > 1)))
+    rare = _Seq(0.8)
+    rare.acceptance = Acceptance(successes=800.0, trials=1000.0, asked=1000.0, offered=200.0)  # u = 0.2
+    # k = 4: 1 + 0.2 * (0.8 + 0.64 + 0.51 + 0.41) = 1.47 tokens per step, for
+    # 1 + 0.2 * 0.3 = 1.06x the time (not 1.3x: four steps in five verify one token)
+    r = AutoLength(4, cost).rates([rare])
+    assert abs(r[4] / r[0] - 1.472 / 1.06) < 0.01  # (the estimates carry a weak prior)
+    assert AutoLength(4, cost).choose([rare]) == 4
+    # at batch 16 nearly every step has some row with a draft: the full price again
+    assert AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.6 * (q > 1)))).choose([rare] * 16) == 0
