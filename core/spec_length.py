@@ -224,7 +224,9 @@ class AutoLength(FixedLength):
         self.verify_cost = verify_cost
         self.global_acceptance = Acceptance()
         self.prior = prior_acceptance
-        self._draft_per_token: dict[int, _Ema] = {}
+        #: measured drafting seconds per step, by (batch bucket, k): a proposer's cost may
+        #: be per step (n-gram lookup) or per token (a model), so each k is its own figure
+        self._draft: dict[tuple[int, int], _Ema] = {}
         self._other: dict[int, _Ema] = {}
         self._costs: dict[int, list[float]] = {}
         self._zero_steps = 0
@@ -241,11 +243,10 @@ class AutoLength(FixedLength):
     def observe_step(self, batch_size: int, k: int, q: int, draft_seconds: float | None,
                      step_seconds: float | None) -> None:
         key = _bucket(batch_size)
-        d = self._draft_per_token.setdefault(key, _Ema())
         if draft_seconds is not None and k > 0:
-            d.add(draft_seconds / k, 0.2)
+            self._draft.setdefault((key, k), _Ema()).add(draft_seconds, 0.2)
         if step_seconds is not None:
-            drafting = draft_seconds if draft_seconds is not None else (d.value or 0.0) * k
+            drafting = draft_seconds if draft_seconds is not None else self.draft_seconds(batch_size, k)
             rest = step_seconds - self._verify(batch_size)[min(q, self.max_k + 1) - 1] - drafting
             self._other.setdefault(key, _Ema()).add(max(rest, 0.0), 0.1)
 
@@ -260,13 +261,25 @@ class AutoLength(FixedLength):
             costs = self._costs[batch_size] = [self.verify_cost(batch_size, k + 1) for k in range(self.max_k + 1)]
         return costs
 
+    def draft_seconds(self, batch_size: int, k: int) -> float:
+        """Predicted drafting time of a step at ``k``: measured at this k, else from the
+        nearest measured k, scaled by k only upwards (a cost per step, like n-gram
+        lookup's, is not divided when fewer tokens are asked)."""
+        if k <= 0:
+            return 0.0
+        key = _bucket(batch_size)
+        known = {kk: e.value for (b, kk), e in self._draft.items() if b == key and e.value is not None}
+        if not known:
+            return 0.0
+        if k in known:
+            return known[k]
+        near = min(known, key=lambda kk: (abs(kk - k), kk))
+        return known[near] * max(1.0, k / near)
+
     def step_seconds(self, batch_size: int, k: int) -> float:
         """Predicted wall time of a step drafting ``k`` tokens for ``batch_size`` rows."""
-        key = _bucket(batch_size)
-        d = self._draft_per_token.get(key)
-        o = self._other.get(key)
-        return (self._verify(batch_size)[k] + (d.value or 0.0 if d else 0.0) * k
-                + (o.value or 0.0 if o else 0.0))
+        o = self._other.get(_bucket(batch_size))
+        return self._verify(batch_size)[k] + self.draft_seconds(batch_size, k) + (o.value or 0.0 if o else 0.0)
 
     def rates(self, seqs, acceptance: Seq[float] | None = None) -> list[float]:
         """Predicted tokens/s for k = 0..max_k. Runs every step, so plain arithmetic:
@@ -305,8 +318,8 @@ class AutoLength(FixedLength):
 
     def needs_timing(self, batch_size: int) -> bool:
         """Whether drafting at this batch size has never been timed (then time this step)."""
-        d = self._draft_per_token.get(_bucket(batch_size))
-        return d is None or d.value is None
+        key = _bucket(batch_size)
+        return not any(b == key and e.value is not None for (b, _), e in self._draft.items())
 
     def choose(self, seqs) -> int:
         """The step's k: re-chosen every ``every`` steps, and at once when the batch size

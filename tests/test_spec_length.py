@@ -385,3 +385,15 @@ def test_auto_pays_the_wide_verify_only_when_some_row_drafts():
     assert AutoLength(4, cost).choose([rare]) == 4
     # at batch 16 nearly every step has some row with a draft: the full price again
     assert AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.6 * (q > 1)))).choose([rare] * 16) == 0
+
+
+def test_a_per_step_drafting_cost_is_not_multiplied_by_k():
+    """n-gram lookup costs the same per step whatever k: measured at k = 1 (a probe), it
+    is not charged four times at k = 4; a cost measured at k = 4 is not divided at k = 1."""
+    auto = AutoLength(4, _cost(lambda b, q: 0.0014 * (1 + 0.1 * (q > 1))))
+    auto.observe_step(1, 1, 2, 0.0002, None)
+    assert auto.draft_seconds(1, 1) == auto.draft_seconds(1, 4) == 0.0002
+    auto.observe_step(1, 4, 5, 0.0008, None)  # a model: four times the cost at k = 4
+    assert auto.draft_seconds(1, 4) == 0.0008 and auto.draft_seconds(1, 2) == 0.0002
+    assert auto.draft_seconds(1, 3) == 0.0008  # nearest measured (4), never divided
+    assert auto.draft_seconds(16, 4) == 0.0  # another batch bucket: nothing measured yet
