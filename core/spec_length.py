@@ -262,9 +262,9 @@ class AutoLength(FixedLength):
         return costs
 
     def draft_seconds(self, batch_size: int, k: int) -> float:
-        """Predicted drafting time of a step at ``k``: measured at this k, else from the
-        nearest measured k, scaled by k only upwards (a cost per step, like n-gram
-        lookup's, is not divided when fewer tokens are asked)."""
+        """Predicted drafting time of a step at ``k``: measured at this k, else the
+        nearest measured k's (unscaled: a cost per step, like n-gram lookup's, does not
+        grow with k; a model's does, and is measured as soon as that k is chosen)."""
         if k <= 0:
             return 0.0
         key = _bucket(batch_size)
@@ -273,8 +273,7 @@ class AutoLength(FixedLength):
             return 0.0
         if k in known:
             return known[k]
-        near = min(known, key=lambda kk: (abs(kk - k), kk))
-        return known[near] * max(1.0, k / near)
+        return known[min(known, key=lambda kk: (abs(kk - k), kk))]
 
     def step_seconds(self, batch_size: int, k: int) -> float:
         """Predicted wall time of a step drafting ``k`` tokens for ``batch_size`` rows."""

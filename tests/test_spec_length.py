@@ -394,6 +394,6 @@ def test_a_per_step_drafting_cost_is_not_multiplied_by_k():
     auto.observe_step(1, 1, 2, 0.0002, None)
     assert auto.draft_seconds(1, 1) == auto.draft_seconds(1, 4) == 0.0002
     auto.observe_step(1, 4, 5, 0.0008, None)  # a model: four times the cost at k = 4
-    assert auto.draft_seconds(1, 4) == 0.0008 and auto.draft_seconds(1, 2) == 0.0004  # nearest (1), x 2
+    assert auto.draft_seconds(1, 4) == 0.0008 and auto.draft_seconds(1, 2) == 0.0002  # nearest: k = 1
     assert auto.draft_seconds(1, 3) == 0.0008  # nearest measured (4), never divided
     assert auto.draft_seconds(16, 4) == 0.0  # another batch bucket: nothing measured yet
