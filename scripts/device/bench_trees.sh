@@ -79,8 +79,11 @@ b1b)
     --method "$(chain mtp)" --method "$(best mtp)" --method "$(chain medusa)" --method "$(best medusa)" \
     --json $OUT/trees_b1b.json ;;
 b16)
+  # each tree also with "auto": the tree or nothing per step, from its measured gain and cost
+  auto() { python3 -c "import json,sys; c=json.loads(sys.argv[1]); c['num_speculative_tokens_per_batch_size']='auto'; print(json.dumps(c))" "$1"; }
   ARGS=(--method "{\"method\":\"ngram\",$K}")
-  for m in eagle eagle3 mtp medusa; do ARGS+=(--method "$(chain $m)" --method "$(best $m)"); done
+  for m in ${METHODS:-eagle eagle3 mtp medusa}; do
+    ARGS+=(--method "$(chain $m)" --method "$(best $m)" --method "$(auto "$(best $m)")"); done
   run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${ARGS[@]}" --json $OUT/trees_b16.json ;;
 *) echo "unknown PART=$PART (tests, sweep, b1a, b1b, b16)"; exit 2 ;;
 esac
