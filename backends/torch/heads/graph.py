@@ -34,8 +34,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.kv import blocks_for
-from speculum.proposers.head_cache import HeadKVCache, PagedContext
 from speculum.proposers.tree import StaticPlan, draft_tree, region_size, topk_logprobs
 from speculum.tree import TreeSpec, tree_ancestors, tree_attention_mask
 
