@@ -95,7 +95,7 @@ class PrefillHidden:
     """Target hidden states of whole sequences from a fresh prefill (for rollback tests)."""
 
     def __init__(self, target: Path, layers, runner: str = "native"):
-        from speculum.backends.torch.backend import TorchBackend
+        from speculum.backends.torch import TorchBackend
         backend = TorchBackend(device="cpu", dtype="float32", runner=runner, kv_cache_memory=4 << 20)
         self.runner = backend.load_model(Path(target), role="target")
         backend.plan_memory(256)
@@ -178,7 +178,7 @@ def assert_static_draft_matches_eager(make_llm, spec: dict, prompts, params) -> 
     decoding. ``make_llm(spec)`` builds an engine on the CPU (``spec=None``: no speculation)."""
     import torch
 
-    from speculum.proposers.head_graph import HeadDraftGraphs
+    from speculum.backends.torch.heads import HeadDraftGraphs
     k = spec["num_speculative_tokens"]
     runs = []
     for static in (False, True):
@@ -298,7 +298,7 @@ class HeadPathReference:
     head steps through the path's tokens (own cache, no tree mask)."""
 
     def __init__(self, head, target: Path, layers):
-        from speculum.proposers.head_cache import HeadKVCache
+        from speculum.backends.torch.heads import HeadKVCache
         p = next(head.parameters())
         self.head = head
         self.cache = HeadKVCache("reference", head.num_layers, head.num_kv_heads, head.head_dim, p.dtype, p.device,
@@ -308,7 +308,7 @@ class HeadPathReference:
 
     def topk_fn(self, tokens: list[int]):
         """``topk(path, width)`` for :func:`reference_tree_paths`, after the sequence ``tokens``."""
-        from speculum.proposers.head_graph import head_topk
+        from speculum.backends.torch.heads import head_topk
         head, cache = self.head, self.cache
         with torch.inference_mode():
             feats = head.features(self.prefill(tokens[:-1]))  # [len - 1, H]

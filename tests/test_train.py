@@ -170,7 +170,7 @@ def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
     """--time-limit stops early and still exports; --eval-prompts reports accuracy on another
     prompt set, equal to evaluating the exported head on that set's cached answers."""
     pytest.importorskip("speculum_mtp")
-    from speculum.proposers.hidden_head import TargetParts
+    from speculum.backends.torch.heads import TargetParts
     from speculum.train.cli import common_arguments, trainers
     from speculum.train.loop import evaluate
     other = token_prompts_file(tmp_path / "other.jsonl", n=10, seed=7)
@@ -272,7 +272,7 @@ def test_validation_acceptance_length_is_what_the_engine_measures(tmp_path, meth
     numerics flip (hidden states of a (k+1)-token forward, not the recorded 1-token ones)."""
     import argparse
 
-    from speculum.proposers.hidden_head import TargetParts
+    from speculum.backends.torch.heads import TargetParts
     from speculum.testing import tiny_model_dir, train_tiny
     from speculum.train.cli import common_arguments, trainers
     from speculum.train.loop import evaluate

@@ -142,9 +142,7 @@ def test_training_time_test_sees_what_drafting_sees(tiny_llama, method):
     """The unrolled training forward (TrainContext) gives, at every anchor and step, the
     hidden state the head computes when drafting over its paged cache: true features up to
     the anchor, then its own outputs."""
-    from speculum.proposers.head_cache import HeadKVCache
-    from speculum.proposers.head_layers import arch_from_config, init_layer
-    from speculum.proposers.hidden_head import TargetParts
+    from speculum.backends.torch.heads import HeadKVCache, TargetParts, arch_from_config, init_layer
     from speculum.train.base import chain_unroll
     from speculum.train.data import Batch
     parts = TargetParts.from_checkpoint(tiny_llama)

@@ -41,8 +41,11 @@ def sibling_ranks(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, rank, -1)
 
 
-def _emit(token_ids: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> Verdict:
-    """Verdict from the accepted nodes ``path`` [B, N] (-1 padded) and the final token."""
+def path_verdict(token_ids: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
+                 last: torch.Tensor) -> Verdict:
+    """The verdict of a tree rule: node tokens ``token_ids`` [B, N], the accepted nodes
+    ``path`` [B, N] (root first, -1 padded), their count ``num_accepted`` [B] and the token
+    emitted after them ``last`` [B]."""
     B, N = path.shape
     toks = torch.where(path >= 0, token_ids.gather(1, path.clamp_min(0)), -1)
     out = torch.cat([toks, toks.new_full((B, 1), -1)], dim=1)  # [B, N+1]
@@ -76,7 +79,7 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
     slots = torch.full((B, N + 1), -1, dtype=torch.int64, device=am.device)
     slots.scatter_(1, torch.where(on_path, depth - 1, N), idx.expand(B, N))
     last = am.gather(1, torch.where(found, best + 1, 0).view(B, 1)).squeeze(1)
-    return _emit(token_ids, slots[:, :N], num_accepted, last)
+    return path_verdict(token_ids, slots[:, :N], num_accepted, last)
 
 
 def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: torch.Tensor, tree: TokenTree,
@@ -145,7 +148,7 @@ def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: to
             cur_p = torch.where(moved.view(B, 1), p[rows, cur + 1], cur_p)
     # exponential race: argmax(dist / E), E ~ Exp(1), samples from dist (unnormalised ok)
     last = race(cur_p, as_noise(generators).exponentials(B, V, dev))
-    return _emit(token_ids.to(dev) if N else p.new_zeros(B, 0, dtype=torch.int64), path, num_accepted, last)
+    return path_verdict(token_ids.to(dev) if N else p.new_zeros(B, 0, dtype=torch.int64), path, num_accepted, last)
 
 
 def verify_tree(target_logits: torch.Tensor, draft, sampling) -> Verdict:

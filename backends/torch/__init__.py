@@ -4,8 +4,10 @@ Public (what core tools and plugins may import from here): :class:`TorchBackend`
 :class:`HFRunner`, ``resolve_device``, ``resolve_dtype``, ``read_state_dict`` (a
 checkpoint's tensors), and the native Llama runner's ``NativeRunner``, ``LlamaArch``
 (a Llama-family config) and ``random_native`` (a random model of a shape, for
-benchmarks). The draft-head building blocks are :mod:`speculum.backends.torch.heads`.
-Everything else under this package (``native/``...) is internal.
+benchmarks). The draft-head building blocks are the public module
+:mod:`speculum.backends.torch.heads` (for plugins); what core's trainer needs of them is
+re-exported here: ``TargetParts``, ``TrainContext``, ``arch_from_config`` and
+``load_layer``. Everything else under this package (``native/``, ``graphs``...) is internal.
 """
 
 from speculum.backends.torch.backend import TorchBackend, resolve_device, resolve_dtype
@@ -13,12 +15,16 @@ from speculum.backends.torch.hf_runner import HFRunner
 from speculum.hooks import hookimpl
 
 __all__ = ["TorchBackend", "HFRunner", "resolve_device", "resolve_dtype", "read_state_dict", "NativeRunner",
-           "LlamaArch", "random_native"]
+           "LlamaArch", "random_native", "TargetParts", "TrainContext", "arch_from_config", "load_layer"]
 
 _LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
          "random_native": "speculum.backends.torch.native.weights",
          "NativeRunner": "speculum.backends.torch.native.runner",
-         "LlamaArch": "speculum.backends.torch.native.arch"}
+         "LlamaArch": "speculum.backends.torch.native.arch",
+         "TargetParts": "speculum.backends.torch.heads",
+         "TrainContext": "speculum.backends.torch.heads",
+         "arch_from_config": "speculum.backends.torch.heads",
+         "load_layer": "speculum.backends.torch.heads"}
 
 
 def __getattr__(name):  # the native model (and Triton on CUDA) load only when asked for

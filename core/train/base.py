@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculum.proposers.hidden_head import TargetParts
 from speculum.train.data import Batch, DistillData
+
+if TYPE_CHECKING:  # the torch heads load when a trainer runs, not when plugins are listed
+    from speculum.backends.torch import TargetParts
 
 
 class Trainer:
@@ -245,7 +247,7 @@ def chain_unroll(head, batch: Batch, steps: int):
     ``t + j``, attending as it would at inference. Yields ``(j, out [B, T, H])``; the
     output of step ``j`` at anchor ``t`` predicts ``x_{t+j+2}``.
     """
-    from speculum.proposers.head_layers import TrainContext
+    from speculum.backends.torch import TrainContext
     from speculum.train.data import shifted
     B, T = batch.tokens.shape
     ctx = TrainContext()
@@ -294,7 +296,7 @@ def layer_from_target(layer, target_state: dict[str, torch.Tensor], index: int) 
     A wider attention input (EAGLE-3's [embedding; feature]) gets the target's weights on
     the feature half and zeros on the embedding half.
     """
-    from speculum.proposers.head_layers import load_layer
+    from speculum.backends.torch import load_layer
     prefix = f"model.layers.{index}."
     qkv = layer.attn.qkv
     width = layer.mlp_norm.weight.shape[0]

@@ -35,11 +35,10 @@ SMOLLM2 = SHAPES["smollm2-135m"]
 
 def target_arch(model: str | None):
     """The target's LlamaArch: from a checkpoint's config.json, or SmolLM2-135M's shape."""
-    from speculum.backends.torch.native.arch import LlamaArch
+    from speculum.backends.torch import LlamaArch, arch_from_config
     if not model:
         return LlamaArch(**SMOLLM2)
     from speculum.proposers.head_checkpoint import read_config
-    from speculum.proposers.head_layers import arch_from_config
     p = Path(model)
     if p.suffix == ".gguf":
         from speculum.model_source import resolve_model_path
@@ -63,8 +62,7 @@ def candidate(target, layers: int, width: int):
 
 def time_forward(arch, query_lens: Sequence[int], device, dtype, context: int, iters: int) -> dict[int, float]:
     """Milliseconds per native-runner forward of batch 1 for each query length (graphed on CUDA)."""
-    from speculum.backends.torch.native.runner import NativeRunner
-    from speculum.backends.torch.native.weights import random_native
+    from speculum.backends.torch import NativeRunner, random_native
     from speculum.kv import PagedKVAllocator
     model = random_native(arch, dtype, device)
     max_len = context + max(query_lens) + 16
@@ -101,7 +99,7 @@ def params_of(arch) -> int:
 def measure(target, layers: Sequence[int], widths: Sequence[int], k: int = 4, context: int = 512, iters: int = 50,
             device: str = "auto", dtype: str = "bfloat16", max_break_even: float = 1.6) -> dict:
     """Time the target and every candidate shape; returns the table and the recommendation."""
-    from speculum.backends.torch.backend import resolve_device, resolve_dtype
+    from speculum.backends.torch import resolve_device, resolve_dtype
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t = time_forward(target, (1, k + 1), dev, dt, context, iters)

@@ -23,17 +23,19 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import attrs
 import torch
 
-from speculum.proposers.hidden_head import TargetParts
 from speculum.train.base import Score, Trainer, frequent_tokens
 from speculum.train.data import DistillData
 from speculum.train.distill import DistillSpec, ensure_distill, mix_summary
 from speculum.train.generate import release_engines
 from speculum.train.mix import KINDS
+
+if TYPE_CHECKING:
+    from speculum.backends.torch import TargetParts
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,7 @@ def normalize_modes(folder: Path) -> None:
 
 
 def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
-    from speculum.backends.torch import read_state_dict, resolve_device
+    from speculum.backends.torch import TargetParts, read_state_dict, resolve_device
     from speculum.model_source import DEFAULT_MODEL, resolve_model_path
 
     from speculum.threads import apply_threads

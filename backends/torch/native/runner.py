@@ -2,9 +2,9 @@
 
 Decode and verify forwards have static shapes ``[B, q]`` with ``B`` rounded up to a batch
 bucket and the context rounded up to a block bucket, so each shape is captured once as
-a CUDA graph and replayed. Per-step host work is building one small int64 buffer
-(positions, write slots, block tables) and copying it to the device; there is no host
-synchronisation inside a forward.
+a CUDA graph and replayed (:mod:`speculum.backends.torch.graphs`). Per-step host work is
+building one small int64 buffer (positions, write slots, block tables) and copying it to
+the device; there is no host synchronisation inside a forward.
 
 Token trees (``forward(..., tree=...)``): column ``c`` of a verify forward is written at
 the sequence's next logical slot as usual, but gets the position ``root + depth`` and
@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from speculum.backends.torch.graphs import GraphPool, StaticGraph
 from speculum.backends.torch.native.model import NativeLlama
 from speculum.interfaces import ForwardOutput
 from speculum.kv import PagedKVAllocator, blocks_for
@@ -56,9 +57,9 @@ class NativeRunner:
         self.max_model_len = max_model_len or model.arch.max_position_embeddings
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk
-        self._graphs: dict[tuple, tuple] = {}
-        self._pool = None
-        self._ring_pos = 0
+        #: (batch bucket, q, block bucket, hidden layers, tree) -> (graph, tree buffers)
+        self._graphs: dict[tuple, tuple[StaticGraph, tuple | None]] = {}
+        self._pool = GraphPool()
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
 
     @property
@@ -191,16 +192,11 @@ class NativeRunner:
         need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
         nb = _bucket(max(need, 1), self._block_buckets)
         key = (Bb, q, nb, hidden_layers, cols is not None)
-        entry = self._graphs.get(key) or self._capture(key)
-        graph, meta, out, ring, tree_bufs = entry
+        graph, tree_bufs = self._graphs.get(key) or self._capture(key)
         # one pinned host buffer [ids | positions | write slots | block tables] per step,
-        # taken from a ring so a pending copy never sees its buffer rewritten
-        host, done = ring[self._ring_pos % len(ring)]
-        self._ring_pos += 1
-        if done is not None:
-            done.synchronize()
+        # taken in turn from the graph's eight so a pending copy never sees its buffer rewritten
+        h = graph.host()
         pos, wsl, blk = self._host_meta(seq_ids, num_tokens, q, Bb, nb)
-        h = host.numpy()
         n = Bb * q
         h[n: 2 * n] = pos.numpy().reshape(-1)
         h[2 * n: 3 * n] = wsl.numpy().reshape(-1)
@@ -209,17 +205,13 @@ class NativeRunner:
         h[:n] = 0
         if on_host:
             h[: B * q] = token_ids.numpy().reshape(-1)
-        meta.copy_(host, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        ring[(self._ring_pos - 1) % len(ring)] = (host, ev)
+        graph.upload()
         if not on_host:
-            meta[: B * q].copy_(token_ids.reshape(-1))
+            graph.meta[: B * q].copy_(token_ids.reshape(-1))
         if cols is not None:
             tree_bufs[0][:B].copy_(cols[0])
             tree_bufs[1][:B].copy_(cols[1])
-        graph.replay()
-        logits, hidden = out
+        logits, hidden = graph.replay()
         return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()})
 
     def _capture(self, key):
@@ -243,20 +235,7 @@ class NativeRunner:
                 pos, mask = _tree_inputs(pos, read.shape[1], *tree_bufs)
             return self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask)
 
-        with torch.inference_mode():
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):  # warm up kernels / allocator outside the graph
-                    run()
-            torch.cuda.current_stream().wait_stream(s)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = run()
-        ring = [(torch.zeros(meta.numel(), dtype=torch.int64).pin_memory(), None) for _ in range(8)]
-        entry = (graph, meta, out, ring, tree_bufs)
+        entry = (self._pool.capture(run, meta, staging=8), tree_bufs)
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
         return entry

@@ -23,10 +23,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from speculum.backends.torch.heads import TargetParts, arch_from_config, copy_weight, layer_state, load_layer
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_config, read_weights, weight_names, write_checkpoint
-from speculum.proposers.head_layers import arch_from_config, copy_weight, layer_state, load_layer
-from speculum.proposers.hidden_head import TargetParts
 from speculum_eagle.model import Eagle1Head, Eagle3Head
 
 EAGLE1_ARCH = "EagleLlamaForCausalLM"

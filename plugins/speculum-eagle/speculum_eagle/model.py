@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculum.backends.torch.native.arch import LlamaArch
-from speculum.proposers.head_layers import HeadDecoderLayer, RMSNorm, Rope
+from speculum.backends.torch.heads import HeadDecoderLayer, LlamaArch, RMSNorm, Rope
 
 
 class Eagle1Head(nn.Module):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import attrs
 
-from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts, head_checkpoint_path
+from speculum.backends.torch.heads import ChainHeadProposer, TargetParts, head_checkpoint_path
 from speculum_eagle.formats import load_eagle1, load_eagle3
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from speculum.proposers.head_layers import arch_from_config
+from speculum.backends.torch.heads import arch_from_config
 from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, loss_vocab
 from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, save_eagle1, save_eagle3
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -38,7 +38,7 @@ def _common(p, positions: int = 4, init_layer: int = -1) -> None:
 
 
 def _init_layer(layer, target, state, index: int) -> None:
-    from speculum.proposers.head_layers import init_layer
+    from speculum.backends.torch.heads import init_layer
     if index == -2:
         init_layer(layer)
     else:

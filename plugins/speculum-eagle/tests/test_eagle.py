@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from speculum import LLM, SamplingParams
+from speculum.backends.torch.heads import ChainHeadProposer, TargetParts, arch_from_config, init_layer
 from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.proposers.head_layers import arch_from_config, init_layer
-from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts
 from speculum.sampling import SamplingBatch
 from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
                               assert_tree_greedy_lossless, assert_trees_follow_reference, record_drafts, record_trees,

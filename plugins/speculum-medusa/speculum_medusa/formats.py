@@ -15,10 +15,9 @@ from typing import Any, Mapping
 
 import torch
 
+from speculum.backends.torch.heads import TargetParts, copy_weight
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_config, read_weights, write_checkpoint
-from speculum.proposers.head_layers import copy_weight
-from speculum.proposers.hidden_head import TargetParts
 from speculum_medusa.model import MedusaHeads
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from speculum.backends.torch.heads import TargetParts, head_checkpoint_path, pick_tokens
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
-from speculum.proposers.hidden_head import TargetParts, head_checkpoint_path, pick_tokens
 from speculum.proposers.tree import StaticPlan, draft_tree, topk_logprobs
 from speculum.tree import TokenTree, TreeSpec, tree_ancestors
 from speculum_medusa.formats import load_medusa

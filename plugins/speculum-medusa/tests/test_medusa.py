@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from speculum import LLM, SamplingParams
+from speculum.backends.torch.heads import TargetParts
 from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.proposers.hidden_head import TargetParts
 from speculum.sampling import SamplingBatch
 from speculum.proposers.tree import topk_logprobs
 from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_trees_follow_reference,

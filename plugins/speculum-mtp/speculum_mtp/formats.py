@@ -19,10 +19,9 @@ from typing import Any, Mapping
 
 import torch
 
+from speculum.backends.torch.heads import TargetParts, arch_from_config, copy_weight, layer_state, load_layer
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_config, read_weights, weight_names, write_checkpoint
-from speculum.proposers.head_layers import arch_from_config, copy_weight, layer_state, load_layer
-from speculum.proposers.hidden_head import TargetParts
 from speculum_mtp.model import ORDERS, MTPHead
 
 ORDER_KEY = "speculum_mtp_concat_order"

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculum.backends.torch.native.arch import LlamaArch
-from speculum.proposers.head_layers import HeadDecoderLayer, RMSNorm, Rope
+from speculum.backends.torch.heads import HeadDecoderLayer, LlamaArch, RMSNorm, Rope
 
 ORDERS = ("embed_hidden", "hidden_embed")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import attrs
 
-from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts, head_checkpoint_path
+from speculum.backends.torch.heads import ChainHeadProposer, TargetParts, head_checkpoint_path
 from speculum_mtp.formats import has_mtp, load_mtp
 from speculum_mtp.model import ORDERS
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from speculum.proposers.head_layers import arch_from_config, init_layer
+from speculum.backends.torch.heads import arch_from_config, init_layer
 from speculum.train.base import Trainer, chain_loss, layer_from_target, loss_vocab
 from speculum_mtp.formats import save_mtp
 from speculum_mtp.model import ORDERS, MTPHead

@@ -10,11 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from speculum import LLM, SamplingParams
+from speculum.backends.torch.heads import ChainHeadProposer, TargetParts, arch_from_config, init_layer
 from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.proposers.head_layers import arch_from_config, init_layer
-from speculum.proposers.hidden_head import ChainHeadProposer, TargetParts
 from speculum.sampling import SamplingBatch
 from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
                               assert_tree_greedy_lossless, assert_trees_follow_reference, record_drafts, record_trees,
@@ -92,7 +91,7 @@ def test_concat_order_option_changes_the_module(parts, tmp_path):
     b = load_mtp(tmp_path / "m", parts, concat_order="hidden_embed")
     assert (a.concat_order, b.concat_order) == ("embed_hidden", "hidden_embed")
     feats, toks, pos = torch.randn(1, 3, 64), torch.tensor([[5, 6, 7]]), torch.arange(3).view(1, 3)
-    from speculum.proposers.head_layers import TrainContext
+    from speculum.backends.torch.heads import TrainContext
     ca, cb = TrainContext(), TrainContext()
     ca.next_step(), cb.next_step()
     assert not torch.allclose(a(feats, toks, pos, ca), b(feats, toks, pos, cb))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from speculum.interfaces import Verdict
-from speculum.verifiers import RowNoise, race
+from speculum.verifiers import RowNoise, path_verdict, race
 
 
 def typical_accept(p: torch.Tensor, draft_ids: torch.Tensor, generators, posterior_threshold: float = 0.09,
@@ -69,7 +69,6 @@ def typical_accept_tree(p: torch.Tensor, token_ids: torch.Tensor, tree, generato
     ``p``: [B, N+1, V] processed target probabilities (root, then nodes); ``token_ids``:
     [B, N], -1 = no node; ``tree``: :class:`speculum.tree.TokenTree`.
     """
-    from speculum.verifiers.tree import _emit
     noise = generators if isinstance(generators, RowNoise) else RowNoise(generators)
     B, Q, V = p.shape
     N = Q - 1
@@ -100,4 +99,4 @@ def typical_accept_tree(p: torch.Tensor, token_ids: torch.Tensor, tree, generato
     slots.scatter_(1, torch.where(on_path, depth - 1, N), idx.expand(B, N))
     p_next = p.gather(1, torch.where(found, best + 1, 0).view(B, 1, 1).expand(B, 1, V)).squeeze(1)
     last = race(p_next, noise.exponentials(B, V, dev))
-    return _emit(token_ids, slots[:, :N], num_accepted, last)
+    return path_verdict(token_ids, slots[:, :N], num_accepted, last)

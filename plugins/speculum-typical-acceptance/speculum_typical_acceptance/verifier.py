@@ -9,7 +9,7 @@ import torch
 
 from speculum.interfaces import Draft, Verdict
 from speculum.sampling import SamplingBatch
-from speculum.verifiers import verify_sampled
+from speculum.verifiers import tree_greedy_verify, verify_sampled
 from speculum_typical_acceptance.rule import typical_accept, typical_accept_tree
 
 
@@ -58,7 +58,6 @@ class TypicalAcceptanceVerifier:
     def _verify_tree(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
         """Greedy rows take the argmax path (what the rule is at temperature 0)."""
         from speculum.sampling import processed_probs
-        from speculum.verifiers.tree import tree_greedy_verify
         if sampling.all_greedy:
             return tree_greedy_verify(target_logits, draft.token_ids, draft.tree)
         flags = sampling.flags(target_logits.shape[-1])

@@ -249,7 +249,7 @@ def test_tree_keeps_the_deepest_passing_path_ties_by_likelihood():
 
 def test_tree_at_temperature_zero_is_the_greedy_tree_rule():
     from speculum.tree import TokenTree
-    from speculum.verifiers.tree import tree_greedy_verify
+    from speculum.verifiers import tree_greedy_verify
     torch.manual_seed(0)
     B, N, V = 3, 6, 10
     logits = torch.randn(B, N + 1, V) * 3

@@ -2,8 +2,8 @@
 
 One layer serves inference and training. Attention goes through a context object:
 
-- :class:`speculum.proposers.head_cache.PagedContext` at inference: K/V are written into
-  the head's paged cache and the whole context is read back through block tables;
+- :class:`speculum.backends.torch.heads.cache.PagedContext` at inference: K/V are written
+  into the head's paged cache and the whole context is read back through block tables;
 - :class:`TrainContext` in training: plain causal attention over a sequence, plus the
   "training-time test" of EAGLE-3 (step ``j`` of an unrolled draft chain attends to the
   true-feature keys at positions ``<= t`` and to its own chain's keys of steps ``1..j``).

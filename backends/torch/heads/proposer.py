@@ -22,10 +22,10 @@ sampler keeps output lossless either way.
 
 With a token tree in the config (``speculative_token_tree``, or ``tree_topk`` /
 ``tree_depth`` / ``num_draft_tokens``) step 2 drafts a tree instead: one batched head
-forward per depth over the frontier nodes (:class:`speculum.proposers.head_graph.HeadTreeGraphs`),
-deterministic top-k children for greedy and sampled requests alike (``probs=None``;
-the tree verifier treats them as one-hot, which is exact). The verify step hands back
-the accepted path's target states in path order, so step 3 is unchanged.
+forward per depth over the frontier nodes (:class:`~speculum.backends.torch.heads.graph.HeadTreeGraphs`),
+deterministic top-k children for greedy and sampled requests alike (``probs=None``; the
+tree verifier treats them as one-hot, which is exact). The verify step hands back the
+accepted path's target states in path order, so step 3 is unchanged.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ from typing import Protocol, Sequence
 import attrs
 import torch
 
+from speculum.backends.torch.heads.cache import HeadKVCache
+from speculum.backends.torch.heads.graph import HeadDraftGraphs, HeadTreeGraphs
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
-from speculum.proposers.head_cache import HeadKVCache
-from speculum.proposers.head_checkpoint import find_shipped_head, shipped_names, target_fingerprint
+from speculum.proposers.head_checkpoint import find_shipped_head, read_config, shipped_names, target_fingerprint
+from speculum.proposers.tree import region_size
 from speculum.sampling import SamplingBatch, processed_probs, sample_rows
 from speculum.tree import TokenTree, TreeSpec
 
@@ -111,7 +113,6 @@ class TargetParts:
     def from_checkpoint(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu") -> "TargetParts":
         """Embedding and LM head read from a transformers checkpoint (for training)."""
         from speculum.backends.torch.native.weights import read_state_dict
-        from speculum.proposers.head_checkpoint import read_config
         cfg = read_config(path)
         sd = read_state_dict(path)
         embed = sd["model.embed_tokens.weight"].to(device, dtype)
@@ -201,10 +202,8 @@ class ChainHeadProposer:
         #: the tree drafted each step (None: chains); trees always use the static function
         self.tree = tree
         if tree is not None:
-            from speculum.proposers.head_graph import HeadTreeGraphs
             self.graphs = HeadTreeGraphs(head, cache, tree, self.dtype, self.device, use_graphs=cuda_graphs)
         elif k and (cuda_graphs if static_draft is None else static_draft):
-            from speculum.proposers.head_graph import HeadDraftGraphs
             self.graphs = HeadDraftGraphs(head, cache, k, self.dtype, self.device, use_graphs=cuda_graphs)
 
     @property
@@ -221,7 +220,6 @@ class ChainHeadProposer:
         tree = ctx.config.tree
         extra = ctx.config.num_speculative_tokens
         if tree is not None:
-            from speculum.proposers.tree import region_size
             extra = max(extra, region_size(tree) + 1)
         cache = HeadKVCache(name, head.num_layers, head.num_kv_heads, head.head_dim, p.dtype, p.device,
                             max_model_len=ctx.max_model_len + extra, weight_bytes=weight_bytes)

@@ -11,9 +11,9 @@ function of static buffers:
 3. the argmax of every step: ``[B, k]`` draft token ids.
 
 It is captured once per (batch bucket, context-block bucket) and replayed with one
-host-to-device copy of its metadata, the same scheme as the target runner. With
-``use_graphs=False`` (CPU, tests) the same function runs eagerly, so the CPU test suite
-checks exactly what the graph computes.
+host-to-device copy of its metadata, the same scheme as the target runner
+(:mod:`speculum.backends.torch.graphs`). With ``use_graphs=False`` (CPU, tests) the same
+function runs eagerly, so the CPU test suite checks exactly what the graph computes.
 
 Token trees (:class:`HeadTreeGraphs`): the same catch-up, then the tree is drafted
 level by level (:mod:`speculum.proposers.tree`): one batched head forward per depth over
@@ -34,8 +34,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from speculum.backends.torch.graphs import GraphPool, StaticGraph
+from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.kv import blocks_for
-from speculum.proposers.head_cache import HeadKVCache, PagedContext
 from speculum.proposers.tree import StaticPlan, draft_tree, region_size, topk_logprobs
 from speculum.tree import TreeSpec, tree_ancestors, tree_attention_mask
 
@@ -66,8 +67,9 @@ class HeadDraftGraphs:
         self.Q = k + 1
         #: head-cache positions a step appends per row after its catch-up positions
         self.extra = k - 1
-        self._graphs: dict[tuple[int, int], tuple] = {}
-        self._pool = None
+        #: (batch bucket, block bucket) -> (graph, its feature input x [Bb, Q, H])
+        self._graphs: dict[tuple[int, int], tuple[StaticGraph, torch.Tensor]] = {}
+        self._pool = GraphPool()
 
     def fits(self, counts: Sequence[int]) -> bool:
         """Rows with 1..k+1 pending positions (every step after a request's first)."""
@@ -147,36 +149,18 @@ class HeadDraftGraphs:
                     x[b, :n] = f
                 meta = torch.from_numpy(meta_np).to(self.device)
                 return self._draft(x, meta, Bb, nb)[:R]
-            graph, x, meta, out, host, done = self._graphs.get((Bb, nb)) or self._capture(Bb, nb, H, meta_np.size)
-            if done is not None:
-                done.synchronize()  # the last copy from the pinned buffer has finished
-            host.numpy()[:] = meta_np
-            meta.copy_(host, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self._graphs[(Bb, nb)] = (graph, x, meta, out, host, ev)
+            graph, x = self._graphs.get((Bb, nb)) or self._capture(Bb, nb, H, meta_np.size)
+            graph.host()[:] = meta_np  # once the last copy from the pinned buffer has finished
+            graph.upload()
             for b, (f, n) in enumerate(zip(feats, counts)):
                 x[b, :n] = f
-            graph.replay()
-            return out[:R]
+            return graph.replay()[:R]
 
-    def _capture(self, Bb: int, nb: int, H: int, meta_size: int):
+    def _capture(self, Bb: int, nb: int, H: int, meta_size: int) -> tuple[StaticGraph, torch.Tensor]:
         x = torch.zeros(Bb, self.Q, H, dtype=self.dtype, device=self.device)
-        meta = torch.zeros(meta_size, dtype=torch.int64, device=self.device)
         # a harmless metadata: every row reads and writes the scratch block at position 0
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._draft(x, meta, Bb, nb)
-        torch.cuda.current_stream().wait_stream(s)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._draft(x, meta, Bb, nb)
-        host = torch.zeros(meta_size, dtype=torch.int64).pin_memory()
-        entry = (graph, x, meta, out, host, None)
+        meta = torch.zeros(meta_size, dtype=torch.int64, device=self.device)
+        entry = (self._pool.capture(lambda: self._draft(x, meta, Bb, nb), meta), x)
         self._graphs[(Bb, nb)] = entry
         return entry
 

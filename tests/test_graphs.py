@@ -1,0 +1,191 @@
+"""The CUDA-graph helper's replay path, on the CPU.
+
+A stand-in graph re-runs the captured function into the outputs it returned at capture
+(what a real replay does in place), so the native runner's and the draft heads' graphed
+paths (staging buffers, metadata layout, static inputs, bucketed shapes) are checked
+against their eager paths without a GPU. The capture itself (side-stream warm-up,
+shared pool) needs one: tests/test_trees_cuda.py and tests/test_heads_cuda.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from speculum.backends.torch import TorchBackend
+from speculum.backends.torch.graphs import GraphPool, StaticGraph
+from speculum.backends.torch.heads import (HeadDecoderLayer, HeadDraftGraphs, HeadKVCache, HeadTreeGraphs, Rope,
+                                           arch_from_config, init_layer)
+from speculum.tree import TokenTree, TreeSpec
+
+
+class _Event:
+    made: list["_Event"] = []
+
+    def __init__(self):
+        self.synced = 0
+        _Event.made.append(self)
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        self.synced += 1
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, dict):
+        for key in dst:
+            _copy_into(dst[key], src[key])
+    elif isinstance(dst, (tuple, list)):
+        for a, b in zip(dst, src):
+            _copy_into(a, b)
+
+
+class _Replay:
+    """Stands for a captured graph: a replay runs the function into its first outputs."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        with torch.inference_mode():
+            _copy_into(self.out, self.fn())
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """GraphPool.capture without CUDA; returns the list of captured functions."""
+    captured = []
+
+    def capture(self, fn, meta, staging=1, warmup=2):
+        with torch.inference_mode():
+            for _ in range(warmup):
+                fn()
+            out = fn()
+        captured.append(fn)
+        return StaticGraph(_Replay(fn, out), out, meta, staging)
+
+    _Event.made.clear()
+    monkeypatch.setattr(GraphPool, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    return captured
+
+
+def test_staging_buffers_take_turns_and_wait_for_their_last_copy(emulated_graphs):
+    meta = torch.zeros(3, dtype=torch.int64)
+    graph = GraphPool().capture(lambda: meta * 2, meta, staging=2)
+    seen = []
+    for step in range(5):
+        host = graph.host()
+        seen.append(host.ctypes.data)
+        host[:] = step
+        graph.upload()
+        assert graph.replay().tolist() == [2 * step] * 3
+    assert seen[0] == seen[2] == seen[4] != seen[1] == seen[3]
+    # steps 2, 3 and 4 reuse a buffer: each waits for that buffer's previous copy once
+    assert [e.synced for e in _Event.made] == [1, 1, 1, 0, 0]
+
+
+def _runner(path, graphs: bool):
+    backend = TorchBackend(device="cpu", dtype="float32", runner="native", block_size=4)
+    runner = backend.load_model(path, "target", max_model_len=128)
+    backend.plan_memory(128)
+    runner.cuda_graphs = graphs  # on the CPU only with emulated graphs
+    return runner
+
+
+def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_graphs):
+    eager, graphed = _runner(tiny_llama, False), _runner(tiny_llama, True)
+    prompts = {0: [5, 17, 300, 42, 9], 1: [7, 8, 9], 2: list(range(20, 43))}
+    for r in (eager, graphed):
+        r.add_many(list(prompts), list(prompts.values()))
+    gen = torch.Generator().manual_seed(0)
+    chain = [([0, 1, 2], 3, None), ([0, 2], 1, None), ([1], 5, None), ([2, 0, 1], 4, None), ([0, 1], 3, None)]
+    parents = torch.tensor([[-1, -1, 0, 0, 2], [-1, 0, 1, -1, 3], [-1, -1, -1, 1, 1]])
+    trees = [([0, 1, 2], 6, parents), ([1, 2], 6, parents[1:]), ([0, 1, 2], 6, parents.flip(0))]
+    for sids, q, tree_parents in chain + trees + chain:
+        ids = torch.randint(0, eager.vocab_size, (len(sids), q), generator=gen)
+        valid = [q if tree_parents is not None else q - (i % q) for i in range(len(sids))]
+        tree = None if tree_parents is None else TokenTree(tree_parents)
+        a = eager.forward(sids, ids, valid, hidden_layers=(1, -1), tree=tree)
+        b = graphed.forward(sids, ids, valid, hidden_layers=(1, -1), tree=tree)
+        for i, n in enumerate(valid):
+            torch.testing.assert_close(b.logits[i, :n], a.logits[i, :n])
+            for layer in (1, -1):
+                torch.testing.assert_close(b.hidden_states[layer][i, :n], a.hidden_states[layer][i, :n])
+        for i, (sid, n) in enumerate(zip(sids, valid)):  # accept some, roll back the rest
+            keep = eager.length(sid) - n + (i + len(sids)) % (n + 1)
+            eager.truncate(sid, keep)
+            graphed.truncate(sid, keep)
+    assert emulated_graphs and len(graphed._graphs) == len(emulated_graphs) >= 4
+    assert any(key[-1] for key in graphed._graphs)  # tree verify graphs too
+
+
+ARCH = arch_from_config({"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "vocab_size": 61})
+
+
+class _TinyHead(nn.Module):
+    """A one-layer chain head: fc([embed(x_{t+1}); f_t]) -> decoder layer -> logits."""
+
+    num_layers, num_kv_heads, head_dim = 1, ARCH.num_kv_heads, ARCH.head_dim
+
+    def __init__(self):
+        super().__init__()
+        H = ARCH.hidden_size
+        self.embed = nn.Embedding(ARCH.vocab_size, H)
+        self.fc = nn.Linear(2 * H, H)
+        self.layer = HeadDecoderLayer(ARCH)
+        init_layer(self.layer, std=0.2)
+        self.rope = Rope(ARCH)
+        self.lm_head = nn.Linear(H, ARCH.vocab_size, bias=False)
+
+    def features(self, hidden):
+        return hidden[-1]
+
+    def forward(self, feats, tokens, positions, ctx):
+        h = self.fc(torch.cat([self.embed(tokens), feats], dim=-1))
+        cos, sin = self.rope(positions, h.dtype)
+        return self.layer(h, cos, sin, ctx)
+
+    def logits(self, out):
+        return self.lm_head(out)
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic", "static"])
+def test_head_graphs_replay_what_they_compute_eagerly(emulated_graphs, tree):
+    torch.manual_seed(0)
+    head = _TinyHead().eval()
+    spec = {None: None, "dynamic": TreeSpec.dynamic(3, 3, 8),
+            "static": TreeSpec.static([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])}[tree]
+    drafts = []
+    for use_graphs in (False, True):
+        cache = HeadKVCache("head", 1, ARCH.num_kv_heads, ARCH.head_dim, torch.float32, torch.device("cpu"),
+                            max_model_len=256)
+        if spec is None:
+            graphs = HeadDraftGraphs(head, cache, 4, torch.float32, torch.device("cpu"), use_graphs=False)
+        else:
+            graphs = HeadTreeGraphs(head, cache, spec, torch.float32, torch.device("cpu"), use_graphs=False)
+        graphs.use_graphs = use_graphs  # on the CPU only with emulated graphs
+        gen = torch.Generator().manual_seed(1)
+        out, added = [], set()
+        for step, sids in enumerate([[0, 1, 2], [0, 1, 2], [1, 2], [0, 1, 2, 3], [3, 0], [0, 1, 2, 3]]):
+            for sid in set(sids) - added:
+                cache.add(sid)
+                added.add(sid)
+            counts = [1 + (step + i) % graphs.Q for i in range(len(sids))]
+            feats = [torch.randn(n, ARCH.hidden_size, generator=gen) for n in counts]
+            tokens = [torch.randint(0, ARCH.vocab_size, (n,), generator=gen).tolist() for n in counts]
+            out.append(graphs.run(sids, feats, tokens, counts).clone())
+            for i, (sid, n) in enumerate(zip(sids, counts)):  # keep the catch-up, drop the drafts
+                cache.truncate(sid, cache.length(sid) - graphs.extra - i % 2)
+        drafts.append(out)
+    eager, graphed = drafts
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+    assert len(emulated_graphs) >= 2  # batch buckets 4 and 2
