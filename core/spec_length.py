@@ -30,12 +30,15 @@ single token, so a request whose drafts became good is noticed again.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Mapping, Sequence as Seq
 
 import attrs
 
 from speculum.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 
@@ -341,6 +344,9 @@ class AutoLength(FixedLength):
             self._zero_steps, self._probe_gap = 0, self.probe_every
         return k
 
+    #: every how many choices the policy logs what it sees (INFO; the server shows INFO)
+    log_every = 256
+
     def _choose(self, seqs) -> int:
         if not any(s.speculative and s.max_k != 0 for s in seqs):
             return 0
@@ -349,7 +355,23 @@ class AutoLength(FixedLength):
         best = max(range(len(rates)), key=lambda k: rates[k])
         if best > 0 and rates[best] < rates[0] * (1 + self.margin):
             best = 0
+        self._choices = getattr(self, "_choices", 0) + 1
+        if self._choices % self.log_every == 1:
+            self._log_choice(seqs, rates, best)
         return best
+
+    def _log_choice(self, seqs, rates, best: int) -> None:
+        """What a choice was made from: predicted tokens/s per k, the estimates behind them."""
+        B, key = len(seqs), _bucket(len(seqs))
+        prior = self.global_acceptance.estimate(self.prior)
+        a = sum(s.acceptance.estimate(prior) for s in seqs) / B
+        u = sum(s.acceptance.availability(self.global_acceptance.availability()) for s in seqs) / B
+        o = self._other.get(key)
+        drafting = {k: round(1e3 * e.value, 3) for (b, k), e in sorted(self._draft.items()) if b == key and e.value}
+        log.info("auto (choice %d): batch %d -> k=%d; predicted tok/s by k %s; mean acceptance %.2f, availability "
+                 "%.2f; verify ms by k %s; other %.3f ms; drafting ms by k %s", self._choices, B, best,
+                 [round(r, 1) for r in rates], a, u, [round(1e3 * v, 3) for v in self._verify(B)],
+                 1e3 * (o.value or 0.0) if o else 0.0, drafting)
 
     def _could_pay(self, seqs) -> bool:
         """Whether speculation would win at a high acceptance (then a probe is worth it)."""
