@@ -303,3 +303,29 @@ def test_penalties_that_ignore_the_drafts_are_caught(tiny_llama, monkeypatch):
     p = LAWS["penalties"]
     assert pvalue(sample_pairs(llm, p), exact_law(tiny_llama, p)) < ALPHA
     assert llm.metrics.num_accepted_tokens > 0
+
+
+def test_logprobs_and_processors_with_a_token_tree(engines, tiny_llama, tmp_path):
+    """Under a tree config logprobs are read along the accepted path (equal to those
+    without speculation), and a request with a logits processor decodes without drafts
+    (its output equals the base engine's)."""
+    import importlib.util
+    from speculum.testing import train_tiny
+    if importlib.util.find_spec("speculum_eagle") is None:
+        pytest.skip("trees are drafted by head methods: speculum-eagle is not installed")
+    head = train_tiny("eagle", tiny_llama, tmp_path)
+    llm = LLM(str(tiny_llama), {"method": "eagle", "model": str(head), "tree_topk": 2, "tree_depth": 3,
+                                "num_draft_tokens": 6}, **ENGINE)
+    p = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": q} for q in (PROMPT, [5, 6, 7], [30, 31, 32, 30, 31], [10, 11, 12, 13] * 3)]
+    wants = engines["base"].generate(prompts, p)
+    gots = llm.generate(prompts, p)
+    assert sum(g.metrics.num_accepted_tokens for g in gots) > 0  # paths deeper than the root were taken
+    for want, got in zip(wants, gots):
+        assert got.token_ids == want.token_ids
+        for x, y in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+            assert list(x) == list(y) and all(abs(x[t].logprob - y[t].logprob) <= 1e-5 for t in x)
+    pen = GREEDY_CASES["penalties"]
+    out = llm.generate({"prompt_token_ids": PROMPT}, pen)[0]
+    assert out.token_ids == engines["base"].generate({"prompt_token_ids": PROMPT}, pen)[0].token_ids
+    assert out.metrics.num_draft_tokens == 0
