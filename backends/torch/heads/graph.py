@@ -105,20 +105,27 @@ class HeadDraftGraphs:
                 dpos[b], dwsl[b] = p[n:], slot[n:]
         return np.concatenate([a.reshape(-1) for a in (ctoks, cpos, cwsl, last, dpos, dwsl, blk)])
 
-    def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
-        """The static function: features x [Bb, Q, H] and metadata -> draft ids [Bb, k]."""
-        Q, k, bs = self.Q, self.k, self.cache.allocator.block_size
-        D = max(k - 1, 1)
+    def _catch_up(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int, D: int):
+        """The part every static function shares: unpack the metadata (see ``_meta``) and
+        run the head over the pending features. Returns (the head's states at each row's
+        last pending position [Bb, H], its position [Bb], the draft positions and write
+        slots [Bb, D] each, the KV positions to read [Bb, nb * block], their key index)."""
+        Q, bs = self.Q, self.cache.allocator.block_size
         sizes = [Bb * Q, Bb * Q, Bb * Q, Bb, Bb * D, Bb * D, Bb * nb]
         ctoks, cpos, cwsl, last, dpos, dwsl, blk = meta.split(sizes)
         ctoks, cpos, cwsl = ctoks.view(Bb, Q), cpos.view(Bb, Q), cwsl.view(Bb, Q)
         dpos, dwsl, blk = dpos.view(Bb, D), dwsl.view(Bb, D), blk.view(Bb, nb)
         read = (blk.unsqueeze(-1) * bs + torch.arange(bs, device=meta.device)).reshape(Bb, -1)
         keys = torch.arange(read.shape[1], device=meta.device).view(1, 1, 1, -1)
-        pools, head = self.cache.pools, self.head
-        ctx = PagedContext(pools, cwsl, read, keys <= cpos.unsqueeze(1).unsqueeze(-1))
-        out = head(x, ctoks, cpos, ctx)
-        h = out[torch.arange(Bb, device=meta.device), last]  # [Bb, H]
+        ctx = PagedContext(self.cache.pools, cwsl, read, keys <= cpos.unsqueeze(1).unsqueeze(-1))
+        out = self.head(x, ctoks, cpos, ctx)
+        rows = torch.arange(Bb, device=meta.device)
+        return out[rows, last], cpos[rows, last], dpos, dwsl, read, keys
+
+    def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
+        """The static function: features x [Bb, Q, H] and metadata -> draft ids [Bb, k]."""
+        k, pools, head = self.k, self.cache.pools, self.head
+        h, _, dpos, dwsl, read, keys = self._catch_up(x, meta, Bb, nb, max(k - 1, 1))
         drafts = []
         for i in range(k):
             tok = greedy_tokens(head, h)
@@ -224,18 +231,9 @@ class HeadTreeGraphs(HeadDraftGraphs):
         self.plan = StaticPlan(tree, self.device) if tree.is_static else None
 
     def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
-        Q, bs, N = self.Q, self.cache.allocator.block_size, self.tree.num_nodes
-        D = max(self.extra, 1)
-        sizes = [Bb * Q, Bb * Q, Bb * Q, Bb, Bb * D, Bb * D, Bb * nb]
-        ctoks, cpos, cwsl, last, rpos, rwsl, blk = meta.split(sizes)
-        ctoks, cpos, cwsl = ctoks.view(Bb, Q), cpos.view(Bb, Q), cwsl.view(Bb, Q)
-        rpos, rwsl, blk = rpos.view(Bb, D), rwsl.view(Bb, D), blk.view(Bb, nb)
-        read = (blk.unsqueeze(-1) * bs + torch.arange(bs, device=meta.device)).reshape(Bb, -1)
-        keys = torch.arange(read.shape[1], device=meta.device).view(1, 1, 1, -1)
-        ctx = PagedContext(self.cache.pools, cwsl, read, keys <= cpos.unsqueeze(1).unsqueeze(-1))
-        out = self.head(x, ctoks, cpos, ctx)
-        rows = torch.arange(Bb, device=meta.device)
-        ex = HeadExpander(self.head, self.cache.pools, read, out[rows, last], cpos[rows, last], rpos[:, 0], rwsl)
+        N = self.tree.num_nodes
+        h, pos, rpos, rwsl, read, _ = self._catch_up(x, meta, Bb, nb, max(self.extra, 1))
+        ex = HeadExpander(self.head, self.cache.pools, read, h, pos, rpos[:, 0], rwsl)
         tokens, parents = draft_tree(ex, self.tree, self.plan)
         anc = tree_ancestors(parents)
         return torch.cat([tokens, parents, anc.sum(-1), anc.reshape(Bb, N * N).to(torch.int64)], dim=1)
