@@ -125,14 +125,23 @@ class Acceptance:
     asked: float = 0.0
     offered: float = 0.0
 
-    def update(self, asked: int, drafted: int, accepted: int, decay: float) -> None:
+    def update(self, asked: int, drafted: int, accepted: int, decay: float, availability_decay: float | None = None) -> None:
         if asked <= 0:
             return
-        self.asked = decay * self.asked + 1
-        self.offered = decay * self.offered + (drafted > 0)
+        ad = decay if availability_decay is None else availability_decay
+        self.asked = ad * self.asked + 1
+        self.offered = ad * self.offered + (drafted > 0)
         if drafted > 0:
             self.successes = decay * self.successes + accepted
             self.trials = decay * self.trials + accepted + (1 if accepted < asked else 0)
+
+    def forget(self, factor: float) -> None:
+        """Age the evidence (steps without drafts teach nothing, so what was learned
+        before weighs less and the estimates drift back to their priors)."""
+        self.successes *= factor
+        self.trials *= factor
+        self.asked *= factor
+        self.offered *= factor
 
     def estimate(self, prior: float, prior_weight: float = 2.0) -> float:
         """Per-token acceptance ``a`` (``prior`` weighs as ``prior_weight`` positions)."""
@@ -158,6 +167,10 @@ class FixedLength:
 
     kind = "fixed"
     decay = 0.8  # per drafting step, a request's acceptance EMA
+    #: per drafting step, a request's availability EMA: slower, since whether a proposer
+    #: finds anything (n-gram lookup) comes and goes within a text, and a run of misses
+    #: at the start of an answer must not switch speculation off for the rest of it
+    availability_decay = 0.97
 
     def __init__(self, max_k: int):
         self.max_k = max_k
@@ -240,7 +253,7 @@ class AutoLength(FixedLength):
 
     # -- what each step teaches -----------------------------------------------------------
     def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
-        seq.acceptance.update(asked, drafted, accepted, self.decay)
+        seq.acceptance.update(asked, drafted, accepted, self.decay, self.availability_decay)
         self.global_acceptance.update(asked, drafted, accepted, self.global_decay)
 
     def observe_step(self, batch_size: int, k: int, q: int, draft_seconds: float | None,
@@ -335,6 +348,10 @@ class AutoLength(FixedLength):
             self._last_k = self._choose(seqs)
         k = self._last_k
         if k == 0:
+            # a request's estimates age while it drafts nothing: a run of misses (n-gram
+            # lookup at the start of an answer) does not switch it off for good
+            for s in seqs:
+                s.acceptance.forget(self.availability_decay)
             self._zero_steps += 1
             if self._zero_steps >= self._probe_gap and self._could_pay(seqs):
                 # probe; if the drafts stay poor, wait twice as long for the next one

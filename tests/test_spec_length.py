@@ -397,3 +397,21 @@ def test_a_per_step_drafting_cost_is_not_multiplied_by_k():
     assert auto.draft_seconds(1, 4) == 0.0008 and auto.draft_seconds(1, 2) == 0.0002  # nearest: k = 1
     assert auto.draft_seconds(1, 3) == 0.0008  # nearest measured (4), never divided
     assert auto.draft_seconds(16, 4) == 0.0  # another batch bucket: nothing measured yet
+
+
+def test_a_run_of_misses_does_not_switch_a_request_off_for_good():
+    """n-gram lookup finds nothing at the start of an answer: the request goes to k = 0,
+    its evidence ages while it drafts nothing, and it is asked again later."""
+    auto = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.6 * (q > 1))))
+    for k in range(1, 5):
+        auto.observe_step(1, k, k + 1, 0.002, None)  # drafting costs a fifth of a step
+    auto.global_acceptance = Acceptance(successes=60.0, trials=100.0, asked=100.0, offered=60.0)  # u 0.6, a 0.6
+    s = _Seq(0.6)
+    s.acceptance = Acceptance()
+    for _ in range(20):
+        auto.observe_acceptance(s, 4, 0, 0)  # twenty misses in a row
+    assert auto.choose([s]) == 0
+    ks = [auto.choose([s]) for _ in range(200)]
+    # a choice, not a probe (probes draft one token): the aged evidence lets the prior speak
+    first = next((i for i, k in enumerate(ks) if k >= 2), None)
+    assert first is not None and 4 <= first <= 120, (first, ks[:40])
