@@ -117,9 +117,7 @@ class JaxBackend:
             raise
         except Exception as exc:
             raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
-        limit = max_model_len or arch.max_position_embeddings
-        if role == "target":  # a draft may be asked for a few positions past the context
-            limit = min(limit, arch.max_position_embeddings)
+        limit = arch.context_limit(role, max_model_len)
         runner = JaxRunner(params, arch, self.jax_device, self.jax_dtype, name=role, max_model_len=limit,
                            prefill_chunk=self.prefill_chunk)
         log.info("%s model %s: jax %s runner (paged KV), %s on %s", role, Path(path).name, arch.model_type,

@@ -95,9 +95,7 @@ class TorchBackend:
                 raise
             except Exception as exc:
                 raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
-            limit = max_model_len or arch.max_position_embeddings
-            if role == "target":  # a draft may be asked for a few positions past the context
-                limit = min(limit, arch.max_position_embeddings)
+            limit = arch.context_limit(role, max_model_len)
             runner = NativeRunner(model, name=role, max_model_len=limit, cuda_graphs=self.cuda_graphs)
             log.info("%s model %s: native %s runner (paged KV%s), %s on %s", role, Path(path).name, arch.model_type,
                      ", CUDA graphs" if runner.cuda_graphs else "", str(self.dtype).replace("torch.", ""), self.device)

@@ -29,6 +29,13 @@ class LlamaArch:
     max_position_embeddings: int
     eos_token_id: int | list | None
 
+    def context_limit(self, role: str, max_model_len: int | None) -> int:
+        """The longest sequence a runner of this model serves: ``max_model_len`` or the
+        model's own; a target never past its position embeddings (a draft may be asked
+        for a few positions past the context)."""
+        limit = max_model_len or self.max_position_embeddings
+        return min(limit, self.max_position_embeddings) if role == "target" else limit
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Elements of K and V per token over all layers (times the dtype size = bytes)."""
