@@ -273,6 +273,24 @@ def tight_kv_options(bytes_per_token: int, tokens: int, block_size: int = 4) -> 
     return dict(block_size=block_size, kv_cache_memory=bytes_per_token * tokens)
 
 
+def assert_tree_greedy_lossless_under_preemption(target, spec: dict, bytes_per_token: int, tokens: int = 160):
+    """Six 20-token prompts x 40 greedy tokens with a KV budget of about ``tokens`` tokens
+    (``bytes_per_token`` for all cache groups together, fp32 on the CPU): sequences are
+    preempted and recomputed, and the tree output still equals output without speculation."""
+    import torch
+    from speculum.engine import LLM
+    from speculum.sampling import SamplingParams
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = assert_tree_greedy_lossless(
+        lambda sp_, **kw: LLM(str(target), sp_, device="cpu", dtype="float32", max_model_len=96,
+                              **{"kv_cache_memory": 16 << 20, **kw}), spec, prompts, sp, max_num_seqs=6,
+        **tight_kv_options(bytes_per_token, tokens))
+    assert llm.num_preemptions > 0, "the budget was meant to force preemption"
+    return llm
+
+
 def assert_tree_greedy_lossless(make_llm, spec: dict, prompts, params, max_num_seqs: int = 2, **kw):
     """Greedy output with the tree config ``spec`` equals output without speculation
     (``make_llm(spec, **kw)`` builds an engine), trees were verified, and some of their

@@ -19,8 +19,8 @@ from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
-                              assert_tree_greedy_lossless, assert_trees_follow_reference, record_drafts, record_trees,
-                              tight_kv_options, tiny_model_dir, train_tiny)
+                              assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_drafts, record_trees,
+                              tiny_model_dir, train_tiny)
 from speculum_eagle.formats import (default_aux_ids, detect, eagle1_state, eagle3_state, load_eagle1, load_eagle3,
                                     save_eagle1, save_eagle3)
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -289,16 +289,9 @@ def test_tree_greedy_output_is_identical_to_no_speculation(target, trained, runn
 def test_tree_greedy_lossless_under_preemption(target, trained, method, tree):
     """A KV budget of ~2.5 sequences for 6 requests: sequences are preempted and
     recomputed; output is still identical."""
-    g = torch.Generator().manual_seed(2)
-    prompts = [{"prompt_token_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     spec = {"method": method, "model": str(trained[method]), **TREE_CONFIGS[tree]}
     # target 4 layers + head 1 layer, K and V, 2 heads x 16 dims, fp32: 1280 bytes per token
-    tight = tight_kv_options(1280, 160)
-    llm = assert_tree_greedy_lossless(
-        lambda sp_, **kw: LLM(str(target), sp_, device="cpu", dtype="float32", max_model_len=96,
-                              **{"kv_cache_memory": 16 << 20, **kw}), spec, prompts, sp, max_num_seqs=6, **tight)
-    assert llm.num_preemptions > 0, "the budget was meant to force preemption"
+    assert_tree_greedy_lossless_under_preemption(target, spec, 1280)
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "static"])

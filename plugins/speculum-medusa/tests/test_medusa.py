@@ -14,8 +14,8 @@ from speculum.interfaces import ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.proposers.tree import topk_logprobs
-from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_trees_follow_reference,
-                              record_drafts, record_trees, tight_kv_options, tiny_model_dir, train_tiny)
+from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
+                              record_drafts, record_trees, tiny_model_dir, train_tiny)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import detect, load_medusa, medusa_state, save_medusa
 
@@ -165,16 +165,9 @@ def test_tree_greedy_output_is_identical_to_no_speculation(target, trained, runn
 
 
 def test_tree_greedy_lossless_under_preemption(target, trained):
-    g = torch.Generator().manual_seed(2)
-    prompts = [{"prompt_token_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     spec = {"method": "medusa", "model": str(trained), **TREE_CONFIGS["static"]}
     # target 2 layers, K and V, 2 heads x 16 dims, fp32: 512 bytes per token (no draft cache)
-    llm = assert_tree_greedy_lossless(
-        lambda sp_, **kw: LLM(str(target), sp_, device="cpu", dtype="float32", max_model_len=96,
-                              **{"kv_cache_memory": 16 << 20, **kw}), spec, prompts, sp, max_num_seqs=6,
-        **tight_kv_options(512, 160))
-    assert llm.num_preemptions > 0, "the budget was meant to force preemption"
+    assert_tree_greedy_lossless_under_preemption(target, spec, 512)
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
