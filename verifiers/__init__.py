@@ -3,8 +3,8 @@
 Building blocks for verifier plugins: :func:`verify_sampled` (run a rule on the processed
 target distribution, greedy rows by argmax), :class:`RowNoise` (per-row acceptance and
 sampling noise), :func:`greedy_verify`, :func:`rejection_sample`, :func:`block_verify`;
-for token trees :func:`tree_greedy_verify`, :func:`tree_rejection_sample` and
-:func:`path_verdict` (a tree rule's accepted path as a :class:`~speculum.Verdict`).
+for token trees :func:`verify_tree_sampled` (the same for a tree rule),
+:func:`tree_greedy_verify`, :func:`tree_rejection_sample` and :func:`path_verdict` (a tree rule's accepted path as a :class:`~speculum.Verdict`).
 """
 
 from speculum.hooks import hookimpl
@@ -13,11 +13,11 @@ from speculum.verifiers.greedy import GreedyVerifier, greedy_verify
 from speculum.verifiers.noise import RowNoise, race
 from speculum.verifiers.rejection import RejectionSampler, rejection_sample
 from speculum.verifiers.sampled import verify_sampled
-from speculum.verifiers.tree import path_verdict, tree_greedy_verify, tree_rejection_sample
+from speculum.verifiers.tree import path_verdict, tree_greedy_verify, tree_rejection_sample, verify_tree_sampled
 
 __all__ = ["BlockVerifier", "GreedyVerifier", "RejectionSampler", "RowNoise", "block_verify", "block_weights",
            "greedy_verify", "path_verdict", "race", "rejection_sample", "tree_greedy_verify", "tree_rejection_sample",
-           "verify_sampled"]
+           "verify_sampled", "verify_tree_sampled"]
 
 
 @hookimpl

@@ -151,10 +151,11 @@ def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: to
     return path_verdict(token_ids.to(dev) if N else p.new_zeros(B, 0, dtype=torch.int64), path, num_accepted, last)
 
 
-def verify_tree(target_logits: torch.Tensor, draft, sampling) -> Verdict:
-    """What :class:`~speculum.verifiers.RejectionSampler` does for a tree draft: greedy
-    rows take the argmax path, sampled rows recursive rejection sampling over siblings
-    (target and draft distributions processed alike: temperature, top-k, top-p)."""
+def verify_tree_sampled(rule, target_logits: torch.Tensor, draft, sampling) -> Verdict:
+    """Verify a tree draft with ``rule(p, q, token_ids, tree, generators) -> Verdict`` on
+    the processed target distribution (temperature, top-k, top-p, as the draft's were);
+    greedy rows take the argmax path, and an all-greedy step never builds ``p``. The
+    tree counterpart of :func:`speculum.verifiers.verify_sampled`."""
     from speculum.sampling import processed_probs
     tree = draft.tree
     if sampling.all_greedy:
@@ -163,7 +164,7 @@ def verify_tree(target_logits: torch.Tensor, draft, sampling) -> Verdict:
     p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
     ids = draft.token_ids.to(p.device)
     probs = draft.probs.to(p.device) if draft.probs is not None else None
-    verdict = tree_rejection_sample(p, probs, ids, tree, sampling.generators)
+    verdict = rule(p, probs, ids, tree, sampling.generators)
     greedy_rows = sampling.temperature == 0
     if flags[2] if flags is not None else bool(greedy_rows.any()):
         g = tree_greedy_verify(target_logits, ids, tree)
@@ -172,3 +173,9 @@ def verify_tree(target_logits: torch.Tensor, draft, sampling) -> Verdict:
                           num_accepted=torch.where(greedy_rows, g.num_accepted, verdict.num_accepted),
                           path=torch.where(gr, g.path, verdict.path))
     return verdict
+
+
+def verify_tree(target_logits: torch.Tensor, draft, sampling) -> Verdict:
+    """What :class:`~speculum.verifiers.RejectionSampler` does for a tree draft: greedy
+    rows take the argmax path, sampled rows recursive rejection sampling over siblings."""
+    return verify_tree_sampled(tree_rejection_sample, target_logits, draft, sampling)

@@ -9,7 +9,7 @@ import torch
 
 from speculum.interfaces import Draft, Verdict
 from speculum.sampling import SamplingBatch
-from speculum.verifiers import tree_greedy_verify, verify_sampled
+from speculum.verifiers import verify_sampled, verify_tree_sampled
 from speculum_typical_acceptance.rule import typical_accept, typical_accept_tree
 
 
@@ -49,32 +49,20 @@ class TypicalAcceptanceVerifier:
         o = self.options
         self._rule = functools.partial(_rule, posterior_threshold=o.posterior_threshold,
                                        posterior_alpha=o.posterior_alpha)
+        self._tree_rule = functools.partial(_tree_rule, posterior_threshold=o.posterior_threshold,
+                                            posterior_alpha=o.posterior_alpha)
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
-        if draft.tree is not None:
-            return self._verify_tree(target_logits, draft, sampling)
+        if draft.tree is not None:  # greedy rows take the argmax path (the rule at temperature 0)
+            return verify_tree_sampled(self._tree_rule, target_logits, draft, sampling)
         return verify_sampled(self._rule, target_logits, draft, sampling)
-
-    def _verify_tree(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
-        """Greedy rows take the argmax path (what the rule is at temperature 0)."""
-        from speculum.sampling import processed_probs
-        if sampling.all_greedy:
-            return tree_greedy_verify(target_logits, draft.token_ids, draft.tree)
-        flags = sampling.flags(target_logits.shape[-1])
-        p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
-        o = self.options
-        verdict = typical_accept_tree(p, draft.token_ids, draft.tree, sampling.generators,
-                                      o.posterior_threshold, o.posterior_alpha)
-        greedy_rows = sampling.temperature == 0
-        if bool(greedy_rows.any()):
-            g = tree_greedy_verify(target_logits, draft.token_ids, draft.tree)
-            gr = greedy_rows.view(-1, 1).to(p.device)
-            verdict = Verdict(token_ids=torch.where(gr, g.token_ids, verdict.token_ids),
-                              num_accepted=torch.where(greedy_rows.to(p.device), g.num_accepted, verdict.num_accepted),
-                              path=torch.where(gr, g.path, verdict.path))
-        return verdict
 
 
 def _rule(p, q, draft_ids, generators, posterior_threshold, posterior_alpha) -> Verdict:
     """``speculum.verifiers.verify_sampled`` rule signature; the draft's ``q`` is unused."""
     return typical_accept(p, draft_ids, generators, posterior_threshold, posterior_alpha)
+
+
+def _tree_rule(p, q, token_ids, tree, generators, posterior_threshold, posterior_alpha) -> Verdict:
+    """``speculum.verifiers.verify_tree_sampled`` rule signature; ``q`` is unused."""
+    return typical_accept_tree(p, token_ids, tree, generators, posterior_threshold, posterior_alpha)
