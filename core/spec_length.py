@@ -250,6 +250,7 @@ class AutoLength(FixedLength):
         self._since, self._last_batch, self._last_k = 0, -1, None
         #: the last choice's predicted tokens/s per k (for logs and tests)
         self.last_rates: list[float] = []
+        self._choices = 0
 
     # -- what each step teaches -----------------------------------------------------------
     def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
@@ -372,7 +373,7 @@ class AutoLength(FixedLength):
         best = max(range(len(rates)), key=lambda k: rates[k])
         if best > 0 and rates[best] < rates[0] * (1 + self.margin):
             best = 0
-        self._choices = getattr(self, "_choices", 0) + 1
+        self._choices += 1
         if self._choices % self.log_every == 1:
             self._log_choice(seqs, rates, best)
         return best
@@ -411,7 +412,8 @@ class TreeAutoLength(AutoLength):
     probe_accepted = 2.0   # what a probe step hopes for
 
     def observe_acceptance(self, seq, asked: int, drafted: int, accepted: int) -> None:
-        # Acceptance.successes / .asked: accepted nodes per tree step (steps that drafted)
+        # accepted nodes per tree step = successes / offered: one decay for both (the
+        # chain policy averages availability more slowly than acceptance)
         seq.acceptance.update(asked, drafted, accepted, self.decay)
         self.global_acceptance.update(asked, drafted, accepted, self.global_decay)
 
