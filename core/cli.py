@@ -85,6 +85,15 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of GPU memory the engine may use (default 0.9)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    add_batch_invariant_arg(g)
+
+
+def add_batch_invariant_arg(p) -> None:
+    """``--batch-invariant``: the one definition of the flag, for every command that builds an engine."""
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the target's kernels compute every token the same way whatever the batch, so greedy "
+                        "output with speculation equals output without it bit for bit, also in bf16 on a GPU "
+                        "(slower; chains only, no token trees) (default: off)")
 
 
 def engine_options(args) -> dict:
@@ -95,6 +104,8 @@ def engine_options(args) -> dict:
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.enforce_eager:
         opts["cuda_graphs"] = False
+    if args.batch_invariant:
+        opts["batch_invariant"] = True
     return opts
 
 

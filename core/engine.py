@@ -99,8 +99,8 @@ class LLM:
             k = spec_cfg.num_speculative_tokens
             if isinstance(proposer, HiddenStateProposer):
                 hidden_layers = tuple(proposer.hidden_layers)
-        else:
-            verifier_name = "rejection_sampler"
+        else:  # no drafts: both sample the target; keyed noise makes seeded batch-invariant runs reproducible
+            verifier_name = "exact_match" if getattr(self.backend, "batch_invariant", False) else "rejection_sampler"
         tree = spec_cfg.tree if spec_cfg is not None else None
         #: KV positions a step may add per sequence beyond its tokens, in every cache group
         #: (a tree's draft head may write more than the k nodes the target does)
@@ -224,7 +224,8 @@ class LLM:
                 if seed is None:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
                 gen = make_generator(seed, self.target.device)
-            seq = Sequence(request_id, next(self._ids), text, ids, p, gen, self.max_model_len, index=i, rules=rules)
+            seq = Sequence(request_id, next(self._ids), text, ids, p, gen, self.max_model_len, index=i, rules=rules,
+                           seed=seed if gen is not None else None)
             seq.metrics.lossless = self.verifier_spec.lossless
             # per-request control: speculative=False or num_speculative_tokens=0 runs without drafts
             seq.max_k = min(p.num_speculative_tokens, self.k) if p.num_speculative_tokens is not None else None

@@ -147,7 +147,8 @@ class DraftVerifyLoop:
         t_start = time.perf_counter()
         sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], self.target.device,
                                              histories=[(s.token_ids, s.num_prompt_tokens) for s in seqs],
-                                             rules=[s.rules for s in seqs], needs=any(s.processed for s in seqs))
+                                             rules=[s.rules for s in seqs], needs=any(s.processed for s in seqs),
+                                             keys=[(s.seed or 0, len(s.token_ids)) for s in seqs])
         k_step = min(self.length.choose(seqs), self.k) if self.k else 0
         if k_step and self.trees:  # a tree is drafted whole or not at all (the node budget is fixed)
             k_step = self.k

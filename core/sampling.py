@@ -180,21 +180,30 @@ class SamplingBatch:
         self.needs_processing = (any(needs_processing(p, r) for p, r in zip(self.params, self.rules))
                                  if needs is None else needs)
         self._logits_rules = None
+        #: per row (noise seed, position of the first token this step samples), or None:
+        #: what noise keyed by position reads (``speculum.verifiers.noise.keyed_exponentials``)
+        self.keys: list[tuple[int, int]] | None = None
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                     device: torch.device | str = "cpu", histories: Sequence[tuple[Sequence[int], int]] | None = None,
-                    rules: Sequence[TokenRules] | None = None, needs: bool | None = None) -> "SamplingBatch":
+                    rules: Sequence[TokenRules] | None = None, needs: bool | None = None,
+                    keys: Sequence[tuple[int, int]] | None = None) -> "SamplingBatch":
         """``needs``: whether any row needs :meth:`process_logits`, when the caller knows
-        (the loop does, per sequence); None works it out from the parameters."""
-        return cls(params, generators, device, histories, rules, needs)
+        (the loop does, per sequence); None works it out from the parameters. ``keys``:
+        per row (seed, position of the next token), for noise keyed by position."""
+        batch = cls(params, generators, device, histories, rules, needs)
+        batch.keys = list(keys) if keys is not None else None
+        return batch
 
     def select(self, rows: Sequence[int]) -> "SamplingBatch":
         """The batch of the given rows only (a proposer's subset), histories included."""
         gens = self.generators if isinstance(self.generators, torch.Generator) else [self.generators[b] for b in rows]
-        return SamplingBatch([self.params[b] for b in rows], gens, self.device,
-                             [self.histories[b] for b in rows] if self.histories is not None else None,
-                             [self.rules[b] for b in rows])
+        batch = SamplingBatch([self.params[b] for b in rows], gens, self.device,
+                              [self.histories[b] for b in rows] if self.histories is not None else None,
+                              [self.rules[b] for b in rows])
+        batch.keys = [self.keys[b] for b in rows] if self.keys is not None else None
+        return batch
 
     def process_logits(self, logits: torch.Tensor, new_tokens: torch.Tensor | None = None, offset: int = 0,
                        rows: Sequence[int] | None = None) -> torch.Tensor:

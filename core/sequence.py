@@ -45,6 +45,8 @@ class Sequence:
     prompt_logprobs: list | None = None
     #: index of this sample among its request's n / best_of samples
     index: int = 0
+    #: the seed of its sampling noise (the request's, or drawn by the engine); None when greedy
+    seed: int | None = None
     #: whether its logits go through speculum.logits_process (set from params and rules)
     processed: bool = attrs.field(init=False, default=False)
     text: str | None = None

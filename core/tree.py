@@ -349,5 +349,6 @@ def check_tree_support(spec: TreeSpec, method: str, proposer: Any, verifier: Any
             (f"verifier {verifier_name!r}", verifier, "use acceptance_method 'rejection_sampler' or 'greedy'"),
             (f"the {type(target).__name__} runner", target, "use the torch backend's native or hf runner")):
         if not getattr(obj, "supports_trees", False):
+            fix = getattr(obj, "tree_fix", None) or fix  # an object may say why and what to do
             raise ConfigError(f"the speculative config asks for a {spec.describe()}, but {what} does not "
                               f"handle token trees; {fix}")

@@ -306,7 +306,7 @@ def test_third_party_verifier(tiny_llama, baseline):
     reg = llm.registry
     assert reg.verifiers["counting_greedy"].lossless and not reg.verifiers["sloppy"].lossless
     assert reg.verifiers["counting_greedy"].plugin.name == "VerifierPlugin"
-    with pytest.raises(ConfigError, match="installed verifiers: block, counting_greedy, greedy, greedy_jax, "
+    with pytest.raises(ConfigError, match="installed verifiers: block, counting_greedy, exact_match, greedy, greedy_jax, "
                                           "rejection_sampler, rejection_sampler_jax, sloppy"):
         reg.verifier("nope")
 
@@ -365,7 +365,7 @@ def test_disable_ngram(monkeypatch, tiny_llama):
     with pytest.raises(ConfigError, match=r"installed methods: \(none\)"):
         reg.method("ngram", "torch")
     # the built-ins only (verifier plugins such as typical_acceptance are entry points)
-    assert reg.verifiers.keys() == {"rejection_sampler", "block", "greedy", "rejection_sampler_jax", "greedy_jax"}
+    assert reg.verifiers.keys() == {"rejection_sampler", "block", "exact_match", "greedy", "rejection_sampler_jax", "greedy_jax"}
     # built-ins can be disabled by module name too (and then are missing)
     monkeypatch.setenv("SPECULUM_DISABLE_PLUGINS", ",".join(["speculum.verifiers", *sorted(every)]))
     assert set(build_registry().verifiers) == {"rejection_sampler_jax", "greedy_jax"}  # the JAX backend's

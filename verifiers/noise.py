@@ -79,3 +79,40 @@ def race(dist: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     The exponential race: ``argmax(dist / e)`` is distributed as ``dist / dist.sum()``.
     """
     return (dist / e).argmax(dim=-1)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser on int64 tensors holding values < 2**32 (multipliers
+    below 2**31, so no product leaves int64)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x297A2D39) & _M32
+    return x ^ (x >> 15)
+
+
+def keyed_exponentials(seeds: torch.Tensor, positions: torch.Tensor, n: int, V: int) -> torch.Tensor:
+    """[B, n, V] Exp(1) noise where entry (b, j, v) depends on (seeds[b], positions[b] + j, v) only.
+
+    Noise keyed by position instead of drawn from a stream: the token sampled at a
+    position does not depend on how many draws came before it (how many drafts were
+    verified, whether speculation was on), so with batch-invariant logits a seeded
+    request samples the same tokens with and without speculation when drafts are
+    checked by exact match (:mod:`speculum.verifiers.exact`). Counter-based, like
+    Philox: a hash of (seed, position, token id), 24 bits to a uniform in (0, 1).
+    """
+    dev = positions.device
+    seeds = seeds.to(dev, torch.int64)
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    pos = positions.to(torch.int64).view(-1, 1) + torch.arange(n, device=dev).view(1, n)  # [B, n]
+    row = _mix32(_mix32(lo) ^ hi)
+    row = _mix32(row.view(-1, 1) ^ (pos & _M32))  # [B, n]
+    v = torch.arange(V, device=dev, dtype=torch.int64)
+    h = _mix32((row.unsqueeze(-1) * 0x01000193 + v) & _M32)  # [B, n, V]
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)

@@ -51,13 +51,18 @@ class TorchBackend:
 
     ``runner``: ``auto`` (native for the Llama family, transformers otherwise), ``native``
     or ``hf``. ``cuda_graphs``: capture decode/verify steps (CUDA only).
+    ``batch_invariant``: the target computes every token's row the same way whatever the
+    batch and the number of query tokens (:mod:`speculum.backends.torch.native.invariant`),
+    so greedy output with speculation equals output without it bit for bit, in any dtype.
+    Drafts keep the fast kernels: the target decides every token.
     """
 
     name = "torch"
 
     def __init__(self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  runner: str | None = None, cuda_graphs: bool = True, block_size: int = 16,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9):
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 batch_invariant: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.runner_kind = runner or os.environ.get("SPECULUM_RUNNER", "auto")
@@ -66,6 +71,12 @@ class TorchBackend:
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.cuda_graphs = cuda_graphs
+        if not isinstance(batch_invariant, bool):
+            raise ConfigError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
+        if batch_invariant and self.runner_kind == "hf":
+            raise ConfigError("batch_invariant needs the native runner (its kernels are the invariant ones); "
+                              "use runner='auto' or 'native'")
         self.block_size = block_size
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -86,19 +97,24 @@ class TorchBackend:
         arch, why = (None, "runner=hf asked for") if self.runner_kind == "hf" else read_arch(path, num_layers, max_model_len)
         if arch is None and self.runner_kind == "native":
             raise ConfigError(f"runner='native' cannot serve {path}: {why}; use runner='auto' or 'hf'")
+        invariant = self.batch_invariant and role == "target"
+        if arch is None and invariant:
+            raise ConfigError(f"batch_invariant needs the native runner, which cannot serve {path}: {why}; "
+                              "leave batch_invariant off for this model")
         if arch is not None:
             from speculum.backends.torch.native.runner import NativeRunner
             from speculum.backends.torch.native.weights import build_native
             try:
-                model = build_native(path, arch, self.dtype, self.device)
+                model = build_native(path, arch, self.dtype, self.device).set_batch_invariant(invariant)
             except ModelLoadError:
                 raise
             except Exception as exc:
                 raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
             limit = arch.context_limit(role, max_model_len)
             runner = NativeRunner(model, name=role, max_model_len=limit, cuda_graphs=self.cuda_graphs)
-            log.info("%s model %s: native %s runner (paged KV%s), %s on %s", role, Path(path).name, arch.model_type,
-                     ", CUDA graphs" if runner.cuda_graphs else "", str(self.dtype).replace("torch.", ""), self.device)
+            log.info("%s model %s: native %s runner (paged KV%s%s), %s on %s", role, Path(path).name,
+                     arch.model_type, ", CUDA graphs" if runner.cuda_graphs else "",
+                     ", batch-invariant kernels" if invariant else "", str(self.dtype).replace("torch.", ""), self.device)
         else:
             runner = self._load_hf(path, role, max_model_len, num_layers)
             log.info("%s model %s: transformers runner (%s: %s), %s on %s", role, Path(path).name,

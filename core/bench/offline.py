@@ -16,6 +16,8 @@ import torch
 
 
 def add_parser(sub) -> None:
+    from speculum.cli import add_batch_invariant_arg
+
     p = sub.add_parser("offline", help="offline throughput per MT-bench category: autoregressive vs methods")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--method", action="append", default=[], metavar="JSON",
@@ -30,6 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the CPUs not busy with other processes)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_batch_invariant_arg(p)
     p.add_argument("--mt-bench", default=None,
                    help="MT-bench style JSONL (default: the 80 questions shipped with speculum)")
     p.add_argument("--profile", action="store_true",
@@ -54,6 +57,8 @@ def run(args) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     opts = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
                 cuda_graphs=not args.enforce_eager, threads=args.threads)
+    if args.batch_invariant:
+        opts["batch_invariant"] = True
     if args.runner:
         opts["runner"] = args.runner
     devices = []
@@ -85,11 +90,21 @@ def run(args) -> int:
     base = results[0]
     for r in results[1:]:
         print(methods.diagnose(base, r))
+    broken = []
+    if args.batch_invariant:  # identity is what this mode promises: a difference is a failure, not a caveat
+        for r in results[1:]:
+            same, n = r.identical(base)
+            print(f"bitwise identity (batch-invariant mode), {r.name}: {same}/{n} outputs token-identical to "
+                  "autoregressive decoding")
+            if same != n:
+                broken.append(r.name)
     _write(args, results, devices, errors=errors)
     for c, e in errors:
         print(f"FAILED {json.dumps(c)}: {e}")
+    for label in broken:
+        print(f"FAILED {label}: the batch-invariant mode changed a token")
     print(f"wrote {args.json}")
-    return 1 if errors else 0
+    return 1 if errors or broken else 0
 
 
 def _write(args, results, devices, errors=(), partial: bool = False) -> None:
@@ -97,7 +112,7 @@ def _write(args, results, devices, errors=(), partial: bool = False) -> None:
     base = results[0]
     report = {"device": device, "threads": threads,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
-              "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+              "batch_size": args.batch_size, "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant,
               "prompts_per_category": args.prompts_per_category, "partial": partial,
               "results": [r.as_dict(base) for r in results],
               "failed": [{"config": c, "error": e} for c, e in errors]}

@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--bandwidth", type=float, default=3.8e12, help="bytes/s for the floor (H200 copy: 3.8e12)")
     p.add_argument("--dtype", default="bfloat16", help="weights and KV dtype")
     p.add_argument("--iters", type=int, default=50, help="timed replays per shape")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="time the batch-invariant kernels (speculum.backends.torch.native.invariant) (default: off)")
     p.add_argument("--json", default="results/bench_step.json", help="where the JSON goes")
     p.set_defaults(func=run)
 
@@ -49,7 +51,7 @@ def run(args) -> int:
     dev = torch.device("cuda")
     dtype = resolve_dtype(args.dtype, dev)
     arch = LlamaArch(**SHAPES[args.shape])
-    model = random_native(arch, dtype, dev)
+    model = random_native(arch, dtype, dev).set_batch_invariant(args.batch_invariant)
     runner = NativeRunner(model, max_model_len=4096)
     wbytes = runner.weight_bytes
     floor = wbytes / args.bandwidth
@@ -58,7 +60,8 @@ def run(args) -> int:
     need_blocks = max(bss) * blocks_for(args.context + max(qs) + 1, 16) + 2
     runner.attach_cache(PagedKVAllocator("target", need_blocks, 16, 4096))
     rows = []
-    print(f"{args.shape}: {wbytes / 1e9:.2f} GB weights, HBM floor {floor * 1e3:.3f} ms/step")
+    print(f"{args.shape}{' (batch-invariant kernels)' if args.batch_invariant else ''}: {wbytes / 1e9:.2f} GB weights, "
+          f"HBM floor {floor * 1e3:.3f} ms/step")
     print(f"{'batch':>5} {'q':>3} {'ms/step':>9} {'x floor':>8} {'x q=1':>6}")
     for B in bss:
         ids = list(range(B))
@@ -85,7 +88,8 @@ def run(args) -> int:
         for s in ids:
             runner.remove(s)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"shape": args.shape, "weight_bytes": wbytes, "floor_ms": floor * 1e3,
+    Path(args.json).write_text(json.dumps({"shape": args.shape, "batch_invariant": args.batch_invariant,
+                                           "weight_bytes": wbytes, "floor_ms": floor * 1e3,
                                            "gpu": torch.cuda.get_device_name(0), "rows": rows}, indent=2))
     print(f"wrote {args.json}")
     return 0

@@ -57,6 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--runner", default=None, help="auto, native or hf")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    from speculum.cli import add_batch_invariant_arg
+    add_batch_invariant_arg(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the CPUs not busy with other processes)")
     p.add_argument("--mt-bench", default=None, help="MT-bench JSONL (default: the shipped MT-bench questions)")
@@ -196,6 +198,8 @@ def run(args) -> int:
     vopts = json.loads(args.verifier_options) if args.verifier_options else {}
     opts = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
                 cuda_graphs=not args.enforce_eager, threads=args.threads)
+    if args.batch_invariant:
+        opts["batch_invariant"] = True
     if args.runner:
         opts["runner"] = args.runner
     S = args.samples

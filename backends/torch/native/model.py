@@ -5,6 +5,9 @@ Static shapes throughout, so a forward can be captured as a CUDA graph: inputs a
 slots (the context gathered through each sequence's block table). Shapes:
 ``B`` batch, ``q`` query tokens per row, ``Lc`` context slots per row, ``H`` hidden size,
 ``Hq``/``Hkv`` query/KV heads, ``D`` head dim.
+
+:meth:`NativeLlama.set_batch_invariant` switches the GEMMs and the attention to the
+kernels of :mod:`.invariant`, whose per-token results do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculum.backends.torch.native import invariant
 from speculum.backends.torch.native.arch import LlamaArch
 from speculum.backends.torch.native.kernels import add_rmsnorm, rope_write_kv, rope_write_kv_torch
 
@@ -30,6 +34,10 @@ class RMSNorm(nn.Module):
         if residual is None:
             return add_rmsnorm(x, None, self.weight, self.eps)[0]
         return add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+def _linear(mod: nn.Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    return invariant.linear(x, mod.weight, mod.bias) if batch_invariant else mod(x)
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
@@ -59,10 +67,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, arch.rms_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.d, arch.rms_eps) if arch.qk_norm else None
         self.scale = self.d ** -0.5
+        self.batch_invariant = False
 
-    def forward(self, x, cos, sin, write_slots, read_slots, mask, k_pool, v_pool):
+    def forward(self, x, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None):
         B, q, _ = x.shape
-        qkv = self.qkv(x)
+        inv = self.batch_invariant
+        qkv = _linear(self.qkv, x, inv)
         if self.q_norm is None:
             qh = rope_write_kv(qkv, self.nq, self.nkv, self.d, cos, sin, write_slots, k_pool, v_pool)
         else:
@@ -71,6 +81,9 @@ class Attention(nn.Module):
             kh = self.k_norm(kh.reshape(B, q, self.nkv, self.d))
             qh = rope_write_kv_torch(qh, kh, vh.reshape(B, q, self.nkv, self.d), cos, sin, write_slots,
                                      k_pool, v_pool)
+        if inv:  # causal by position: the caller made sure there is no tree mask
+            out = invariant.paged_attention(qh, k_pool, v_pool, read_slots, positions, self.scale)
+            return _linear(self.o, out.reshape(B, q, self.nq * self.d), inv)
         # read the whole context (this step's K/V included) through the block tables
         kc = k_pool[read_slots].transpose(1, 2)  # [B, Hkv, Lc, D]
         vc = v_pool[read_slots].transpose(1, 2)
@@ -85,10 +98,12 @@ class MLP(nn.Module):
         self.inter = arch.intermediate_size
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.batch_invariant = False
 
     def forward(self, x):
-        g, u = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(F.silu(g) * u)
+        inv = self.batch_invariant
+        g, u = _linear(self.gate_up, x, inv).split(self.inter, dim=-1)
+        return _linear(self.down, F.silu(g) * u, inv)
 
 
 class Block(nn.Module):
@@ -99,7 +114,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool):
+    def forward(self, x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None):
         """``x + residual`` is the stream entering the layer (``residual`` None at layer 0).
 
         Returns (mlp output, residual): the layer's output stream is their sum, which the
@@ -109,7 +124,7 @@ class Block(nn.Module):
             normed, residual = self.attn_norm(x), x
         else:
             normed, residual = self.attn_norm(x, residual)
-        a = self.attn(normed, cos, sin, write_slots, read_slots, mask, k_pool, v_pool)
+        a = self.attn(normed, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions)
         normed, residual = self.mlp_norm(a, residual)
         return self.mlp(normed), residual
 
@@ -125,6 +140,17 @@ class NativeLlama(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        #: GEMMs and attention through :mod:`.invariant` (set_batch_invariant)
+        self.batch_invariant = False
+
+    def set_batch_invariant(self, on: bool = True) -> "NativeLlama":
+        """Compute every token's row the same way whatever the batch (GEMMs, attention and
+        the LM head through :mod:`.invariant`; RMSNorm and RoPE are row-local already)."""
+        self.batch_invariant = on
+        for layer in self.layers:
+            layer.attn.batch_invariant = on
+            layer.mlp.batch_invariant = on
+        return self
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, q, D/2]
@@ -142,18 +168,20 @@ class NativeLlama(nn.Module):
         h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         Lc = read_slots.shape[1]
-        if mask is None:
+        if self.batch_invariant and mask is not None:
+            raise ValueError("batch-invariant attention is causal by position; token trees are not supported")
+        if mask is None and not self.batch_invariant:
             # [B, 1, q, Lc]: key position j is visible to a query at position p iff j <= p
             mask = (torch.arange(Lc, device=h.device).view(1, 1, 1, Lc) <= positions.unsqueeze(1).unsqueeze(-1))
         hidden = {}
         x, residual = h, None
         for i, layer in enumerate(self.layers):
             k_pool, v_pool = pools[i]
-            x, residual = layer(x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool)
+            x, residual = layer(x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions)
             if i in hidden_layers:
                 hidden[i] = x + residual
         h, _ = self.norm(x, residual)
         if -1 in hidden_layers:
             hidden[-1] = h
-        logits = self.lm_head(h).float() if compute_logits else None
+        logits = _linear(self.lm_head, h, self.batch_invariant).float() if compute_logits else None
         return logits, hidden

@@ -61,6 +61,9 @@ class NativeRunner:
         self._graphs: dict[tuple, tuple[StaticGraph, tuple | None]] = {}
         self._pool = GraphPool()
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
+        if model.batch_invariant:  # its attention is causal by position: no tree masks
+            self.supports_trees = False
+            self.tree_fix = "batch-invariant mode verifies chains only; drop the tree keys or batch_invariant"
 
     @property
     def weight_bytes(self) -> int:
