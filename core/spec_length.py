@@ -353,6 +353,10 @@ class AutoLength(FixedLength):
             # lookup at the start of an answer) does not switch it off for good
             for s in seqs:
                 s.acceptance.forget(self.availability_decay)
+            # ... and so does the engine-wide estimate new requests start from: else one
+            # poor stretch (every answer's first steps, for n-gram lookup) makes it the
+            # prior of every later request, and k = 0 is never left again
+            self.global_acceptance.forget(self.availability_decay)
             self._zero_steps += 1
             if self._zero_steps >= self._probe_gap and self._could_pay(seqs):
                 # probe; if the drafts stay poor, wait twice as long for the next one

@@ -312,7 +312,7 @@ def test_options_for_a_method_without_options(tiny_llama):
 
 def test_unknown_acceptance_method_lists_verifiers(tiny_llama):
     with pytest.raises(ConfigError, match=r"unknown acceptance_method 'typical'; installed "
-                                          r"verifiers: block, greedy, greedy_jax, lossy_greedy, rejection_sampler"):
+                                          r"verifiers: block, exact_match, greedy, greedy_jax, lossy_greedy, rejection_sampler"):
         _llm(tiny_llama, {"method": "nullmethod", "num_speculative_tokens": 3, "acceptance_method": "typical"})
 
 
