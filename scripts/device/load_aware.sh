@@ -3,7 +3,8 @@
 #   bash scripts/device/load_aware.sh c1      # the same at concurrency 1: auto and fixed k = 1..4
 #   bash scripts/device/load_aware.sh check   # the must-show verdicts from the two JSONs (they come back in $OUT)
 #   bash scripts/device/load_aware.sh tune    # speculum tune --check at batch 1, 8, 64
-# METHOD (default ngram; eagle3 for the shipped head), K (default 4), N (prompts per rate, default 32).
+# METHOD (default ngram; eagle3 for the shipped head), K (default 4), N (prompts per rate, default 32),
+# KS (the fixed k of c1, default 1..K).
 # Results in $OUT: load_sweep.json, load_c1.json, load_check.{txt,json}, tune.{txt,json}, plots_*/ and server logs.
 set -e
 . scripts/device/common.sh
@@ -20,7 +21,7 @@ case $PART in
       --result-json $OUT/load_sweep.json --plot-dir $OUT/plots_sweep --server-log-dir $OUT/logs_sweep 2>&1 \
       | grep -v -E "Loading|Writing|it/s" | tail -40 ;;
   c1)
-    FIXED=(); for k in $(seq 1 $K); do FIXED+=(--speculative-config "$(cfg $k)"); done
+    FIXED=(); for k in ${KS:-$(seq 1 $K)}; do FIXED+=(--speculative-config "$(cfg $k)"); done
     speculum bench serve --compare --model $M --max-num-seqs 64 --max-concurrency 1 --num-prompts 16 --max-tokens 128 \
       --request-rate inf --warmup 2 --speculative-config "$AUTO" "${FIXED[@]}" \
       --result-json $OUT/load_c1.json --plot-dir $OUT/plots_c1 --server-log-dir $OUT/logs_c1 2>&1 \
