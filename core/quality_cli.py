@@ -75,7 +75,12 @@ def cmd_verify_quality(args) -> int:
     base = LLM(**common)
     fast = LLM(speculative_config=spec, **common)
     margin = args.tie_margin
-    if margin is None:
+    if args.batch_invariant:
+        # the mode promises identity: a divergence is a failure whatever the logits' gap
+        margin = -1.0  # below any log-probability gap: no divergence is excused as a near-tie
+        print("verify-quality: batch-invariant mode: greedy identity is the check (every divergence fails)",
+              file=sys.stderr, flush=True)
+    elif margin is None:
         margin = 1e-3 if str(base.backend.dtype) == "torch.float32" else 0.1
     report = run_quality(base, fast, prompts, max_tokens=args.max_tokens, tie_margin=margin, samples=args.samples,
                          positions=args.positions, temperature=args.temperature, top_k=args.top_k, alpha=args.alpha,
@@ -83,6 +88,7 @@ def cmd_verify_quality(args) -> int:
     print(format_report(report, labels))
     if args.json:
         out = {"speculative_config": spec.to_dict(), "tie_margin": margin, "dtype": str(base.backend.dtype),
+               "batch_invariant": bool(args.batch_invariant),
                "labels": labels, **report.as_dict()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))

@@ -128,6 +128,12 @@ def test_the_command_exits_1_for_a_broken_verifier(tiny_llama, tmp_path, monkeyp
     assert json.loads((tmp_path / "q.json").read_text())["failed"] is True
     assert main(argv + ["--speculative-config", json.dumps(spec)]) == 0
     assert "PASS" in capsys.readouterr().out
+    # batch-invariant mode: identity is the check, no divergence is excused as a near-tie
+    assert main(argv + ["--batch-invariant", "--speculative-config", json.dumps(spec)]) == 0
+    q = json.loads((tmp_path / "q.json").read_text())
+    assert q["batch_invariant"] is True and q["tie_margin"] < 0 and q["failed"] is False
+    assert main(argv + ["--batch-invariant", "--speculative-config",
+                        json.dumps({**spec, "acceptance_method": "accept_all"})]) == 1
 
 
 class _FakeBase:

@@ -198,8 +198,10 @@ def diagnose(base: MethodResult, r: MethodResult) -> str:
     if t < 1.3:
         return (what + ". Acceptance too low: the drafts rarely match this target's output; try another method "
                 "(a trained head), fewer draft tokens, or prompts that repeat their input (code, extraction).")
-    return (what + ". Verify cost too high on this device: checking k+1 tokens costs nearly k+1 times one on a "
-            "few CPU cores; try fewer draft tokens, or a GPU, where verifying a few tokens costs about as much as one.")
+    return (what + ". Step cost too high for what is accepted: on a few CPU cores verifying k+1 tokens costs "
+            "nearly k+1 times one (try fewer draft tokens, or a GPU); on a GPU, where verifying a few tokens costs "
+            "about as much as one, drafting is what a step adds (try fewer draft tokens or a tree; "
+            "`bench offline --profile` splits a step into draft, verify and host time).")
 
 
 def make_engine_factory(**engine_kwargs) -> Callable[[dict | None], Any]:
