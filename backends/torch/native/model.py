@@ -85,8 +85,11 @@ class Attention(nn.Module):
             out = invariant.paged_attention(qh, k_pool, v_pool, read_slots, positions, self.scale)
             return _linear(self.o, out.reshape(B, q, self.nq * self.d), inv)
         # read the whole context (this step's K/V included) through the block tables
-        kc = k_pool[read_slots].transpose(1, 2)  # [B, Hkv, Lc, D]
-        vc = v_pool[read_slots].transpose(1, 2)
+        # (index_select: the same copy as k_pool[read_slots], 4x faster on a CPU)
+        Lc = read_slots.shape[1]
+        flat = read_slots.reshape(-1)
+        kc = k_pool.index_select(0, flat).view(B, Lc, self.nkv, self.d).transpose(1, 2)  # [B, Hkv, Lc, D]
+        vc = v_pool.index_select(0, flat).view(B, Lc, self.nkv, self.d).transpose(1, 2)
         out = F.scaled_dot_product_attention(qh.transpose(1, 2), kc, vc, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.nq != self.nkv)
         return self.o(out.transpose(1, 2).reshape(B, q, self.nq * self.d))
