@@ -281,16 +281,20 @@ class AutoLength(FixedLength):
     def draft_seconds(self, batch_size: int, k: int) -> float:
         """Predicted drafting time of a step at ``k``: measured at this k, else the
         nearest measured k's (unscaled: a cost per step, like n-gram lookup's, does not
-        grow with k; a model's does, and is measured as soon as that k is chosen)."""
+        grow with k; a model's does, and is measured as soon as that k is chosen).
+
+        Never more than ``max(1, k / k')`` times what another measured ``k'`` costs:
+        drafting k tokens costs at most k/k' times drafting k' (a chain drafts one token
+        per head step). One stalled measurement (a collection, a first call) then cannot
+        make a k look dear for good: a k that is never chosen is never measured again."""
         if k <= 0:
             return 0.0
         key = _bucket(batch_size)
         known = {kk: e.value for (b, kk), e in self._draft.items() if b == key and e.value is not None}
         if not known:
             return 0.0
-        if k in known:
-            return known[k]
-        return known[min(known, key=lambda kk: (abs(kk - k), kk))]
+        own = known[k] if k in known else known[min(known, key=lambda kk: (abs(kk - k), kk))]
+        return min([own] + [v * max(1.0, k / kk) for kk, v in known.items() if kk != k])
 
     def step_seconds(self, batch_size: int, k: int) -> float:
         """Predicted wall time of a step drafting ``k`` tokens for ``batch_size`` rows."""

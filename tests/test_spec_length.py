@@ -395,7 +395,8 @@ def test_a_per_step_drafting_cost_is_not_multiplied_by_k():
     assert auto.draft_seconds(1, 1) == auto.draft_seconds(1, 4) == 0.0002
     auto.observe_step(1, 4, 5, 0.0008, None)  # a model: four times the cost at k = 4
     assert auto.draft_seconds(1, 4) == 0.0008 and auto.draft_seconds(1, 2) == 0.0002  # nearest: k = 1
-    assert auto.draft_seconds(1, 3) == 0.0008  # nearest measured (4), never divided
+    # nearest measured (4) is never divided, but three tokens cost at most 3x one (k = 1's)
+    assert auto.draft_seconds(1, 3) == pytest.approx(0.0006)
     assert auto.draft_seconds(16, 4) == 0.0  # another batch bucket: nothing measured yet
 
 
@@ -415,3 +416,20 @@ def test_a_run_of_misses_does_not_switch_a_request_off_for_good():
     # a choice, not a probe (probes draft one token): the aged evidence lets the prior speak
     first = next((i for i, k in enumerate(ks) if k >= 2), None)
     assert first is not None and 4 <= first <= 120, (first, ks[:40])
+
+
+def test_one_stalled_drafting_measurement_does_not_rule_a_k_out():
+    """Seen on the H200 (n-gram, concurrency 1): one k = 3 step took 2.8 ms to draft
+    (0.2-0.3 ms at k = 1 and 4); predicted at that cost k = 3, the best fixed k, was
+    never chosen again. Drafting k costs at most k/k' times drafting k'."""
+    auto = AutoLength(4, _cost(lambda b, q: 0.0015 + 0.0001 * (q > 1)))
+    auto.observe_step(1, 1, 2, 0.00025, None)
+    auto.observe_step(1, 4, 5, 0.00021, None)
+    auto.observe_step(1, 3, 4, 0.0028, None)  # the stall
+    assert auto.draft_seconds(1, 3) == pytest.approx(0.00021)  # bounded by k = 4's (cost per step: no growth)
+    assert auto.draft_seconds(1, 2) == pytest.approx(0.00021)
+    model = AutoLength(4, _cost(lambda b, q: 0.0015))
+    model.observe_step(1, 1, 2, 0.001, None)
+    assert model.draft_seconds(1, 3) == pytest.approx(0.001)  # unmeasured: the nearest k's figure
+    model.observe_step(1, 3, 4, 0.02, None)  # a stall at k = 3
+    assert model.draft_seconds(1, 3) == pytest.approx(0.003)  # at most 3x k = 1's
