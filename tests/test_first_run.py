@@ -221,3 +221,34 @@ def test_train_writes_every_file_with_one_mode(tmp_path, tiny_llama):
                      extra=("--num-layers", "1"))
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir() if f.is_file()}
     assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
+
+
+def test_interleaved_comparison_runs_each_category_through_every_config_in_turn(tiny_llama):
+    """The main command interleaves (a shared CPU's slow minute then hits every config);
+    the figures are assembled per config exactly as one engine at a time would."""
+    from speculum import LLM, SamplingParams
+    from speculum.bench import methods
+
+    groups = {"a": [{"prompt_token_ids": [5, 6, 7, 5, 6, 7]}], "b": [{"prompt_token_ids": [9, 8, 7, 9, 8]}]}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    order = []
+
+    def make(cfg):
+        llm = LLM(str(tiny_llama), cfg, device="cpu", dtype="float32")
+        inner = llm.generate
+
+        def generate(prompts, p):
+            order.append((None if cfg is None else cfg["method"], prompts[0]["prompt_token_ids"][0]))
+            return inner(prompts, p)
+        llm.generate = generate
+        return llm
+
+    cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    inter = methods.compare([cfg], groups, params, make, interleave=True)
+    timed = order[2:]  # after the two warm-ups
+    assert timed == [(None, 5), ("ngram", 5), (None, 9), ("ngram", 9)]
+    seq = methods.compare([cfg], groups, params, make)
+    for a, b in zip(inter, seq):
+        assert a.name == b.name and a.total.outputs == b.total.outputs and a.total.tokens == b.total.tokens
+        assert list(a.groups) == ["a", "b"]
+    assert inter[1].identical(inter[0]) == (2, 2)

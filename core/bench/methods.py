@@ -27,6 +27,7 @@ class GroupResult:
     seconds: float = 0.0
     metrics: SpecDecodeMetrics = attrs.field(factory=SpecDecodeMetrics)
     outputs: list[list[int]] = attrs.field(factory=list)
+    texts: list[str] = attrs.field(factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,42 +100,59 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def run_group(llm, prompts: list, params) -> GroupResult:
+    """One group of prompts through ``llm`` (already warm), timed."""
+    _sync(llm.backend.device)
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params)
+    _sync(llm.backend.device)
+    g = GroupResult(seconds=time.perf_counter() - t0)
+    for o in res:
+        g.tokens += len(o.token_ids)
+        g.metrics.merge(o.metrics)
+        g.outputs.append(list(o.token_ids))
+        g.texts.append(o.text)
+    return g
+
+
+def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult], k_before: list[int]) -> MethodResult:
+    total = GroupResult()
+    texts: list[str] = []
+    for g in out.values():
+        total.add(GroupResult(g.tokens, g.seconds, SpecDecodeMetrics(), list(g.outputs)))
+        total.metrics.merge(g.metrics)
+        texts += g.texts
+    steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
+    return MethodResult(name, config, out, total, texts, steps_per_k=steps_per_k)
+
+
 def run_method(llm, groups: dict[str, list], params, name: str, config: dict | None,
                progress: Callable[[str], Any] | None = None) -> MethodResult:
     """Run every group through ``llm`` (already warm); time each group separately."""
     out: dict[str, GroupResult] = {}
-    total = GroupResult()
-    texts: list[str] = []
     k_before = list(llm.loop.k_counts)
     for cat, prompts in groups.items():
         if progress:
             progress(f"{name}: {cat} ({len(prompts)} prompts)")
-        _sync(llm.backend.device)
-        t0 = time.perf_counter()
-        res = llm.generate(prompts, params)
-        _sync(llm.backend.device)
-        g = GroupResult(seconds=time.perf_counter() - t0)
-        for o in res:
-            g.tokens += len(o.token_ids)
-            g.metrics.merge(o.metrics)
-            g.outputs.append(list(o.token_ids))
-            texts.append(o.text)
-        out[cat] = g
-        total.add(GroupResult(g.tokens, g.seconds, SpecDecodeMetrics(), list(g.outputs)))
-        total.metrics.merge(g.metrics)
-    steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
-    return MethodResult(name, config, out, total, texts, steps_per_k=steps_per_k)
+        out[cat] = run_group(llm, prompts, params)
+    return _result(llm, name, config, out, k_before)
 
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
             warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
             after: Callable[[Any, MethodResult], Any] | None = None,
-            errors: list | None = None) -> list[MethodResult]:
+            errors: list | None = None, interleave: bool = False) -> list[MethodResult]:
     """Baseline (no speculation) first, then each config; one engine at a time.
     ``after(llm, result)`` runs once a config is measured, before its engine goes.
     With ``errors`` (a list), a config that fails is recorded there as (config, message)
     and the comparison goes on with the next one (a long benchmark is not lost to one
-    broken method); without it the error propagates."""
+    broken method); without it the error propagates.
+
+    ``interleave``: every engine is loaded at once and each group runs through all of
+    them before the next group, so a machine whose speed drifts (a shared CPU) slows
+    every config alike instead of whichever ran during the slow minute."""
+    if interleave:
+        return _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors)
     results = []
     warm = [p for ps in groups.values() for p in ps][:1]
     for cfg in [None] + [c for c in configs if c is not None]:
@@ -157,6 +175,38 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    return results
+
+
+def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors) -> list[MethodResult]:
+    warm = [p for ps in groups.values() for p in ps][:1]
+    engines = []  # (config, engine, name, k counts before)
+    for cfg in [None] + [c for c in configs if c is not None]:
+        try:
+            llm = make_llm(cfg)
+            llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
+        except Exception as exc:
+            if errors is None or cfg is None:
+                raise
+            errors.append((cfg, f"{type(exc).__name__}: {exc}"))
+            print(f"bench: {cfg} failed, skipped: {type(exc).__name__}: {exc}", file=__import__("sys").stderr,
+                  flush=True)
+            continue
+        resolved = llm.speculative_config.method if llm.speculative_config else None
+        engines.append((cfg, llm, method_name(cfg, resolved), list(llm.loop.k_counts)))
+    outs: list[dict[str, GroupResult]] = [{} for _ in engines]
+    for cat, prompts in groups.items():
+        for (cfg, llm, name, _), out in zip(engines, outs):
+            if progress:
+                progress(f"{name}: {cat} ({len(prompts)} prompts)")
+            out[cat] = run_group(llm, prompts, params)
+    results = []
+    for (cfg, llm, name, k_before), out in zip(engines, outs):
+        results.append(_result(llm, name, cfg, out, k_before))
+        if after is not None:
+            after(llm, results[-1])
+    engines.clear()
+    gc.collect()
     return results
 
 

@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
                    help="torch CPU threads (default: the CPUs not busy with other processes)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     add_batch_invariant_arg(p)
+    p.add_argument("--interleave", action="store_true",
+                   help="load every config at once and run each category through all of them in turn, so a "
+                        "machine whose speed drifts (a shared CPU) slows every config alike (default: one engine "
+                        "at a time, all categories)")
     p.add_argument("--mt-bench", default=None,
                    help="MT-bench style JSONL (default: the 80 questions shipped with speculum)")
     p.add_argument("--profile", action="store_true",
@@ -82,7 +86,7 @@ def run(args) -> int:
 
     errors: list = []  # a method that fails is reported and skipped: the others' figures stand
     results = methods.compare([json.loads(m) for m in args.method], groups, params, make, warmup_tokens=32,
-                              after=after, errors=errors)
+                              after=after, errors=errors, interleave=args.interleave)
     print(methods.table(results))
     if args.profile:
         from speculum.bench.step_profile import profile_table
