@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from speculum.interfaces import Draft, Verdict
-from speculum.sampling import SamplingBatch, processed_probs
-from speculum.verifiers.greedy import greedy_verify
+from speculum.sampling import SamplingBatch
 from speculum.verifiers.noise import keyed_exponentials
+from speculum.verifiers.sampled import verify_sampled
 
 
 def exact_match_sample(p: torch.Tensor, draft_ids: torch.Tensor, e: torch.Tensor) -> Verdict:
@@ -48,22 +48,13 @@ class ExactMatchVerifier:
     tree_fix = "use acceptance_method 'rejection_sampler' or 'greedy' for trees"
 
     def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
-        if sampling.all_greedy:
-            return greedy_verify(target_logits, draft.token_ids)
-        if sampling.keys is None:
+        if sampling.keys is None and not sampling.all_greedy:
             raise ValueError("exact-match sampling needs each row's (seed, position): build the batch with "
                              "SamplingBatch.from_params(..., keys=)")
-        B, k1, V = target_logits.shape
-        flags = sampling.flags(V)
-        p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
-        seeds = torch.tensor([s for s, _ in sampling.keys], dtype=torch.int64)
-        positions = torch.tensor([t for _, t in sampling.keys], dtype=torch.int64)
-        e = keyed_exponentials(seeds.to(p.device), positions.to(p.device), k1, V)
-        ids = draft.token_ids.to(p.device, torch.int64)
-        verdict = exact_match_sample(p, ids, e)
-        greedy_rows = sampling.temperature == 0
-        if bool(greedy_rows.any()):
-            g = greedy_verify(target_logits, ids)
-            verdict.token_ids = torch.where(greedy_rows.view(-1, 1), g.token_ids.to(p.device), verdict.token_ids)
-            verdict.num_accepted = torch.where(greedy_rows, g.num_accepted.to(p.device), verdict.num_accepted)
-        return verdict
+
+        def rule(p, _q, ids, _generators):  # draft probabilities and streams are not used
+            seeds = torch.tensor([s for s, _ in sampling.keys], dtype=torch.int64, device=p.device)
+            positions = torch.tensor([t for _, t in sampling.keys], dtype=torch.int64, device=p.device)
+            return exact_match_sample(p, ids, keyed_exponentials(seeds, positions, p.shape[1], p.shape[2]))
+
+        return verify_sampled(rule, target_logits, draft, sampling)

@@ -154,23 +154,15 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
     if interleave:
         return _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors)
     results = []
-    warm = [p for ps in groups.values() for p in ps][:1]
     for cfg in [None] + [c for c in configs if c is not None]:
         llm = None
         try:
-            llm = make_llm(cfg)
-            llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
-            resolved = llm.speculative_config.method if llm.speculative_config else None
-            results.append(run_method(llm, groups, params, method_name(cfg, resolved), cfg, progress))
+            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens)
+            results.append(run_method(llm, groups, params, name, cfg, progress))
             if after is not None:
                 after(llm, results[-1])
         except Exception as exc:
-            if errors is None or cfg is None:
-                raise
-            import traceback
-            errors.append((cfg, f"{type(exc).__name__}: {exc}"))
-            print(f"bench: {cfg} failed, skipped: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
-                  file=__import__("sys").stderr, flush=True)
+            _skip(cfg, exc, errors)
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -178,22 +170,34 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
     return results
 
 
-def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors) -> list[MethodResult]:
+def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_tokens: int) -> tuple[Any, str]:
+    """A config's engine, warmed on the first prompt, and its name."""
+    llm = make_llm(cfg)
     warm = [p for ps in groups.values() for p in ps][:1]
+    llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
+    resolved = llm.speculative_config.method if llm.speculative_config else None
+    return llm, method_name(cfg, resolved)
+
+
+def _skip(cfg: dict | None, exc: Exception, errors: list | None) -> None:
+    """Record a failed config and go on, or re-raise (no ``errors`` list, or the baseline)."""
+    if errors is None or cfg is None:
+        raise exc
+    import traceback
+    errors.append((cfg, f"{type(exc).__name__}: {exc}"))
+    print(f"bench: {cfg} failed, skipped: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+          file=__import__("sys").stderr, flush=True)
+
+
+def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors) -> list[MethodResult]:
     engines = []  # (config, engine, name, k counts before)
     for cfg in [None] + [c for c in configs if c is not None]:
         try:
-            llm = make_llm(cfg)
-            llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
+            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens)
         except Exception as exc:
-            if errors is None or cfg is None:
-                raise
-            errors.append((cfg, f"{type(exc).__name__}: {exc}"))
-            print(f"bench: {cfg} failed, skipped: {type(exc).__name__}: {exc}", file=__import__("sys").stderr,
-                  flush=True)
+            _skip(cfg, exc, errors)
             continue
-        resolved = llm.speculative_config.method if llm.speculative_config else None
-        engines.append((cfg, llm, method_name(cfg, resolved), list(llm.loop.k_counts)))
+        engines.append((cfg, llm, name, list(llm.loop.k_counts)))
     outs: list[dict[str, GroupResult]] = [{} for _ in engines]
     for cat, prompts in groups.items():
         for (cfg, llm, name, _), out in zip(engines, outs):

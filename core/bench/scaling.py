@@ -40,7 +40,7 @@ def _measure(args, prompts, sizes, batch_invariant: bool) -> tuple[list[dict], o
     llm.generate(prompts[: max(sizes)], SamplingParams(temperature=0, max_tokens=8))  # warm up / capture
     results, ref = [], None
     for bs in sizes:
-        llm.max_num_seqs = llm.scheduler.max_num_seqs = bs  # the scheduler admits by its own bound
+        llm.scheduler.max_num_seqs = bs  # admission bound (the engine keeps its capacity), as speculum tune does
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
