@@ -80,6 +80,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--runner", default=None, choices=("auto", "native", "hf"),
                    help="auto (default): native Llama-family runner when supported, transformers otherwise")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="do not start a step's forward before the host has finished the previous step's "
+                        "bookkeeping (CUDA; default: overlap steps without drafts)")
     g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
                    help="KV cache budget in bytes (default: 2 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -104,6 +107,8 @@ def engine_options(args) -> dict:
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.enforce_eager:
         opts["cuda_graphs"] = False
+    if args.no_overlap:
+        opts["overlap"] = False
     if args.batch_invariant:
         opts["batch_invariant"] = True
     return opts

@@ -51,7 +51,8 @@ class LLM:
                  backend: str = "torch", max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int = 1, plugins: Iterable[Any] = (), tokenizer: str | None = None,
-                 threads: int | None = None, max_logprobs: int = 20, **backend_options: Any):
+                 threads: int | None = None, max_logprobs: int = 20, overlap: bool = True,
+                 **backend_options: Any):
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"threads must be an integer >= 1 (torch CPU threads), got {threads!r}; "
                               "leave it None for the default (the CPUs not busy with other processes)")
@@ -120,8 +121,11 @@ class LLM:
         if tree is not None:
             check_tree_support(tree, spec_cfg.method, proposer, self.verifier, verifier_name, self.target)
         self.proposer = proposer
+        #: steps without drafts start the next forward before the host's bookkeeping (CUDA only:
+        #: a CPU computes the forward on the host thread itself)
+        self.overlap = bool(overlap) and self.target.device.type == "cuda"
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers,
-                                    length=self.spec_length, trees=tree is not None)
+                                    length=self.spec_length, trees=tree is not None, overlap=self.overlap)
         self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs,
                                    lookahead=self.lookahead, max_num_batched_tokens=max_num_batched_tokens)
         self._seed_gen = make_generator(seed)

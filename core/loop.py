@@ -16,6 +16,16 @@ state half updated, so it is dropped for the requests of that batch, which carry
 without speculation. A verifier that raises is replaced for the step by plain sampling
 of the first position (lossless: no draft is accepted).
 
+Overlap (``overlap=True``, the engine's default on CUDA): a step in which no row can draft
+launches the next step's target forward on the tokens it just sampled, still on the
+device, before it reads them back; the host's bookkeeping of this step (stop checks,
+detokenisation, the engine's outputs and scheduling, the next sampling batch) then runs
+while the GPU computes the next forward. The next step uses that forward when it runs the
+same sequences without drafts; otherwise (a request finished, joined, was aborted or
+preempted, or drafts resume) the forward is dropped and its KV position truncated, and
+the step runs its own. Sampling is untouched (it happens in step order on the host's
+call), so outputs are identical with and without overlap.
+
 Token trees (``Draft.tree``, see :mod:`speculum.tree`): the forward verifies every node at
 once, the verdict names the accepted path, whose K/V the target moves into consecutive
 positions before the rollback by length, and whose hidden states reach the proposer in
@@ -28,10 +38,11 @@ import logging
 import time
 from typing import Sequence as Seq
 
+import attrs
 import torch
 
 from speculum.errors import RowError
-from speculum.interfaces import (Draft, HiddenStateProposer, ModelRunner, ProposeBatch, Proposer, StatefulProposer,
+from speculum.interfaces import (Draft, ForwardOutput, HiddenStateProposer, KVCacheFull, ModelRunner, ProposeBatch, Proposer, StatefulProposer,
                                  StepFeedback, Verdict, Verifier)
 from speculum.logprobs import position_logprobs, prompt_scorer
 from speculum.sampling import SamplingBatch, processed_probs
@@ -48,7 +59,7 @@ class DraftVerifyLoop:
 
     def __init__(self, target: ModelRunner, verifier: Verifier, tokenizer: Tokenizer,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 hidden_layers: Seq[int] = (), length=None, trees: bool = False):
+                 hidden_layers: Seq[int] = (), length=None, trees: bool = False, overlap: bool = False):
         self.target = target
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -69,6 +80,11 @@ class DraftVerifyLoop:
         self._said: set[str] = set()
         #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
         self.failures: dict[str, int] = {}
+        #: run the next step's forward ahead when no row drafts (see the module doc)
+        self.overlap = overlap
+        self._ahead: _Ahead | None = None
+        #: forwards run ahead and then used, and run ahead and dropped
+        self.ahead_used = self.ahead_dropped = 0
 
     def _once(self, kind: str, message: str) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + 1
@@ -116,6 +132,8 @@ class DraftVerifyLoop:
 
     def finish(self, seq: Sequence) -> None:
         """Free a sequence's KV and proposer state."""
+        if self._ahead is not None:
+            self._ahead.bases.pop(seq.seq_id, None)
         self.target.remove(seq.seq_id)
         if self.stateful and seq.speculative:
             try:
@@ -206,7 +224,8 @@ class DraftVerifyLoop:
         inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
         num_tokens = [n + 1 for n in drafted]
         extra = {} if tree is None else {"tree": tree}
-        out = self.target.forward([s.seq_id for s in seqs], inputs, num_tokens, self.hidden_layers, **extra)
+        out = self._take_ahead(seqs, k) or self.target.forward([s.seq_id for s in seqs], inputs, num_tokens,
+                                                                self.hidden_layers, **extra)
         # [B]: rows with NaN/inf logits (padding positions compute on real tokens: finite too)
         bad = ~torch.isfinite(out.logits).all(-1).all(-1)
         # [B, k+1, V] penalties, bias, min_tokens, bad_words, min_p per position (drafts
@@ -215,8 +234,12 @@ class DraftVerifyLoop:
         verdict, failed_rows = self._verify(logits, draft, sampling)
         if tree is not None and verdict.path is None:  # the plain-sampling fallback: nothing accepted
             verdict.path = torch.full_like(ids, -1)
-        # the host synchronisation of the step (greedy verification has synced already)
-        both = _to_host(verdict, bad)
+        # the host synchronisation of the step (greedy verification has synced already);
+        # the copy is queued before a forward run ahead, so it does not wait for that one
+        to_host = _to_host(verdict, bad)
+        if self.overlap and not k and self._may_run_ahead(seqs, failed_rows):
+            self._run_ahead(seqs, verdict.token_ids[:, :1])
+        both = to_host()
         accepted = [r[0] for r in both]
         width = verdict.token_ids.shape[1]
         hidden = out.hidden_states
@@ -239,8 +262,10 @@ class DraftVerifyLoop:
                 s.fail(failed_rows.get(b) or "the model produced NaN/inf logits for this request (numerical "
                        "overflow: try dtype='float32' or bfloat16 instead of float16)")
                 continue
-            # KV kept: old tokens plus the accepted drafts (the new last token has none yet)
-            self.target.truncate(s.seq_id, old_len + a)
+            # KV kept: old tokens plus the accepted drafts (the new last token has none yet);
+            # without drafts there is nothing to drop (and a forward run ahead holds one more)
+            if drafted[b] or tree is not None:
+                self.target.truncate(s.seq_id, old_len + a)
             s.metrics.record_step(drafted[b], a, depths[b] if tree is not None and drafted[b] else None)
             if asked[b]:
                 self.length.observe_acceptance(s, asked[b], drafted[b], a)
@@ -257,6 +282,43 @@ class DraftVerifyLoop:
             [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)]
         self._observe(seqs, observed, accepted, new_lengths, hidden)
         self.length.observe_step(B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
+
+    # -- overlap (see the module doc) -----------------------------------------------------
+    def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict) -> bool:
+        """Whether the next step is a plain decode of these rows whose forward may start now:
+        no row can draft, no hidden states or logprobs are read from this step's outputs
+        (the next forward overwrites them), no row failed."""
+        return (not failed_rows and not self.hidden_layers
+                and not any(s.params.logprobs is not None for s in seqs)
+                and not (self.k and any(s.speculative and self._cap(s) for s in seqs)))
+
+    def _run_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """Launch the next step's forward on ``tokens`` [B, 1] (where the verdict left them)."""
+        ids = [s.seq_id for s in seqs]
+        bases = {sid: self.target.length(sid) for sid in ids}
+        try:
+            out = self.target.forward(ids, tokens, [1] * len(ids))
+        except KVCacheFull:  # no room for one more position: the next step schedules itself
+            for sid, base in bases.items():
+                if self.target.length(sid) > base:
+                    self.target.truncate(sid, base)
+            return
+        self._ahead = _Ahead(tuple(ids), bases, out)
+
+    def _take_ahead(self, seqs: list[Sequence], k: int):
+        """The forward run ahead for this step, if it is this step's forward; else drop it
+        (truncating the position it wrote) and return None."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        ids = tuple(s.seq_id for s in seqs)
+        if not k and ahead.seq_ids == ids and len(ahead.bases) == len(ids):
+            self.ahead_used += 1
+            return ahead.out
+        self.ahead_dropped += 1
+        for sid, base in ahead.bases.items():  # rows still running (finish() removed the others)
+            self.target.truncate(sid, base)
+        return None
 
     def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],
                     failed: list[bool]) -> None:
@@ -381,17 +443,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _to_host(verdict: Verdict, bad: torch.Tensor) -> list[list[int]]:
-    """Rows of [num_accepted, bad, tokens..., path...] on the host (the path of a tree
-    verdict only), in one copy where they live together."""
+@attrs.define
+class _Ahead:
+    """A forward launched one step ahead: its rows, their KV lengths before it, its output."""
+
+    seq_ids: tuple[int, ...]
+    bases: dict[int, int]
+    out: ForwardOutput
+
+
+def _to_host(verdict: Verdict, bad: torch.Tensor):
+    """Start copying rows of [num_accepted, bad, tokens..., path...] (the path of a tree
+    verdict only) to the host, in one copy where they live together; returns a function
+    that waits for the copy (and nothing queued after it) and gives the rows as lists."""
     B = bad.shape[0]
     tail = [verdict.token_ids] if verdict.path is None else [verdict.token_ids, verdict.path.to(verdict.token_ids.device)]
     if verdict.token_ids.device == bad.device:
-        return torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), bad.view(B, 1).to(torch.int64),
-                          *tail], dim=1).tolist()
+        rows = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), bad.view(B, 1).to(torch.int64),
+                          *tail], dim=1)
+        return _copy(rows)
     head = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), *(t.to(torch.int64) for t in tail)], dim=1)
-    flags = bad.tolist()
-    return [[r[0], int(f), *r[1:]] for r, f in zip(head.tolist(), flags)]
+    flags, head_rows = _copy(bad), _copy(head)
+    return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(head_rows(), flags())]
+
+
+def _copy(t: torch.Tensor):
+    """``t.tolist()`` as a copy started now and waited for when the returned function is called."""
+    if t.device.type != "cuda":
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait():
+        done.synchronize()
+        return host.tolist()
+    return wait
 
 
 def _malformed(draft, rows: int, k: int, vocab_size: int) -> str | None:

@@ -48,3 +48,14 @@ def test_rope_write_kv_matches_torch(dtype):
     assert torch.allclose(q1.float(), q2.float(), atol=tol, rtol=tol)
     assert torch.allclose(k1.float(), k2.float(), atol=tol, rtol=tol)
     assert torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gu = (torch.randn(5, 3, 2 * 1536, device="cuda", generator=g) * 3).to(dtype)
+    out = kernels.silu_mul(gu, 1536)
+    ref = kernels.silu_mul_torch(gu, 1536)
+    assert out.shape == ref.shape == (5, 3, 1536)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)

@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the CPUs not busy with other processes)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="no overlapped steps (LLM(overlap=False)): the 'before' of overlap (default: overlap on CUDA)")
     add_batch_invariant_arg(p)
     p.add_argument("--interleave", action="store_true",
                    help="load every config at once and run each category through all of them in turn, so a "
@@ -60,7 +62,7 @@ def run(args) -> int:
     groups = _prompts(args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     opts = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
-                cuda_graphs=not args.enforce_eager, threads=args.threads)
+                cuda_graphs=not args.enforce_eager, threads=args.threads, overlap=not args.no_overlap)
     if args.batch_invariant:
         opts["batch_invariant"] = True
     if args.runner:
@@ -117,6 +119,7 @@ def _write(args, results, devices, errors=(), partial: bool = False) -> None:
     report = {"device": device, "threads": threads,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
               "batch_size": args.batch_size, "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant,
+              "overlap": not args.no_overlap,
               "prompts_per_category": args.prompts_per_category, "partial": partial,
               "results": [r.as_dict(base) for r in results],
               "failed": [{"config": c, "error": e} for c, e in errors]}

@@ -2,7 +2,9 @@
 
 For shapes with no weights offline (e.g. Llama-3-8B), the model is randomly initialised;
 step time does not depend on weight values. Reports the HBM floor (weight bytes /
-bandwidth) and the ratio of each step to it, and verify (q tokens) against decode (1).
+bandwidth) and the ratio of each step to it, verify (q tokens) against decode (1), the
+host's time per step (building the step's metadata and launching the graph) and, from a
+torch profile of the same replays, the GPU's busy time per step and its idle share.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from speculum.backends.torch import LlamaArch, NativeRunner, random_native, resolve_dtype
+    from speculum.bench.step_profile import busy_us
     from speculum.kv import PagedKVAllocator
 
     if not torch.cuda.is_available():
@@ -62,7 +65,7 @@ def run(args) -> int:
     rows = []
     print(f"{args.shape}{' (batch-invariant kernels)' if args.batch_invariant else ''}: {wbytes / 1e9:.2f} GB weights, "
           f"HBM floor {floor * 1e3:.3f} ms/step")
-    print(f"{'batch':>5} {'q':>3} {'ms/step':>9} {'x floor':>8} {'x q=1':>6}")
+    print(f"{'batch':>5} {'q':>3} {'ms/step':>9} {'x floor':>8} {'x q=1':>6} {'host ms':>8} {'GPU ms':>8} {'idle':>6}")
     for B in bss:
         ids = list(range(B))
         for s in ids:
@@ -76,15 +79,28 @@ def run(args) -> int:
                     runner.truncate(s, args.context)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            host = 0.0
             for _ in range(args.iters):
+                h0 = time.perf_counter()
                 runner.forward(ids, tok, [q] * B)
+                host += time.perf_counter() - h0
                 for s in ids:
                     runner.truncate(s, args.context)
             torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) / args.iters * 1e3
+            host_ms = host / args.iters * 1e3
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    runner.forward(ids, tok, [q] * B)
+                    for s in ids:
+                        runner.truncate(s, args.context)
+                torch.cuda.synchronize()
+            gpu_ms = busy_us(prof) / 10 / 1e3
             t1 = t1 or ms
-            rows.append({"batch": B, "q": q, "ms": ms, "x_floor": ms / (floor * 1e3), "x_q1": ms / t1})
-            print(f"{B:>5} {q:>3} {ms:>9.3f} {ms / (floor * 1e3):>8.2f} {ms / t1:>6.2f}")
+            rows.append({"batch": B, "q": q, "ms": ms, "x_floor": ms / (floor * 1e3), "x_q1": ms / t1,
+                         "host_ms": host_ms, "gpu_ms": gpu_ms, "gpu_idle_share": max(0.0, 1 - gpu_ms / ms)})
+            print(f"{B:>5} {q:>3} {ms:>9.3f} {ms / (floor * 1e3):>8.2f} {ms / t1:>6.2f} {host_ms:>8.3f} "
+                  f"{gpu_ms:>8.3f} {max(0.0, 1 - gpu_ms / ms):>6.1%}")
         for s in ids:
             runner.remove(s)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,12 @@ The engine's loop is timed part by part on a few prompts after the throughput ru
 
 The device is synchronised around every timed part (so GPU work lands in its part); the
 total is therefore slightly above an untimed step. Prefill steps are not counted.
+
+On CUDA the first two prompts then run once more untimed under the torch profiler: the union
+of the kernels' intervals is the GPU's busy time, and against the wall time of the run
+(both per loop step, prefill included) it gives the share of each step the GPU idles
+(``gpu_busy_ms``, ``wall_ms``, ``gpu_idle_share``): the host work that overlapping
+(``LLM(overlap=True)``) hides, or does not.
 """
 
 from __future__ import annotations
@@ -65,17 +71,57 @@ def profile_steps(llm, prompts: list, params) -> dict:
     n = max(1, t.calls["step"])  # loop steps: one per engine step, over every running request
     ms = {k: v * 1e3 / n for k, v in t.totals.items()}
     tokens = sum(o.metrics.num_emitted_tokens for o in outs)
-    return {"loop_steps": n, "tokens_per_loop_step": tokens / n,
-            "step_ms": ms["step"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
-            "host_ms": max(0.0, ms["step"] - ms["draft"] - ms["verify"])}
+    out = {"loop_steps": n, "tokens_per_loop_step": tokens / n,
+           "step_ms": ms["step"], "draft_ms": ms["draft"], "verify_ms": ms["verify"],
+           "host_ms": max(0.0, ms["step"] - ms["draft"] - ms["verify"])}
+    if t.cuda:  # two prompts: a profile of every kernel of a long run is slow to collect
+        out.update(gpu_busy(llm, prompts[:2], params))
+    return out
+
+
+def gpu_busy(llm, prompts: list, params) -> dict:
+    """GPU busy and wall time per loop step of an untimed run (see the module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0 = llm.loop._steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    busy = busy_us(prof)
+    n = max(1, llm.loop._steps - steps0)
+    return {"gpu_busy_ms": busy / 1e3 / n, "wall_ms": wall * 1e3 / n,
+            "gpu_idle_share": max(0.0, 1.0 - busy / 1e6 / wall) if wall else None}
+
+
+def busy_us(prof) -> float:
+    """Microseconds of a torch profile during which some kernel or copy ran on the GPU
+    (the union of their intervals)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
 
 
 def profile_table(rows: list[dict]) -> str:
     """One line per config: ms per step and its split, tokens per step."""
+    gpu = any("gpu_busy_ms" in r["profile"] for r in rows)
     head = f"{'config':<28}{'step ms':>9}{'draft':>9}{'verify':>9}{'host':>9}{'tok/step':>10}"
-    out = ["step profile (mean per loop step, device synchronised around each part)", head]
+    if gpu:
+        head += f"{'wall ms':>9}{'GPU ms':>9}{'GPU idle':>9}"
+    out = ["step profile (mean per loop step, device synchronised around each part"
+           + ("; then untimed: wall, GPU busy and its idle share" if gpu else "") + ")", head]
     for r in rows:
         p = r["profile"]
-        out.append(f"{r['method'][:27]:<28}{p['step_ms']:>9.3f}{p['draft_ms']:>9.3f}{p['verify_ms']:>9.3f}"
-                   f"{p['host_ms']:>9.3f}{p['tokens_per_loop_step']:>10.2f}")
+        line = (f"{r['method'][:27]:<28}{p['step_ms']:>9.3f}{p['draft_ms']:>9.3f}{p['verify_ms']:>9.3f}"
+                f"{p['host_ms']:>9.3f}{p['tokens_per_loop_step']:>10.2f}")
+        if "gpu_busy_ms" in p:
+            line += f"{p['wall_ms']:>9.3f}{p['gpu_busy_ms']:>9.3f}{p['gpu_idle_share']:>9.1%}"
+        out.append(line)
     return "\n".join(out)

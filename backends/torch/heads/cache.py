@@ -14,8 +14,8 @@ import logging
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from speculum.backends.torch.native.attention import paged_decode_attention, sdpa_attention, use_decode_kernel
 from speculum.kv import PagedKVAllocator, blocks_for
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,10 @@ class PagedContext:
         B, t, nkv, d = k.shape
         k_pool.index_copy_(0, self.write_slots.reshape(-1), k.reshape(B * t, nkv, d).to(k_pool.dtype))
         v_pool.index_copy_(0, self.write_slots.reshape(-1), v.reshape(B * t, nkv, d).to(v_pool.dtype))
-        kc = k_pool[self.read_slots].transpose(1, 2)  # [B, Hkv, Lc, D]
-        vc = v_pool[self.read_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=self.mask, scale=scale,
-                                             enable_gqa=q.shape[2] != nkv)
-        return out.transpose(1, 2)
+        if use_decode_kernel(q, t, d):  # draft steps on a GPU: no gathered context
+            return paged_decode_attention(q.to(k_pool.dtype), k_pool, v_pool, self.read_slots, None, scale,
+                                          self.mask).to(q.dtype)
+        return sdpa_attention(q, k_pool, v_pool, self.read_slots, self.mask, scale)
 
 
 class HeadKVCache:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from speculum.backends.torch.native import invariant
 from speculum.backends.torch.native.arch import LlamaArch
-from speculum.backends.torch.native.kernels import add_rmsnorm, rope_write_kv, rope_write_kv_torch
+from speculum.backends.torch.native.attention import (causal_mask, paged_decode_attention, sdpa_attention,
+                                                      use_decode_kernel)
+from speculum.backends.torch.native.kernels import add_rmsnorm, rope_write_kv, rope_write_kv_torch, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -83,16 +84,11 @@ class Attention(nn.Module):
                                      k_pool, v_pool)
         if inv:  # causal by position: the caller made sure there is no tree mask
             out = invariant.paged_attention(qh, k_pool, v_pool, read_slots, positions, self.scale)
-            return _linear(self.o, out.reshape(B, q, self.nq * self.d), inv)
-        # read the whole context (this step's K/V included) through the block tables
-        # (index_select: the same copy as k_pool[read_slots], 4x faster on a CPU)
-        Lc = read_slots.shape[1]
-        flat = read_slots.reshape(-1)
-        kc = k_pool.index_select(0, flat).view(B, Lc, self.nkv, self.d).transpose(1, 2)  # [B, Hkv, Lc, D]
-        vc = v_pool.index_select(0, flat).view(B, Lc, self.nkv, self.d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qh.transpose(1, 2), kc, vc, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.nq != self.nkv)
-        return self.o(out.transpose(1, 2).reshape(B, q, self.nq * self.d))
+        elif use_decode_kernel(qh, q, self.d):  # decode and verify steps on a GPU
+            out = paged_decode_attention(qh, k_pool, v_pool, read_slots, positions, self.scale, mask)
+        else:  # CPU, prefill chunks: the forward built the mask (causal unless a tree's)
+            out = sdpa_attention(qh, k_pool, v_pool, read_slots, mask, self.scale)
+        return _linear(self.o, out.reshape(B, q, self.nq * self.d), inv)
 
 
 class MLP(nn.Module):
@@ -105,8 +101,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         inv = self.batch_invariant
-        g, u = _linear(self.gate_up, x, inv).split(self.inter, dim=-1)
-        return _linear(self.down, F.silu(g) * u, inv)
+        return _linear(self.down, silu_mul(_linear(self.gate_up, x, inv), self.inter), inv)
 
 
 class Block(nn.Module):
@@ -173,9 +168,9 @@ class NativeLlama(nn.Module):
         Lc = read_slots.shape[1]
         if self.batch_invariant and mask is not None:
             raise ValueError("batch-invariant attention is causal by position; token trees are not supported")
-        if mask is None and not self.batch_invariant:
-            # [B, 1, q, Lc]: key position j is visible to a query at position p iff j <= p
-            mask = (torch.arange(Lc, device=h.device).view(1, 1, 1, Lc) <= positions.unsqueeze(1).unsqueeze(-1))
+        if mask is None and not self.batch_invariant and not use_decode_kernel(h, input_ids.shape[1],
+                                                                                self.arch.head_dim):
+            mask = causal_mask(positions, Lc)  # the SDPA path's; the decode kernel is causal by position
         hidden = {}
         x, residual = h, None
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,47 @@
+# device: the step cost (issue 16), in parts that each fit a 10-minute call:
+#   bash scripts/device/session_setup.sh         # carry .whl, .gguf_a: install and the CUDA tests (decode
+#                                                # attention, overlap, kernels, trees, heads)
+#   bash scripts/device/step_cost.sh bench       # carry .gguf_b: bench step of both shapes (Triton decode attention
+#                                                # against SDPA_BEFORE=sdpa), then MT-bench (80 questions, 256 tokens,
+#                                                # greedy, bf16, batch 1): autoregressive and ngram k=4 with the step
+#                                                # profile, with and without overlap, and the old attention path
+#   bash scripts/device/step_cost.sh eagle3      # carry the eagle3 head's folder: eagle3 k=4 against autoregressive
+#                                                # on prompts of about 100, 500 and 2,000 tokens, both attention paths
+# Results in $OUT: step_{smollm,8b}{,_sdpa}.json, offline_{after,no_overlap,sdpa}.json, long_{N}{,_sdpa}.json.
+set -e
+PART=${1:-bench}
+PPC=${PPC:-10}
+TOK=${TOK:-256}
+quiet() { grep -v -E "Loading|Writing|it/s|Warning|warn"; }
+NGRAM='{"method":"ngram","num_speculative_tokens":4}'
+case $PART in
+  bench)
+    . scripts/device/common.sh
+    for att in triton sdpa; do
+      sfx=$([ $att = sdpa ] && echo _sdpa || true)
+      SPECULUM_ATTENTION=$att speculum bench step --shape smollm2-135m --batch-sizes 1,16 --query-lens 1,2,5,9,17,33 \
+        --iters 50 --json $OUT/step_smollm$sfx.json 2>&1 | quiet
+      SPECULUM_ATTENTION=$att speculum bench step --shape llama3-8b --batch-sizes 1,16 --query-lens 1,2,5,9,17,33 \
+        --iters 30 --json $OUT/step_8b$sfx.json 2>&1 | quiet
+    done
+    speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category $PPC --max-tokens $TOK \
+      --method "$NGRAM" --profile --json $OUT/offline_after.json 2>&1 | quiet | tail -22
+    speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC_BEFORE:-4} \
+      --max-tokens $TOK --method "$NGRAM" --profile --no-overlap --json $OUT/offline_no_overlap.json 2>&1 | quiet | tail -6
+    SPECULUM_ATTENTION=sdpa speculum bench offline --model $M --dtype bfloat16 --batch-size 1 \
+      --prompts-per-category ${PPC_BEFORE:-4} --max-tokens $TOK --method "$NGRAM" --profile --no-overlap \
+      --json $OUT/offline_sdpa.json 2>&1 | quiet | tail -6 ;;
+  eagle3)
+    . scripts/device/common.sh
+    python3 scripts/long_prompts.py --tokens 100,500,2000 --out /tmp/long
+    for n in 100 500 2000; do
+      for att in triton sdpa; do
+        sfx=$([ $att = sdpa ] && echo _sdpa || true)
+        SPECULUM_ATTENTION=$att speculum bench offline --model $M --dtype bfloat16 --batch-size 1 \
+          --mt-bench /tmp/long/long_$n.jsonl --prompts-per-category 1 --max-tokens $TOK \
+          --method '{"method":"eagle3","num_speculative_tokens":4}' --method "$NGRAM" \
+          --json $OUT/long_$n$sfx.json 2>&1 | quiet | tail -5
+      done
+    done ;;
+  *) echo "usage: step_cost.sh bench|eagle3" >&2; exit 2 ;;
+esac

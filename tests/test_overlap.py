@@ -1,0 +1,111 @@
+"""Overlapped steps (issue 16): the next forward runs ahead while the host does this step's
+bookkeeping. On a CPU the engine turns overlap off (the host computes the forward); these
+tests turn it on to check that it changes nothing about outputs, stops, aborts,
+admission, preemption or KV accounting, and that the forwards run ahead are used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculum import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TINY_TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # tiny llama, fp32: KV bytes per token
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, 500, (5 + 7 * i,), generator=g).tolist()} for i in range(n)]
+
+
+def _llm(model, overlap: bool, **kw) -> LLM:
+    llm = LLM(str(model), dtype="float32", device="cpu", **kw)
+    llm.loop.overlap = overlap  # the engine's default is off on a CPU
+    return llm
+
+
+def _run(llm: LLM, prompts, params):
+    outs = llm.generate(prompts, params)
+    llm.scheduler.check()
+    assert all(llm.target.length(s) == 0 for s in range(64))  # nothing held after the run
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_outputs_identical_with_and_without_overlap(tiny_llama, temperature):
+    prompts = _prompts(6)
+    # different max_tokens: rows finish at different steps, so the batch changes under a run-ahead
+    params = [SamplingParams(temperature=temperature, max_tokens=9 + 4 * i, ignore_eos=True, seed=i)
+              for i in range(6)]
+    on = _llm(tiny_llama, True, max_num_seqs=4)
+    off = _llm(tiny_llama, False, max_num_seqs=4)
+    assert _run(on, prompts, params) == _run(off, prompts, params)
+    # admission (max_num_seqs=4 of 6) and finishing rows drop forwards run ahead; the rest are used
+    assert on.loop.ahead_used > 10 and on.loop.ahead_dropped > 0
+    assert off.loop.ahead_used == off.loop.ahead_dropped == 0
+
+
+def test_stop_strings_penalties_and_eos(tiny_llama):
+    prompts = _prompts(3, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, stop_token_ids=[7, 11, 13])
+    on, off = _llm(tiny_llama, True, max_num_seqs=3), _llm(tiny_llama, False, max_num_seqs=3)
+    assert _run(on, prompts, params) == _run(off, prompts, params)
+
+
+def test_abort_while_a_forward_runs_ahead(tiny_llama):
+    llm = _llm(tiny_llama, True, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i, p in enumerate(_prompts(3, seed=2)):
+        llm.add_request(f"r{i}", p, params)
+    for _ in range(4):
+        llm.step()
+    assert llm.loop._ahead is not None  # a forward is out for the next step
+    llm.abort_request("r1")
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += [o for o in llm.step() if o.finished]
+    assert sorted(o.request_id for o in outs) == ["r0", "r2"]
+    assert llm.loop.ahead_dropped >= 1
+    llm.scheduler.check()
+    ref = _llm(tiny_llama, False, max_num_seqs=4).generate([_prompts(3, seed=2)[i] for i in (0, 2)], params)
+    assert [o.outputs[0].token_ids for o in sorted(outs, key=lambda o: o.request_id)] == \
+        [o.outputs[0].token_ids for o in ref]
+
+
+def test_preemption_and_a_full_cache_under_overlap(tiny_llama):
+    """A cache of 17 blocks: rows are preempted and recomputed, and a run-ahead that finds no
+    room for its one position is skipped; outputs equal a roomy run's."""
+    prompts = _prompts(8, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tight = _llm(tiny_llama, True, kv_cache_memory=17 * 16 * TINY_TOKEN_BYTES, max_model_len=256, max_num_seqs=8)
+    got = _run(tight, prompts, params)
+    assert tight.num_preemptions > 0
+    assert got == _run(_llm(tiny_llama, False, max_num_seqs=8), prompts, params)
+
+
+def test_no_run_ahead_while_rows_draft(tiny_llama):
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    prompts = _prompts(4, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative=i % 2 == 0) for i in range(4)]
+    on = _llm(tiny_llama, True, speculative_config=spec, max_num_seqs=4)
+    got = _run(on, prompts, params)
+    assert got == _run(_llm(tiny_llama, False, max_num_seqs=4), prompts, params)
+    # while speculative rows run nothing is run ahead; once only plain rows are left it may be
+    assert on.loop.ahead_dropped == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_cuda_overlap_is_the_default_and_changes_nothing(tiny_llama, temperature):
+    prompts = _prompts(6)
+    params = [SamplingParams(temperature=temperature, max_tokens=9 + 4 * i, ignore_eos=True, seed=i)
+              for i in range(6)]
+    on = LLM(str(tiny_llama), dtype="float32", device="cuda", max_num_seqs=4)
+    off = LLM(str(tiny_llama), dtype="float32", device="cuda", max_num_seqs=4, overlap=False)
+    assert on.overlap and not off.overlap
+    assert [o.outputs[0].token_ids for o in on.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    assert on.loop.ahead_used > 10
+    on.scheduler.check()
