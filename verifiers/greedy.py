@@ -16,12 +16,16 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdi
     mismatch (or the bonus position when every draft matched).
 
     Only the argmax leaves the device (one synchronisation); the prefix match runs on
-    the host, and the Verdict comes back as CPU tensors.
+    the host, and the Verdict comes back as CPU tensors. With no drafts (``k = 0``)
+    there is nothing to match: the argmax stays where it is, unsynchronised, so an
+    overlapped step can start the next forward on it.
     """
     B, k1, _ = target_logits.shape
     k = k1 - 1
     # [B, k+1]
     argmax = target_logits.argmax(dim=-1)
+    if k == 0:
+        return Verdict(token_ids=argmax, num_accepted=torch.zeros(B, dtype=torch.int64, device=argmax.device))
     if k > 0 and draft_ids.device != torch.device("cpu"):
         both = torch.cat([argmax, draft_ids.to(argmax.device, torch.int64)], dim=1).tolist()
         am, drafts = [r[:k1] for r in both], [r[k1:] for r in both]
