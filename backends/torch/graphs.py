@@ -40,7 +40,7 @@ class StaticGraph(Generic[T]):
         self._done: list[torch.cuda.Event | None] = [None] * staging
         self._turn = 0
         #: the stream replays run on (looked up once: a lookup costs ~20 us of host time)
-        self._stream = torch.cuda.current_stream()
+        self._stream = torch.cuda.current_stream(meta.device) if meta.is_cuda else None
 
     def host(self) -> np.ndarray:
         """The next pinned staging buffer (a numpy view) to fill with a step's metadata;
@@ -55,7 +55,7 @@ class StaticGraph(Generic[T]):
         i = self._turn
         self.meta.copy_(self._host[i], non_blocking=True)
         ev = torch.cuda.Event()
-        ev.record(self._stream)
+        ev.record(self._stream) if self._stream is not None else ev.record()
         self._done[i] = ev
         self._turn = (i + 1) % len(self._host)
 
