@@ -43,7 +43,9 @@ class LLM:
     ``model``: a transformers directory, a ``.gguf`` file, or None for the default
     SmolLM2-135M-Instruct. ``speculative_config``: None, a dict, a JSON string or a
     :class:`SpeculativeConfig`. ``plugins``: extra in-process plugins (modules/objects with
-    ``@speculum.hookimpl`` functions) besides the installed entry points.
+    ``@speculum.hookimpl`` functions) besides the installed entry points. ``overlap``
+    (CUDA only): a step without drafts starts the next forward before the host's
+    bookkeeping of this one (outputs unchanged; see docs/architecture.md).
     """
 
     def __init__(self, model: str | None = None, speculative_config: Any = None, *,
