@@ -139,3 +139,30 @@ def test_registered_through_the_entry_point():
     spec = build_registry().methods["ngram"]
     assert spec.factory == NgramProposer.from_context
     assert spec.options is NgramOptions and spec.backends == ("torch", "jax")
+
+
+def _reference(tokens: torch.Tensor, n_min: int, n_max: int, k: int) -> list[int]:
+    """The definition, one unfold per n (the implementation before the vectorised search)."""
+    L = tokens.shape[0]
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = tokens[L - n:]
+        hits = (tokens[: L - 1].unfold(0, n, 1) == suffix).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return tokens[start: start + k].tolist()
+    return []
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 50])
+def test_vectorised_search_equals_the_definition(vocab):
+    """2,000 random sequences (small vocabularies: many candidate matches, long runs)."""
+    g = torch.Generator().manual_seed(vocab)
+    for _ in range(2000):
+        L = int(torch.randint(1, 60, (1,), generator=g))
+        t = torch.randint(0, vocab, (L,), generator=g)
+        n_min = int(torch.randint(1, 4, (1,), generator=g))
+        n_max = n_min + int(torch.randint(0, 5, (1,), generator=g))
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        want = _reference(t, n_min, n_max, k)
+        assert find_ngram_draft(t, n_min, n_max, k) == want
+        assert find_ngram_draft(t.tolist(), n_min, n_max, k) == want
