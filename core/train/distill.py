@@ -1,9 +1,9 @@
 """Self-distillation data: the target answers training prompts, its hidden states recorded.
 
 Generation runs through :class:`speculum.LLM` (batched, greedy or sampled, on any device,
-with CUDA graphs on a GPU) with an in-process *recorder* proposer that drafts nothing and
-keeps the target's hidden states, the same plumbing the EAGLE/Medusa/MTP proposers use
-at inference (:mod:`speculum.train.generate`). What is answered is the data mix of
+with CUDA graphs and overlapped steps on a GPU); each finished conversation then gets the
+target's hidden states from one teacher-forced prefill over its tokens
+(:mod:`speculum.train.generate`). What is answered is the data mix of
 :mod:`speculum.train.mix`; this module selects the rows, keys and fills the cache.
 
 The result is cached under ``$SPECULUM_CACHE/distill/<model>-<key>/`` in shards of
@@ -173,7 +173,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if not todo or not generate:
         _save_meta(meta_file, meta)
         return out, [n for s, n in zip(shards, names) if s not in todo]
-    llm, recorder = engine(spec, device, dtype, max_num_seqs, max_model_len)
+    llm = engine(spec, device, dtype, max_num_seqs, max_model_len)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -193,7 +193,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         shard.records = []
         _save_meta(meta_file, meta)
 
-    done = stream_jobs(llm, recorder, todo, spec, ids, write, time_limit, bar)
+    done = stream_jobs(llm, todo, spec, ids, write, time_limit, bar)
     if bar is not None:
         bar.close()
     meta["generation_seconds"] = round(meta.get("generation_seconds", 0) + time.perf_counter() - t0, 1)

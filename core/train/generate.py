@@ -1,11 +1,14 @@
-"""Generation for self-distillation: the recorder proposer, its engine, and the job stream.
+"""Generation for self-distillation: the answering engine, the job stream, and the
+target's hidden states of each finished answer.
 
-:class:`Recorder` drafts nothing and records the target's hidden states, handed to it by
-the engine like to any proposer that declares ``hidden_layers`` (prefill and every
-decode step). :func:`stream_jobs` pushes the jobs of the data mix
-(:mod:`speculum.train.mix`) through one :class:`speculum.LLM`, continuously: a finished
-answer that wants a follow-up queues its next job at once, so the batch stays full and a
-conversation's turns need no separate passes.
+:func:`stream_jobs` pushes the jobs of the data mix (:mod:`speculum.train.mix`) through
+one :class:`speculum.LLM` (plain decoding: no proposer, so steps overlap on a GPU),
+continuously: a finished answer that wants a follow-up queues its next job at once, so
+the batch stays full and a conversation's turns need no separate passes.
+:func:`prefill_features` then gives each finished conversation the target's hidden
+states by one teacher-forced, batched prefill over its tokens (what EAGLE's own data
+pipeline does): far cheaper than copying states out of every decode step, and the same
+states up to the rounding of the kernels (``tests/test_train.py``).
 """
 
 from __future__ import annotations
@@ -17,71 +20,51 @@ from typing import Callable, Sequence
 import attrs
 import torch
 
-import speculum
-from speculum.interfaces import Draft
+from speculum.interfaces import KVCacheFull
 from speculum.train.mix import QUESTION, Job, Row, first_jobs, first_message, next_jobs
 
 log = logging.getLogger(__name__)
 
-
-class Recorder:
-    """A proposer that drafts nothing and records the target's hidden states.
-
-    Per step it copies the states of all layers to the host in one transfer and keeps,
-    per sequence, references to its rows; a finished sequence's states are gathered
-    once, at :meth:`remove_request`.
-    """
-
-    def __init__(self, layers: Sequence[int]):
-        self.hidden_layers = tuple(layers)
-        #: seq_id -> (token list, prompt length, prefill {layer: [P - 1, H]}, [(step [B, nL, H], row)])
-        self.live: dict[int, tuple[list[int], int, dict[int, torch.Tensor], list]] = {}
-        #: seq_id -> (tokens, prompt length, {layer: [n, H]}) of finished sequences
-        self.done: dict[int, tuple[list[int], int, dict[int, torch.Tensor]]] = {}
-
-    def add_request(self, seq, hidden_states=None):
-        self.done.pop(seq.seq_id, None)  # a preempted sequence is recorded again from the start
-        pre = {l: hidden_states[l].to("cpu", torch.bfloat16) for l in self.hidden_layers}
-        self.live[seq.seq_id] = (seq.token_ids, seq.num_prompt_tokens, pre, [])
-
-    def propose(self, batch):
-        B = len(batch.seqs)
-        return Draft(token_ids=torch.empty(B, 0, dtype=torch.int64), lengths=[0] * B)
-
-    def observe(self, feedback):
-        hs = feedback.hidden_states
-        step = torch.stack([hs[l][:, 0] for l in self.hidden_layers], dim=1).to("cpu", torch.bfloat16)  # [B, nL, H]
-        for b, sid in enumerate(feedback.seq_ids):
-            self.live[sid][3].append((step, b))
-
-    def remove_request(self, seq_id):
-        tokens, P, pre, steps = self.live.pop(seq_id)
-        tokens = list(tokens)
-        n = len(tokens)
-        feats = {}
-        rows = torch.stack([s[b] for s, b in steps]) if steps else None  # [n_steps, nL, H]
-        for i, l in enumerate(self.hidden_layers):
-            h = pre[l] if rows is None else torch.cat([pre[l], rows[:, i]])
-            h = h[: n - 1]
-            feats[l] = torch.cat([h, h.new_zeros(n - h.shape[0], h.shape[1])])  # the last token: none
-        self.done[seq_id] = (tokens, P, feats)
-
-    def take(self, tokens: Sequence[int]) -> tuple[list[int], int, dict[int, torch.Tensor]]:
-        """The record of the finished sequence with exactly these tokens (prompt + output)."""
-        want = list(tokens)
-        for sid, rec in self.done.items():
-            if rec[0] == want:
-                return self.done.pop(sid)
-        raise RuntimeError("recorder lost a finished sequence (was it preempted and not recomputed?)")
+#: tokens prefilled together when computing features (bounded: the engine's own
+#: sequences hold the rest of the KV cache)
+FEATURE_TOKENS = 16384
 
 
-def _recorder_plugin(recorder: Recorder):
-    class RecorderPlugin:
-        @staticmethod
-        @speculum.hookimpl
-        def speculum_register_proposers(register):
-            register("_distill_recorder", lambda ctx: recorder, description="records hidden states (training)")
-    return RecorderPlugin
+def prefill_features(llm, token_lists: Sequence[Sequence[int]], layers: Sequence[int]) -> list[dict[int, torch.Tensor]]:
+    """Per sequence ``{layer: [n, H]}`` bfloat16 on the host: the target's state at each of
+    its ``n`` positions given the tokens before it, from batched prefills through the
+    engine's target runner (zeros for the last token: nothing follows it to train on)."""
+    runner = llm.target
+    out: list[dict[int, torch.Tensor]] = [None] * len(token_lists)  # type: ignore[list-item]
+    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))  # similar lengths together
+    budget = FEATURE_TOKENS
+    i = 0
+    while i < len(order):
+        group, total = [], 0
+        while i < len(order) and (not group or total + len(token_lists[order[i]]) <= budget):
+            group.append(order[i])
+            total += len(token_lists[order[i]])
+            i += 1
+        sids = [-(j + 1) for j in range(len(group))]  # never an engine sequence's id
+        try:
+            hidden = runner.add_many(sids, [list(token_lists[g])[:-1] for g in group], hidden_layers=tuple(layers))
+        except KVCacheFull:
+            for sid in sids:
+                runner.remove(sid)
+            if len(group) == 1:
+                raise
+            i -= len(group)
+            budget = max(1, total // 2)  # fewer at a time while the engine holds the cache
+            continue
+        for sid in sids:
+            runner.remove(sid)
+        for g, sid in zip(group, sids):
+            feats = {}
+            for l in layers:
+                h = hidden[sid][l].to("cpu", torch.bfloat16)
+                feats[l] = torch.cat([h, h.new_zeros(1, h.shape[1])])
+            out[g] = feats
+    return out
 
 
 class PromptIds:
@@ -126,12 +109,13 @@ class Shard:
     records: list = attrs.field(factory=list)
 
 
-def stream_jobs(llm, recorder: Recorder, shards: list[Shard], spec, ids: PromptIds,
-                on_done: Callable[[Shard], None], time_limit: float = 0, bar=None) -> int:
+def stream_jobs(llm, shards: list[Shard], spec, ids: PromptIds, on_done: Callable[[Shard], None],
+                time_limit: float = 0, bar=None) -> int:
     """Answer every job of ``shards`` through ``llm`` (continuous batching); a shard is
-    handed to ``on_done`` once all its jobs, follow-ups included, are finished. With
-    ``time_limit`` (seconds), stops there and drops unfinished shards; returns how many
-    shards were finished."""
+    handed to ``on_done`` once all its jobs, follow-ups included, are finished, with its
+    records' hidden states filled (:func:`prefill_features`). With ``time_limit``
+    (seconds), stops there and drops unfinished shards; returns how many shards were
+    finished."""
     from speculum.sampling import SamplingParams
     tok = llm.tokenizer
     room = llm.max_model_len - 1
@@ -158,6 +142,8 @@ def stream_jobs(llm, recorder: Recorder, shards: list[Shard], spec, ids: PromptI
     def close(shard: Shard) -> None:
         nonlocal finished
         if shard.open == 0:
+            feats = prefill_features(llm, [toks for _, toks, _, _ in shard.records], spec.layers)
+            shard.records = [(job, toks, P, f) for (job, toks, P, _), f in zip(shard.records, feats)]
             on_done(shard)
             finished += 1
             if bar is not None:
@@ -167,7 +153,6 @@ def stream_jobs(llm, recorder: Recorder, shards: list[Shard], spec, ids: PromptI
         if time_limit and time.perf_counter() - t0 > time_limit:
             for rid in list(running):
                 llm.abort_request(rid)
-            recorder.done.clear()
             log.warning("self-distillation stopped at its time limit (%.0f s): %d of %d shards finished",
                         time_limit, finished, len(shards))
             break
@@ -177,9 +162,9 @@ def stream_jobs(llm, recorder: Recorder, shards: list[Shard], spec, ids: PromptI
             close(shard)  # a shard whose jobs were all skipped
         for out in llm.step(include_running=False):
             shard, job = running.pop(out.request_id)
-            tokens, P, feats = recorder.take(out.prompt_token_ids + out.token_ids)
             if job.kind != QUESTION:
-                shard.records.append((job, tokens, P, feats))
+                shard.records.append((job, list(out.prompt_token_ids) + list(out.token_ids),
+                                      len(out.prompt_token_ids), None))
             follow = next_jobs(job, out.text or tok.decode(out.token_ids), spec)
             shard.open += len(follow) - 1
             for nj in follow:
@@ -190,22 +175,17 @@ def stream_jobs(llm, recorder: Recorder, shards: list[Shard], spec, ids: PromptI
 
 #: generation engines kept between ensure_distill calls of one process (training data,
 #: then evaluation data: one engine, one set of CUDA graphs)
-_ENGINES: dict[tuple, tuple] = {}
+_ENGINES: dict[tuple, object] = {}
 
 
 def engine(spec, device, dtype, max_num_seqs: int, max_model_len: int):
-    """(LLM with a recorder proposer, the recorder), made once per configuration."""
+    """The answering LLM (plain decoding), made once per configuration."""
     from speculum.engine import LLM
-    key = (spec.model, str(device), str(dtype), tuple(spec.layers), max_num_seqs, max_model_len)
+    key = (spec.model, str(device), str(dtype), max_num_seqs, max_model_len)
     if key not in _ENGINES:
-        recorder = Recorder(spec.layers)
-        llm = LLM(spec.model, {"method": "_distill_recorder", "num_speculative_tokens": 1}, device=device,
-                  dtype=dtype, seed=spec.seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                  plugins=[_recorder_plugin(recorder)])
-        _ENGINES[key] = (llm, recorder)
-    llm, recorder = _ENGINES[key]
-    recorder.done.clear()
-    return llm, recorder
+        _ENGINES[key] = LLM(spec.model, device=device, dtype=dtype, seed=spec.seed, max_num_seqs=max_num_seqs,
+                            max_model_len=max_model_len)
+    return _ENGINES[key]
 
 
 def release_engines() -> None:
