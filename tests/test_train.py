@@ -307,3 +307,25 @@ def test_validation_acceptance_length_is_what_the_engine_measures(tmp_path, meth
     m = llm.metrics
     assert score.tokens == m.num_emitted_tokens and abs(score.steps - m.num_steps) <= 0.02 * m.num_steps
     assert 1.1 < score.acceptance_length() and abs(score.acceptance_length() - m.mean_acceptance_length) < 0.03
+
+
+def test_exported_answers_get_their_states_back_by_prefill(tiny_llama, prompts, tmp_path):
+    """`python -m speculum.train.distill export`: the answers only (no states) travel; the
+    cache they land in recomputes the states, the same as the original's, and generates
+    nothing (the same shards are found finished)."""
+    from safetensors import safe_open
+
+    from speculum.train.distill import main as distill_main
+    sp = spec(tiny_llama, prompts, 12)
+    d, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    assert distill_main(["export", str(d), str(tmp_path / "b")]) == 0
+    copied = tmp_path / "b" / d.name
+    with safe_open(str(copied / shards[0]), "pt") as f:
+        assert not any(k.startswith("hidden.") for k in f.keys())
+    assert sum(p.stat().st_size for p in copied.iterdir()) < sum(p.stat().st_size for p in d.iterdir()) / 2
+    d2, shards2 = ensure_distill(sp, tmp_path / "b", max_num_seqs=5, device="cpu", shard_size=8, generate=False)
+    assert d2 == copied and shards2 == shards
+    a, b = DistillData.load(d, shards=shards), DistillData.load(d2, shards=shards2)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets)
+    for layer in (-1, 0):
+        torch.testing.assert_close(b.hidden[layer].float(), a.hidden[layer].float(), atol=0.05, rtol=0.02)

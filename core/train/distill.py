@@ -9,7 +9,10 @@ target's hidden states from one teacher-forced prefill over its tokens
 The result is cached under ``$SPECULUM_CACHE/distill/<model>-<key>/`` in shards of
 ``shard_size`` source rows (``shard_00000.safetensors`` ...) with all their answers; an
 interrupted run resumes at the missing shards, and a run asking for more prompts extends
-the same cache. Each shard holds, for its ``S`` sequences of ``N`` tokens in all:
+the same cache. A shard without the hidden states (``python -m speculum.train.distill export``
+copies a cache's answers only: megabytes instead of gigabytes, to carry them to another
+machine) gets them from a teacher-forced prefill the next time the cache is used. Each
+shard holds, for its ``S`` sequences of ``N`` tokens in all:
 ``tokens`` [N] int32, ``offsets`` [S + 1] int64, ``prompt_lens`` [S] int32, ``prompt_index``
 [S] int32 (the row's group id: its row in the prompt file), ``kind`` [S] int32 (index in
 :data:`speculum.train.mix.KINDS`), ``temperature`` [S] float32 and ``hidden.<layer>``
@@ -30,7 +33,7 @@ from typing import Sequence
 import attrs
 import torch
 
-from speculum.train.generate import PromptIds, Shard, engine, stream_jobs
+from speculum.train.generate import PromptIds, Shard, engine, prefill_features, stream_jobs
 from speculum.train.mix import DATA_BASE, KINDS, Row, drop_overlaps, eval_texts, order_rows, read_rows
 
 log = logging.getLogger(__name__)
@@ -160,7 +163,9 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if known:  # selected before: no need to read and tokenise the prompts again
         finished = [n for n, k in zip(known["shards"], known["sizes"]) if meta["sizes"].get(n) == k]
         if len(finished) == len(known["shards"]) or not generate:
-            return out, finished  # nothing written: other processes may be reading the cache
+            # nothing written unless answers came without states: other processes may be reading
+            fill_features(out, finished, spec, lambda: engine(spec, device, dtype, max_num_seqs, max_model_len))
+            return out, finished
     ids = PromptIds(Tokenizer.load(resolve_model_path(spec.model)))
     sel = select_rows(spec, ids)
     shards = [Shard(i, sel.rows[s: s + shard_size]) for i, s in enumerate(range(0, len(sel.rows), shard_size))]
@@ -170,6 +175,8 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         "selection": {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}}
     # a shard is done when it holds all its rows (a smaller earlier run may have cut it)
     todo = [s for s, n in zip(shards, names) if meta["sizes"].get(n) != len(s.rows)]
+    fill_features(out, [n for s, n in zip(shards, names) if s not in todo], spec,
+                  lambda: engine(spec, device, dtype, max_num_seqs, max_model_len))
     if not todo or not generate:
         _save_meta(meta_file, meta)
         return out, [n for s, n in zip(shards, names) if s not in todo]
@@ -201,6 +208,58 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if done < len(todo):  # out of time: the shards finished so far
         names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
     return out, names
+
+
+def fill_features(path: Path, shards: Sequence[str], spec: DistillSpec, make_llm) -> int:
+    """Give the shards of ``path`` that hold answers without ``spec.layers``' hidden states
+    those states (teacher-forced prefill through ``make_llm()``'s target); returns how many
+    shards were filled."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    want = {f"hidden.{l}" for l in spec.layers}
+    todo = []
+    for name in shards:
+        with safe_open(str(Path(path) / name), "pt") as f:
+            if not want <= set(f.keys()):
+                todo.append(name)
+    if not todo:
+        return 0
+    llm = make_llm()
+    t0 = time.perf_counter()
+    for name in todo:
+        data = load_file(str(Path(path) / name))
+        offsets = data["offsets"].tolist()
+        tokens = data["tokens"].tolist()
+        seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        feats = prefill_features(llm, seqs, spec.layers)
+        for l in spec.layers:
+            data[f"hidden.{l}"] = torch.cat([f[l] for f in feats]).contiguous() if feats else \
+                torch.zeros(0, 1, dtype=torch.bfloat16)
+        _save_tensors(Path(path) / name, data)
+    log.info("self-distillation: hidden states of %d shards of answers computed by prefill in %.1f s", len(todo),
+             time.perf_counter() - t0)
+    return len(todo)
+
+
+def export_answers(src: Path, dst: Path) -> Path:
+    """Copy the cache ``src`` to ``dst/<its name>`` with the answers only (no hidden states):
+    what another machine needs to train on them (the states are recomputed there)."""
+    from safetensors.torch import load_file
+    src, out = Path(src), Path(dst) / Path(src).name
+    out.mkdir(parents=True, exist_ok=True)
+    meta = json.loads((src / "meta.json").read_text())
+    for name in meta["shards"]:
+        data = {k: v for k, v in load_file(str(src / name)).items() if not k.startswith("hidden.")}
+        _save_tensors(out / name, data)
+    _save_meta(out / "meta.json", meta)
+    return out
+
+
+def _save_tensors(path: Path, data: dict) -> None:
+    from safetensors.torch import save_file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(data, str(tmp))
+    os.replace(tmp, path)
 
 
 def _save_meta(path: Path, meta: dict) -> None:
@@ -238,7 +297,6 @@ def mix_summary(path: Path, shards: Sequence[str], num_prompts: int | None = Non
 
 
 def _write_shard(path: Path, recs, layers: Sequence[int]) -> None:
-    from safetensors.torch import save_file
     tokens = torch.tensor([t for _, toks, _, _ in recs for t in toks], dtype=torch.int32)
     lens = torch.tensor([0] + [len(toks) for _, toks, _, _ in recs], dtype=torch.int64)
     data = {"tokens": tokens, "offsets": lens.cumsum(0),
@@ -249,6 +307,25 @@ def _write_shard(path: Path, recs, layers: Sequence[int]) -> None:
     for layer in layers:
         parts = [f[layer] for _, _, _, f in recs]
         data[f"hidden.{layer}"] = torch.cat(parts).contiguous() if parts else torch.zeros(0, 1, dtype=torch.bfloat16)
-    tmp = path.with_suffix(".tmp")
-    save_file(data, str(tmp))
-    tmp.rename(path)
+    _save_tensors(path, data)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m speculum.train.distill export SRC DST``: a cache's answers without states."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m speculum.train.distill",
+                                 description="copy a self-distillation cache's answers without the hidden states "
+                                             "(recomputed by prefill where the copy is used)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="copy SRC (a cache folder) to DST/<its name>, answers only")
+    ex.add_argument("src", help="a cache folder: $SPECULUM_CACHE/distill/<model>-<key>")
+    ex.add_argument("dst", help="where the copy goes (its folder name is kept: the cache key)")
+    args = ap.parse_args(argv)
+    out = export_answers(Path(args.src), Path(args.dst))
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"{out}: {len(list(out.glob('shard_*.safetensors')))} shards of answers, {size / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,8 +4,10 @@
 #     for evaluation only (at most GEN_TL seconds; the shards finished by then are used);
 #  2. eagle, eagle3, medusa, mtp and a draft model side by side on the GPU for the time left
 #     (the draft's shape from /tmp/draft_shapes.json when draft_shapes.sh ran in this warm session);
-#  3. heads, reports, logs and training curves into $OUT as tar parts of 15 MiB (at most 8; the
-#     draft's weights are left out when they do not fit).
+#  3. heads, reports, logs and training curves into $OUT as tar parts of 15 MiB (the draft's
+#     weights left out when they do not fit), and the answers alone (answers.tar: token ids, no
+#     hidden states) for a later call to carry back in as ANSWERS=<folder> (states recomputed
+#     by prefill, generation continuing where the answers stop).
 . scripts/device/common.sh
 T0=$(date +%s)
 BUDGET=${BUDGET:-550}    # seconds this script may take (the call's limit is 600)
@@ -13,6 +15,12 @@ GEN_TL=${GEN_TL:-150}    # generation stops here
 RESERVE=${RESERVE:-75}   # trainer start-up, final validation, export and packing
 TR=${TR:-/tmp/tr}
 mkdir -p $TR
+# answers generated in an earlier call (python -m speculum.train.distill export, carried as ANSWERS):
+# their hidden states are recomputed by prefill and generation continues where they stop
+if [ -n "$ANSWERS" ] && [ -d "$ANSWERS" ]; then
+  mkdir -p $SPECULUM_CACHE/distill && cp -r $ANSWERS/* $SPECULUM_CACHE/distill/
+  echo "answers carried in: $(ls $ANSWERS | tr '\n' ' ')"
+fi
 D="--model $M --num-prompts ${NPROMPTS:-4728} --max-tokens ${MAXTOK:-384} --extra-answers ${EXTRA:-2} \
    --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --second-turns ${SECOND:-0.5} \
    --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
@@ -38,11 +46,22 @@ python3 -m speculum.train.curves $TR/eagle $TR/eagle3 $TR/medusa $TR/mtp $TR/dra
 for f in $SPECULUM_CACHE/distill/*/meta.json; do cp $f $TR/data_meta_$(basename $(dirname $f)).json; done
 [ -f /tmp/draft_shapes.json ] && cp /tmp/draft_shapes.json $TR/
 echo "total: $(( $(date +%s) - T0 )) s"
-# pack: everything but checkpoints; without the draft's weights if more than 8 parts of 15 MiB
+# the answers alone (no hidden states: megabytes), for the next session to carry back in as ANSWERS
+rm -rf /tmp/answers && mkdir -p /tmp/answers
+for d in $SPECULUM_CACHE/distill/*/; do python3 -m speculum.train.distill export $d /tmp/answers | tail -1; done
+# pack: everything but checkpoints; what comes back from a call is about 60 MB in all, so the
+# draft's weights (70 MB) are left out when the rest would not fit (they stay in $TR/draft while warm)
+LIMIT=${OUT_LIMIT:-60000000}
 cd $TR && tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json eagle eagle3 medusa mtp draft *.log *.json
-if [ $(stat -c %s /tmp/heads.tar) -gt $(( 8 * 15728640 )) ]; then
-  echo "the draft's weights do not fit into 8 parts: left out (they stay in $TR/draft while the machine is warm)"
+if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
+  echo "the draft's weights do not fit: left out (they stay in $TR/draft while the machine is warm)"
   tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
     eagle eagle3 medusa mtp draft *.log *.json
+fi
+tar cf /tmp/answers.tar -C /tmp answers
+if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tar) )) -le $LIMIT ]; then
+  mv /tmp/answers.tar $OUT/
+else
+  echo "the answers ($(stat -c %s /tmp/answers.tar) bytes) do not fit beside the heads: left in /tmp/answers.tar"
 fi
 cd $OUT && split -b 15M /tmp/heads.tar heads.tar.part_ && rm /tmp/heads.tar && ls -la $OUT
