@@ -163,69 +163,22 @@ class DraftVerifyLoop:
         """
         B = len(seqs)
         t_start = time.perf_counter()
-        sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], self.target.device,
-                                             histories=[(s.token_ids, s.num_prompt_tokens) for s in seqs],
-                                             rules=[s.rules for s in seqs], needs=any(s.processed for s in seqs),
-                                             keys=[(s.seed or 0, len(s.token_ids)) for s in seqs])
+        sampling = self._sampling(seqs)
         k_step = min(self.length.choose(seqs), self.k) if self.k else 0
         if k_step and self.trees:  # a tree is drafted whole or not at all (the node budget is fixed)
             k_step = self.k
         self.k_counts[k_step] += 1
         self._steps += 1
-        # with trees, rows whose logits processors read the history (penalties, min_tokens,
-        # bad words...) decode without drafts: their drafts' histories are tree paths
-        rows = [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)
-                and not (self.trees and s.processed)] if k_step else []
-        timed = bool(rows) and (self._steps % self.time_every == 0 or self.length.needs_timing(B))
-        if timed:
-            _sync(self.target.device)
-        t_draft = time.perf_counter()
-        draft = self._propose(seqs, rows, sampling, k_step)
-        if timed:
-            _sync(self.target.device)
-        draft_seconds = time.perf_counter() - t_draft if timed else None
-        tree = draft.tree
-        # drafts each row was asked for (what its acceptance is measured against) and got,
-        # capped so no row drafts past what it may emit or its own k
-        asked, drafted = [0] * B, [0] * B
-        if draft.token_ids.shape[1]:
-            lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
-            if tree is None:
-                drafted = [min(n, max(s.room() - 1, 0), self._cap(s)) for n, s in zip(lengths, seqs)]
-            else:  # a tree keeps its nodes; those deeper than a row may emit are never accepted
-                drafted = [n if s.room() > 1 else 0 for n, s in zip(lengths, seqs)]
-                depths = [min(tree.depth_bound, s.room() - 1) if n else 0 for n, s in zip(drafted, seqs)]
-        for b in rows:
-            asked[b] = drafted[b] if tree is not None else min(k_step, max(seqs[b].room() - 1, 0), self._cap(seqs[b]))
-        k = draft.token_ids.shape[1]
-        ids = draft.token_ids
-        if k:
-            keep = torch.arange(k, device=ids.device).view(1, k) < torch.tensor(drafted).view(B, 1).to(ids.device)
-            if tree is not None and min(depths) < tree.depth_bound:
-                keep &= tree.depth.to(ids.device) <= torch.tensor(depths).view(B, 1).to(ids.device)
-            # token ids outside the vocabulary would crash the embedding: such drafts are dropped
-            in_vocab = (ids >= 0) & (ids < self.target.vocab_size)
-            if ids.device.type == "cpu" and bool((~in_vocab & (ids != -1)).any()):  # free to say on the host
-                self._once("draft", f"proposer {type(self.proposer).__name__} drafted token ids outside the "
-                                    f"vocabulary (0..{self.target.vocab_size - 1}); those drafts are dropped")
-            keep &= in_vocab
-            if draft.probs is not None:  # drafts whose distribution is not one cannot be verified losslessly
-                q = draft.probs
-                ok = (torch.isfinite(q).all(-1) & (q >= 0).all(-1)).all(-1, keepdim=True)
-                if q.device.type == "cpu" and not bool(ok.all()):
-                    self._once("draft", f"proposer {type(self.proposer).__name__} returned draft probabilities "
-                                        "with NaN/inf or negative entries; those rows' drafts are dropped")
-                keep &= ok.to(keep.device)
-            ids = torch.where(keep, ids, -1)
-        draft.token_ids = ids
-        # [B, k+1]: last token, then drafts; built where the drafts live (host for
-        # model-free proposers, so the runner ships everything in one copy)
-        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(ids.device)
-        inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
-        num_tokens = [n + 1 for n in drafted]
-        extra = {} if tree is None else {"tree": tree}
-        out = self._take_ahead(seqs, k) or self.target.forward([s.seq_id for s in seqs], inputs, num_tokens,
-                                                                self.hidden_layers, **extra)
+        ahead = self._claim_planned(seqs, k_step)
+        if ahead is not None:  # drafted and launched at the end of the last step (overlap)
+            plan, out = ahead.plan, ahead.out
+        else:
+            plan = self._plan(seqs, sampling, k_step, timing=True)
+            extra = {} if plan.draft.tree is None else {"tree": plan.draft.tree}
+            out = self._take_ahead(seqs, plan.k) or self.target.forward(
+                [s.seq_id for s in seqs], plan.inputs, plan.num_tokens, self.hidden_layers, **extra)
+        draft, rows, asked, drafted, depths, k = plan.draft, plan.rows, plan.asked, plan.drafted, plan.depths, plan.k
+        tree, ids, draft_seconds = draft.tree, draft.token_ids, plan.draft_seconds
         # [B]: rows with NaN/inf logits (padding positions compute on real tokens: finite too)
         bad = ~torch.isfinite(out.logits).all(-1).all(-1)
         # [B, k+1, V] penalties, bias, min_tokens, bad_words, min_p per position (drafts
@@ -281,6 +234,8 @@ class DraftVerifyLoop:
         observed = rows if rows or not self.wants_hidden else \
             [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)]
         self._observe(seqs, observed, accepted, new_lengths, hidden)
+        if self.overlap and k_step and not failed_rows and self._may_plan_ahead(seqs):
+            self._plan_ahead(seqs, k_step)  # the next step's drafts and forward, before the engine's work
         self.length.observe_step(B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
 
     # -- overlap (see the module doc) -----------------------------------------------------
@@ -291,6 +246,52 @@ class DraftVerifyLoop:
         return (not failed_rows and not self.hidden_layers
                 and not any(s.params.logprobs is not None for s in seqs)
                 and not (self.k and any(s.speculative and self._cap(s) for s in seqs)))
+
+    def _may_plan_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step's drafts may be made now, before the engine's bookkeeping:
+        a fixed k (nothing this step observes changes it), a stateless proposer with no
+        hidden states (it drafts from the tokens alone), chains, every row greedy with
+        unprocessed logits and no logprobs (no random stream is drawn early, nothing read
+        from this step's outputs later), no row finished (the batch stays the same)."""
+        return (isinstance(self.length, FixedLength) and not self.stateful and not self.hidden_layers
+                and not self.trees
+                and all(s.params.temperature == 0 and not s.processed and s.params.logprobs is None
+                        and not s.finished for s in seqs)
+                and any(s.speculative and self._cap(s) for s in seqs))
+
+    def _plan_ahead(self, seqs: list[Sequence], k_step: int) -> None:
+        """Draft the next step now and launch its forward; :meth:`step` takes both if the
+        same sequences come back unchanged (:meth:`_claim_planned`)."""
+        ids = [s.seq_id for s in seqs]
+        bases = {sid: self.target.length(sid) for sid in ids}
+        plan = self._plan(seqs, self._sampling(seqs), k_step, timing=False)
+        if any(s.finished for s in seqs):  # the proposer failed a row: the batch changes anyway
+            return
+        try:
+            out = self.target.forward(ids, plan.inputs, plan.num_tokens, self.hidden_layers)
+        except KVCacheFull:
+            for sid, base in bases.items():
+                if self.target.length(sid) > base:
+                    self.target.truncate(sid, base)
+            return
+        self._ahead = _Ahead(tuple(ids), bases, out, plan, k_step, {s.seq_id: len(s.token_ids) for s in seqs})
+
+    def _claim_planned(self, seqs: list[Sequence], k_step: int) -> "_Ahead | None":
+        """The step drafted and launched ahead by :meth:`_plan_ahead`, if it is this step:
+        the same sequences, none grown or finished since, the same k. Else it is dropped
+        (its KV positions truncated) and None returned."""
+        ahead = self._ahead
+        if ahead is None or ahead.plan is None:
+            return None
+        self._ahead = None
+        if (ahead.seq_ids == tuple(s.seq_id for s in seqs) and len(ahead.bases) == len(seqs)
+                and ahead.k_step == k_step and all(len(s.token_ids) == ahead.lengths[s.seq_id] for s in seqs)):
+            self.ahead_used += 1
+            return ahead
+        self.ahead_dropped += 1
+        for sid, base in ahead.bases.items():
+            self.target.truncate(sid, base)
+        return None
 
     def _run_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Launch the next step's forward on ``tokens`` [B, 1] (where the verdict left them)."""
@@ -319,6 +320,67 @@ class DraftVerifyLoop:
         for sid, base in ahead.bases.items():  # rows still running (finish() removed the others)
             self.target.truncate(sid, base)
         return None
+
+    def _sampling(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], self.target.device,
+                                         histories=[(s.token_ids, s.num_prompt_tokens) for s in seqs],
+                                         rules=[s.rules for s in seqs], needs=any(s.processed for s in seqs),
+                                         keys=[(s.seed or 0, len(s.token_ids)) for s in seqs])
+
+    def _plan(self, seqs: list[Sequence], sampling: SamplingBatch, k_step: int, timing: bool) -> "_Plan":
+        """The step's drafts (capped per row, masked where unusable) and the target's inputs."""
+        B = len(seqs)
+        # with trees, rows whose logits processors read the history (penalties, min_tokens,
+        # bad words...) decode without drafts: their drafts' histories are tree paths
+        rows = [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)
+                and not (self.trees and s.processed)] if k_step else []
+        timed = timing and bool(rows) and (self._steps % self.time_every == 0 or self.length.needs_timing(B))
+        if timed:
+            _sync(self.target.device)
+        t_draft = time.perf_counter()
+        draft = self._propose(seqs, rows, sampling, k_step)
+        if timed:
+            _sync(self.target.device)
+        draft_seconds = time.perf_counter() - t_draft if timed else None
+        tree = draft.tree
+        # drafts each row was asked for (what its acceptance is measured against) and got,
+        # capped so no row drafts past what it may emit or its own k
+        asked, drafted, depths = [0] * B, [0] * B, None
+        if draft.token_ids.shape[1]:
+            lengths = draft.lengths if draft.lengths is not None else draft.num_tokens.tolist()
+            if tree is None:
+                drafted = [min(n, max(s.room() - 1, 0), self._cap(s)) for n, s in zip(lengths, seqs)]
+            else:  # a tree keeps its nodes; those deeper than a row may emit are never accepted
+                drafted = [n if s.room() > 1 else 0 for n, s in zip(lengths, seqs)]
+                depths = [min(tree.depth_bound, s.room() - 1) if n else 0 for n, s in zip(drafted, seqs)]
+        for b in rows:
+            asked[b] = drafted[b] if tree is not None else min(k_step, max(seqs[b].room() - 1, 0), self._cap(seqs[b]))
+        k = draft.token_ids.shape[1]
+        ids = draft.token_ids
+        if k:
+            keep = torch.arange(k, device=ids.device).view(1, k) < torch.tensor(drafted).view(B, 1).to(ids.device)
+            if tree is not None and min(depths) < tree.depth_bound:
+                keep &= tree.depth.to(ids.device) <= torch.tensor(depths).view(B, 1).to(ids.device)
+            # token ids outside the vocabulary would crash the embedding: such drafts are dropped
+            in_vocab = (ids >= 0) & (ids < self.target.vocab_size)
+            if ids.device.type == "cpu" and bool((~in_vocab & (ids != -1)).any()):  # free to say on the host
+                self._once("draft", f"proposer {type(self.proposer).__name__} drafted token ids outside the "
+                                    f"vocabulary (0..{self.target.vocab_size - 1}); those drafts are dropped")
+            keep &= in_vocab
+            if draft.probs is not None:  # drafts whose distribution is not one cannot be verified losslessly
+                q = draft.probs
+                ok = (torch.isfinite(q).all(-1) & (q >= 0).all(-1)).all(-1, keepdim=True)
+                if q.device.type == "cpu" and not bool(ok.all()):
+                    self._once("draft", f"proposer {type(self.proposer).__name__} returned draft probabilities "
+                                        "with NaN/inf or negative entries; those rows' drafts are dropped")
+                keep &= ok.to(keep.device)
+            ids = torch.where(keep, ids, -1)
+        draft.token_ids = ids
+        # [B, k+1]: last token, then drafts; built where the drafts live (host for
+        # model-free proposers, so the runner ships everything in one copy)
+        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(ids.device)
+        inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
+        return _Plan(draft, rows, asked, drafted, depths, k, inputs, [n + 1 for n in drafted], draft_seconds)
 
     def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],
                     failed: list[bool]) -> None:
@@ -444,12 +506,33 @@ def _sync(device: torch.device) -> None:
 
 
 @attrs.define
+class _Plan:
+    """A step's drafts and the target's inputs (:meth:`DraftVerifyLoop._plan`)."""
+
+    draft: Draft
+    #: rows asked to draft; per row the drafts asked for and kept; tree depth caps (trees)
+    rows: list[int]
+    asked: list[int]
+    drafted: list[int]
+    depths: list[int] | None
+    #: the draft's width, the inputs [B, k+1] and tokens per row, drafting time (if timed)
+    k: int
+    inputs: torch.Tensor
+    num_tokens: list[int]
+    draft_seconds: float | None
+
+
+@attrs.define
 class _Ahead:
-    """A forward launched one step ahead: its rows, their KV lengths before it, its output."""
+    """A forward launched one step ahead: its rows, their KV lengths before it, its output;
+    for a speculative step also its plan, k and the rows' token counts it assumed."""
 
     seq_ids: tuple[int, ...]
     bases: dict[int, int]
     out: ForwardOutput
+    plan: _Plan | None = None
+    k_step: int = 0
+    lengths: dict[int, int] | None = None
 
 
 def _to_host(verdict: Verdict, bad: torch.Tensor):

@@ -1,5 +1,5 @@
-"""Overlapped steps (issue 16): the next forward runs ahead while the host does this step's
-bookkeeping. On a CPU the engine turns overlap off (the host computes the forward); these
+"""Overlapped steps (issue 16): the next forward (with its drafts, for a stateless proposer
+at a fixed k) runs ahead while the host does this step's bookkeeping. On a CPU the engine turns overlap off (the host computes the forward); these
 tests turn it on to check that it changes nothing about outputs, stops, aborts,
 admission, preemption or KV accounting, and that the forwards run ahead are used."""
 
@@ -85,15 +85,69 @@ def test_preemption_and_a_full_cache_under_overlap(tiny_llama):
     assert got == _run(_llm(tiny_llama, False, max_num_seqs=8), prompts, params)
 
 
-def test_no_run_ahead_while_rows_draft(tiny_llama):
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
-    prompts = _prompts(4, seed=4)
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative=i % 2 == 0) for i in range(4)]
-    on = _llm(tiny_llama, True, speculative_config=spec, max_num_seqs=4)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def _repetitive(n: int, seed: int) -> list[dict]:
+    """Prompts that repeat themselves, so n-gram drafts (and is accepted) often."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(3, 500, (6 + i,), generator=g).tolist()
+        out.append({"prompt_token_ids": base * 4})
+    return out
+
+
+def test_speculative_steps_drafted_ahead_change_nothing(tiny_llama):
+    """n-gram, greedy: each step's drafts and forward are made at the end of the previous
+    step; rows finishing at different steps drop them. Outputs equal a run without overlap."""
+    prompts = _repetitive(5, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 7 * i, ignore_eos=True) for i in range(5)]
+    on = _llm(tiny_llama, True, speculative_config=NGRAM, max_num_seqs=3)
     got = _run(on, prompts, params)
-    assert got == _run(_llm(tiny_llama, False, max_num_seqs=4), prompts, params)
-    # while speculative rows run nothing is run ahead; once only plain rows are left it may be
-    assert on.loop.ahead_dropped == 0
+    assert got == _run(_llm(tiny_llama, False, speculative_config=NGRAM, max_num_seqs=3), prompts, params)
+    assert got == _run(_llm(tiny_llama, False, max_num_seqs=3), prompts, params)  # and without speculation
+    # a step in which a row finishes drafts nothing ahead (the batch changes): none dropped here
+    assert on.loop.ahead_used > 10
+    assert on.stats.num_accepted_tokens > 0
+
+
+def test_mixed_rows_and_sampled_rows(tiny_llama):
+    """Speculative and plain rows together, and sampled rows (whose random streams must
+    not be drawn early): outputs equal a run without overlap."""
+    prompts = _repetitive(4, seed=5)
+    params = [SamplingParams(temperature=0.8 if i == 3 else 0, max_tokens=16, ignore_eos=True, seed=i,
+                             speculative=i % 2 == 0) for i in range(4)]
+    on = _llm(tiny_llama, True, speculative_config=NGRAM, max_num_seqs=4)
+    got = _run(on, prompts, params)
+    assert got == _run(_llm(tiny_llama, False, speculative_config=NGRAM, max_num_seqs=4), prompts, params)
+    # a sampled row is in the batch until its end: nothing is drafted ahead meanwhile
+    assert on.loop.ahead_used == 0
+
+
+def test_abort_and_preemption_with_drafts_made_ahead(tiny_llama):
+    prompts = _repetitive(8, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tight = _llm(tiny_llama, True, speculative_config=NGRAM, kv_cache_memory=17 * 16 * TINY_TOKEN_BYTES,
+                 max_model_len=256, max_num_seqs=8)
+    got = _run(tight, prompts, params)
+    assert tight.num_preemptions > 0
+    assert got == _run(_llm(tiny_llama, False, max_num_seqs=8), prompts, params)
+    llm = _llm(tiny_llama, True, speculative_config=NGRAM, max_num_seqs=4)
+    for i, p in enumerate(prompts[:3]):
+        llm.add_request(f"r{i}", p, params)
+    for _ in range(3):
+        llm.step()
+    assert llm.loop._ahead is not None and llm.loop._ahead.plan is not None
+    llm.abort_request("r1")
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += [o for o in llm.step() if o.finished]
+    llm.scheduler.check()
+    assert llm.loop.ahead_dropped >= 1
+    ref = _llm(tiny_llama, False, max_num_seqs=4).generate([prompts[0], prompts[2]], params)
+    assert [o.outputs[0].token_ids for o in sorted(outs, key=lambda o: o.request_id)] == \
+        [o.outputs[0].token_ids for o in ref]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
