@@ -163,3 +163,15 @@ def test_cuda_overlap_is_the_default_and_changes_nothing(tiny_llama, temperature
         [o.outputs[0].token_ids for o in off.generate(prompts, params)]
     assert on.loop.ahead_used > 10
     on.scheduler.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_speculative_overlap_changes_nothing(tiny_llama):
+    prompts = _repetitive(5, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 7 * i, ignore_eos=True) for i in range(5)]
+    on = LLM(str(tiny_llama), NGRAM, dtype="float32", device="cuda", max_num_seqs=3)
+    off = LLM(str(tiny_llama), NGRAM, dtype="float32", device="cuda", max_num_seqs=3, overlap=False)
+    assert [o.outputs[0].token_ids for o in on.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    assert on.loop.ahead_used > 10
+    on.scheduler.check()
