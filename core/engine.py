@@ -295,7 +295,8 @@ class LLM:
             return outputs
         before = [s.num_output_tokens for s in running]
         try:
-            self.loop.step(running)
+            # with requests waiting, the next batch likely differs: nothing runs ahead for it
+            self.loop.step(running, ahead=not self.scheduler.waiting)
         except Exception as exc:
             self._batch_failed(list(running), "step", exc, outputs)
             return outputs

@@ -21,9 +21,10 @@ launches the next step's target forward on the tokens it just sampled, still on 
 device, before it reads them back; the host's bookkeeping of this step (stop checks,
 detokenisation, the engine's outputs and scheduling, the next sampling batch) then runs
 while the GPU computes the next forward. The next step uses that forward when it runs the
-same sequences without drafts; otherwise (a request finished, joined, was aborted or
-preempted, or drafts resume) the forward is dropped and its KV position truncated, and
-the step runs its own. Sampling is untouched (it happens in step order on the host's
+same sequences (less any that finished) without drafts; otherwise (a request joined, was
+aborted or preempted, or drafts resume) the forward is dropped and its KV position
+truncated, and the step runs its own. While requests wait for admission the engine asks
+for nothing to run ahead (the next batch would likely differ). Sampling is untouched (it happens in step order on the host's
 call), so outputs are identical with and without overlap.
 
 Token trees (``Draft.tree``, see :mod:`speculum.tree`): the forward verifies every node at
@@ -154,8 +155,11 @@ class DraftVerifyLoop:
                     pass  # its state is already broken; the request no longer uses it
 
     # -- one step ---------------------------------------------------------------------
-    def step(self, seqs: list[Sequence]) -> None:
+    def step(self, seqs: list[Sequence], ahead: bool = True) -> None:
         """Advance every sequence in ``seqs`` by one verify step (1..k+1 tokens each).
+
+        ``ahead=False`` (the engine: requests are waiting, so the next batch will likely
+        differ) runs nothing ahead for the next step even with :attr:`overlap`.
 
         Rows that fail are finished with ``finish_reason="error"`` (``seq.fail``); the
         caller frees them with :meth:`finish`. Exceptions out of the target forward
@@ -169,9 +173,9 @@ class DraftVerifyLoop:
             k_step = self.k
         self.k_counts[k_step] += 1
         self._steps += 1
-        ahead = self._claim_planned(seqs, k_step)
-        if ahead is not None:  # drafted and launched at the end of the last step (overlap)
-            plan, out = ahead.plan, ahead.out
+        planned = self._claim_planned(seqs, k_step)
+        if planned is not None:  # drafted and launched at the end of the last step (overlap)
+            plan, out = planned.plan, planned.out
         else:
             plan = self._plan(seqs, sampling, k_step, timing=True)
             extra = {} if plan.draft.tree is None else {"tree": plan.draft.tree}
@@ -190,7 +194,7 @@ class DraftVerifyLoop:
         # the host synchronisation of the step (greedy verification has synced already);
         # the copy is queued before a forward run ahead, so it does not wait for that one
         to_host = _to_host(verdict, bad)
-        if self.overlap and not k and self._may_run_ahead(seqs, failed_rows):
+        if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
             self._run_ahead(seqs, verdict.token_ids[:, :1])
         both = to_host()
         accepted = [r[0] for r in both]
@@ -234,7 +238,7 @@ class DraftVerifyLoop:
         observed = rows if rows or not self.wants_hidden else \
             [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)]
         self._observe(seqs, observed, accepted, new_lengths, hidden)
-        if self.overlap and k_step and not failed_rows and self._may_plan_ahead(seqs):
+        if self.overlap and ahead and k_step and not failed_rows and self._may_plan_ahead(seqs):
             self._plan_ahead(seqs, k_step)  # the next step's drafts and forward, before the engine's work
         self.length.observe_step(B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
 
@@ -313,9 +317,14 @@ class DraftVerifyLoop:
         if ahead is None:
             return None
         ids = tuple(s.seq_id for s in seqs)
-        if not k and ahead.seq_ids == ids and len(ahead.bases) == len(ids):
+        if not k and set(ids) == set(ahead.bases):  # the same rows, less those that finished
             self.ahead_used += 1
-            return ahead.out
+            if ids == ahead.seq_ids:
+                return ahead.out
+            pos = {sid: i for i, sid in enumerate(ahead.seq_ids)}
+            idx = torch.tensor([pos[sid] for sid in ids], device=ahead.out.logits.device)
+            return ForwardOutput(logits=ahead.out.logits[idx],
+                                 hidden_states={l: h[idx] for l, h in ahead.out.hidden_states.items()})
         self.ahead_dropped += 1
         for sid, base in ahead.bases.items():  # rows still running (finish() removed the others)
             self.target.truncate(sid, base)
