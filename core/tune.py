@@ -89,10 +89,10 @@ def measure(llm, prompts: list, params: SamplingParams, batch: int, k: int, meth
     inner_step = loop.step
     inner_propose = llm.proposer.propose if llm.proposer is not None else None
 
-    def timed_step(seqs):
+    def timed_step(seqs, **kw):
         t0 = time.perf_counter()
-        try:
-            return inner_step(seqs)
+        try:  # nothing run ahead: each step's time is its own (this wrapper syncs after it)
+            return inner_step(seqs, **{**kw, "ahead": False})
         finally:
             _sync(llm)
             steps["seconds"] += time.perf_counter() - t0
