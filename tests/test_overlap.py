@@ -197,3 +197,13 @@ def test_cuda_speculative_overlap_changes_nothing(tiny_llama):
         [o.outputs[0].token_ids for o in off.generate(prompts, params)]
     assert on.loop.ahead_used > 10
     on.scheduler.check()
+
+
+def test_no_overlap_flag_on_every_engine_command(tiny_llama):
+    from speculum.cli import build_parser, engine_options
+    parser = build_parser()
+    for argv in (["generate"], ["serve"], ["tune"], ["bench", "offline"], ["bench", "serve"], ["bench", "scaling"]):
+        assert parser.parse_args(argv + ["--no-overlap"]).no_overlap is True, argv
+    assert engine_options(parser.parse_args(["generate", "--no-overlap"]))["overlap"] is False
+    assert "overlap" not in engine_options(parser.parse_args(["generate"]))
+    assert LLM(str(tiny_llama), device="cpu", dtype="float32").overlap is False  # a CPU computes on the host

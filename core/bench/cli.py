@@ -77,6 +77,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--device", default="auto", help="of the servers --compare starts")
     from speculum.cli import add_batch_invariant_arg
     add_batch_invariant_arg(c)
+    c.add_argument("--no-overlap", action="store_true",
+                   help="start the servers with --no-overlap (the 'before' of overlapped steps)")
     c.add_argument("--plot-dir", default=None, help="where the PNGs go (default: beside --result-json, or .)")
     c.add_argument("--server-log-dir", default=None, help="keep each server's log here")
     p.set_defaults(func=cmd_bench_serve)
@@ -176,7 +178,8 @@ def _compare(args, prompts, rates, extra) -> int:
         log_name = "baseline" if spec is None else ("speculative" if i == 1 else f"speculative-{i}")
         with served(args.model, spec, served_name=name, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                     extra_args=(["--threads", str(args.threads)] if args.threads else [])
-                    + (["--batch-invariant"] if args.batch_invariant else []) or None,
+                    + (["--batch-invariant"] if args.batch_invariant else [])
+                    + (["--no-overlap"] if args.no_overlap else []) or None,
                     device=args.device, log_path=log_dir / f"{log_name}.log" if log_dir else None) as url:
             results[label] = asyncio.run(_sweep(url, prompts, rates, args, extra, name))
     base = results["baseline"]

@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-invariant", default="off", choices=("off", "on", "both"),
                    help="the engine's batch-invariant mode; 'both' measures the default mode and then the "
                         "batch-invariant one, and prints what the mode costs at each batch size")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="no overlapped steps (LLM(overlap=False)): the 'before' of overlap (default: overlap on CUDA)")
     p.add_argument("--json", default="results/bench_scaling.json", help="where the JSON goes")
     p.set_defaults(func=run)
 
@@ -36,7 +38,7 @@ def _measure(args, prompts, sizes, batch_invariant: bool) -> tuple[list[dict], o
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm = LLM(model=args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
-              max_num_seqs=max(sizes), batch_invariant=batch_invariant)
+              max_num_seqs=max(sizes), batch_invariant=batch_invariant, overlap=not args.no_overlap)
     llm.generate(prompts[: max(sizes)], SamplingParams(temperature=0, max_tokens=8))  # warm up / capture
     results, ref = [], None
     for bs in sizes:
