@@ -24,8 +24,10 @@ while the GPU computes the next forward. The next step uses that forward when it
 same sequences (less any that finished) without drafts; otherwise (a request joined, was
 aborted or preempted, or drafts resume) the forward is dropped and its KV position
 truncated, and the step runs its own. While requests wait for admission the engine asks
-for nothing to run ahead (the next batch would likely differ). Sampling is untouched (it happens in step order on the host's
-call), so outputs are identical with and without overlap.
+for nothing to run ahead (the next batch would likely differ). Sampling is untouched (it
+happens in step order on the host's call), so outputs are identical with and without
+overlap. A speculative step with a stateless proposer at a fixed k and greedy rows drafts
+the next step and launches its forward right after its appends and stop checks.
 
 Token trees (``Draft.tree``, see :mod:`speculum.tree`): the forward verifies every node at
 once, the verdict names the accepted path, whose K/V the target moves into consecutive
@@ -43,8 +45,8 @@ import attrs
 import torch
 
 from speculum.errors import RowError
-from speculum.interfaces import (Draft, ForwardOutput, HiddenStateProposer, KVCacheFull, ModelRunner, ProposeBatch, Proposer, StatefulProposer,
-                                 StepFeedback, Verdict, Verifier)
+from speculum.interfaces import (Draft, ForwardOutput, HiddenStateProposer, KVCacheFull, ModelRunner, ProposeBatch,
+                                 Proposer, StatefulProposer, StepFeedback, Verdict, Verifier)
 from speculum.logprobs import position_logprobs, prompt_scorer
 from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
@@ -266,49 +268,52 @@ class DraftVerifyLoop:
     def _plan_ahead(self, seqs: list[Sequence], k_step: int) -> None:
         """Draft the next step now and launch its forward; :meth:`step` takes both if the
         same sequences come back unchanged (:meth:`_claim_planned`)."""
-        ids = [s.seq_id for s in seqs]
-        bases = {sid: self.target.length(sid) for sid in ids}
         plan = self._plan(seqs, self._sampling(seqs), k_step, timing=False)
         if any(s.finished for s in seqs):  # the proposer failed a row: the batch changes anyway
             return
-        try:
-            out = self.target.forward(ids, plan.inputs, plan.num_tokens, self.hidden_layers)
-        except KVCacheFull:
-            for sid, base in bases.items():
-                if self.target.length(sid) > base:
-                    self.target.truncate(sid, base)
-            return
-        self._ahead = _Ahead(tuple(ids), bases, out, plan, k_step, {s.seq_id: len(s.token_ids) for s in seqs})
+        launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens)
+        if launched is not None:
+            self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched, plan, k_step)
 
     def _claim_planned(self, seqs: list[Sequence], k_step: int) -> "_Ahead | None":
         """The step drafted and launched ahead by :meth:`_plan_ahead`, if it is this step:
-        the same sequences, none grown or finished since, the same k. Else it is dropped
-        (its KV positions truncated) and None returned."""
+        the same sequences, none grown or finished since (each still holds KV for all its
+        tokens but the last), the same k. Else it is dropped and None returned."""
         ahead = self._ahead
         if ahead is None or ahead.plan is None:
             return None
         self._ahead = None
         if (ahead.seq_ids == tuple(s.seq_id for s in seqs) and len(ahead.bases) == len(seqs)
-                and ahead.k_step == k_step and all(len(s.token_ids) == ahead.lengths[s.seq_id] for s in seqs)):
+                and ahead.k_step == k_step and all(len(s.token_ids) == ahead.bases[s.seq_id] + 1 for s in seqs)):
             self.ahead_used += 1
             return ahead
-        self.ahead_dropped += 1
-        for sid, base in ahead.bases.items():
-            self.target.truncate(sid, base)
+        self._drop(ahead)
         return None
 
     def _run_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Launch the next step's forward on ``tokens`` [B, 1] (where the verdict left them)."""
-        ids = [s.seq_id for s in seqs]
-        bases = {sid: self.target.length(sid) for sid in ids}
+        launched = self._launch_ahead(seqs, tokens, [1] * len(seqs))
+        if launched is not None:
+            self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched)
+
+    def _launch_ahead(self, seqs: list[Sequence], inputs: torch.Tensor, num_tokens: list[int]):
+        """(the rows' KV lengths before it, its output) of the next step's forward launched
+        now, or None when the cache has no room for it (the next step then schedules itself)."""
+        bases = {s.seq_id: self.target.length(s.seq_id) for s in seqs}
         try:
-            out = self.target.forward(ids, tokens, [1] * len(ids))
-        except KVCacheFull:  # no room for one more position: the next step schedules itself
+            return bases, self.target.forward(list(bases), inputs, num_tokens, self.hidden_layers)
+        except KVCacheFull:
             for sid, base in bases.items():
                 if self.target.length(sid) > base:
                     self.target.truncate(sid, base)
-            return
-        self._ahead = _Ahead(tuple(ids), bases, out)
+            return None
+
+    def _drop(self, ahead: "_Ahead") -> None:
+        """Give back the KV positions of a forward run ahead that no step will use (rows
+        still running: finish() removed the others)."""
+        self.ahead_dropped += 1
+        for sid, base in ahead.bases.items():
+            self.target.truncate(sid, base)
 
     def _take_ahead(self, seqs: list[Sequence], k: int):
         """The forward run ahead for this step, if it is this step's forward; else drop it
@@ -325,9 +330,7 @@ class DraftVerifyLoop:
             idx = torch.tensor([pos[sid] for sid in ids], device=ahead.out.logits.device)
             return ForwardOutput(logits=ahead.out.logits[idx],
                                  hidden_states={l: h[idx] for l, h in ahead.out.hidden_states.items()})
-        self.ahead_dropped += 1
-        for sid, base in ahead.bases.items():  # rows still running (finish() removed the others)
-            self.target.truncate(sid, base)
+        self._drop(ahead)
         return None
 
     def _sampling(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -534,14 +537,13 @@ class _Plan:
 @attrs.define
 class _Ahead:
     """A forward launched one step ahead: its rows, their KV lengths before it, its output;
-    for a speculative step also its plan, k and the rows' token counts it assumed."""
+    for a speculative step also its plan and k."""
 
     seq_ids: tuple[int, ...]
     bases: dict[int, int]
     out: ForwardOutput
     plan: _Plan | None = None
     k_step: int = 0
-    lengths: dict[int, int] | None = None
 
 
 def _to_host(verdict: Verdict, bad: torch.Tensor):

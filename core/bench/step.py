@@ -73,34 +73,34 @@ def run(args) -> int:
         t1 = None
         for q in qs:
             tok = torch.randint(0, arch.vocab_size, (B, q), device=dev)
-            for _ in range(3):  # capture + warm
-                runner.forward(ids, tok, [q] * B)
-                for s in ids:
-                    runner.truncate(s, args.context)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            host = 0.0
-            for _ in range(args.iters):
-                h0 = time.perf_counter()
-                runner.forward(ids, tok, [q] * B)
-                host += time.perf_counter() - h0
-                for s in ids:
-                    runner.truncate(s, args.context)
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) / args.iters * 1e3
-            host_ms = host / args.iters * 1e3
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
+
+            def replays(n: int) -> float:
+                """``n`` forwards (context restored after each); the host's seconds in them."""
+                host = 0.0
+                for _ in range(n):
+                    h0 = time.perf_counter()
                     runner.forward(ids, tok, [q] * B)
+                    host += time.perf_counter() - h0
                     for s in ids:
                         runner.truncate(s, args.context)
+                return host
+
+            replays(3)  # capture + warm
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            host_ms = replays(args.iters) / args.iters * 1e3
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) / args.iters * 1e3
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                replays(10)
                 torch.cuda.synchronize()
             gpu_ms = busy_us(prof) / 10 / 1e3
+            idle = max(0.0, 1 - gpu_ms / ms)
             t1 = t1 or ms
             rows.append({"batch": B, "q": q, "ms": ms, "x_floor": ms / (floor * 1e3), "x_q1": ms / t1,
-                         "host_ms": host_ms, "gpu_ms": gpu_ms, "gpu_idle_share": max(0.0, 1 - gpu_ms / ms)})
+                         "host_ms": host_ms, "gpu_ms": gpu_ms, "gpu_idle_share": idle})
             print(f"{B:>5} {q:>3} {ms:>9.3f} {ms / (floor * 1e3):>8.2f} {ms / t1:>6.2f} {host_ms:>8.3f} "
-                  f"{gpu_ms:>8.3f} {max(0.0, 1 - gpu_ms / ms):>6.1%}")
+                  f"{gpu_ms:>8.3f} {idle:>6.1%}")
         for s in ids:
             runner.remove(s)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -160,11 +160,15 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         "shards": [], "sizes": {}, "mix": {}}
     shard_size = meta["shard_size"]
     known = meta.get("selections", {}).get(str(spec.num_prompts))
+
+    def make_llm():
+        return engine(spec, device, dtype, max_num_seqs, max_model_len)
+
     if known:  # selected before: no need to read and tokenise the prompts again
         finished = [n for n, k in zip(known["shards"], known["sizes"]) if meta["sizes"].get(n) == k]
         if len(finished) == len(known["shards"]) or not generate:
             # nothing written unless answers came without states: other processes may be reading
-            fill_features(out, finished, spec, lambda: engine(spec, device, dtype, max_num_seqs, max_model_len))
+            fill_features(out, finished, spec, make_llm)
             return out, finished
     ids = PromptIds(Tokenizer.load(resolve_model_path(spec.model)))
     sel = select_rows(spec, ids)
@@ -175,12 +179,11 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         "selection": {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}}
     # a shard is done when it holds all its rows (a smaller earlier run may have cut it)
     todo = [s for s, n in zip(shards, names) if meta["sizes"].get(n) != len(s.rows)]
-    fill_features(out, [n for s, n in zip(shards, names) if s not in todo], spec,
-                  lambda: engine(spec, device, dtype, max_num_seqs, max_model_len))
+    fill_features(out, [n for s, n in zip(shards, names) if s not in todo], spec, make_llm)
     if not todo or not generate:
         _save_meta(meta_file, meta)
         return out, [n for s, n in zip(shards, names) if s not in todo]
-    llm = engine(spec, device, dtype, max_num_seqs, max_model_len)
+    llm = make_llm()
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -231,10 +234,7 @@ def fill_features(path: Path, shards: Sequence[str], spec: DistillSpec, make_llm
         offsets = data["offsets"].tolist()
         tokens = data["tokens"].tolist()
         seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        feats = prefill_features(llm, seqs, spec.layers)
-        for l in spec.layers:
-            data[f"hidden.{l}"] = torch.cat([f[l] for f in feats]).contiguous() if feats else \
-                torch.zeros(0, 1, dtype=torch.bfloat16)
+        data.update(_hidden(prefill_features(llm, seqs, spec.layers), spec.layers))
         _save_tensors(Path(path) / name, data)
     log.info("self-distillation: hidden states of %d shards of answers computed by prefill in %.1f s", len(todo),
              time.perf_counter() - t0)
@@ -304,10 +304,14 @@ def _write_shard(path: Path, recs, layers: Sequence[int]) -> None:
             "prompt_index": torch.tensor([j.row.index for j, _, _, _ in recs], dtype=torch.int32),
             "kind": torch.tensor([j.kind for j, _, _, _ in recs], dtype=torch.int32),
             "temperature": torch.tensor([j.temperature for j, _, _, _ in recs], dtype=torch.float32)}
-    for layer in layers:
-        parts = [f[layer] for _, _, _, f in recs]
-        data[f"hidden.{layer}"] = torch.cat(parts).contiguous() if parts else torch.zeros(0, 1, dtype=torch.bfloat16)
+    data.update(_hidden([f for _, _, _, f in recs], layers))
     _save_tensors(path, data)
+
+
+def _hidden(feats: Sequence[dict[int, torch.Tensor]], layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """``hidden.<layer>`` [N, H] of a shard: its sequences' states, one after another."""
+    return {f"hidden.{l}": torch.cat([f[l] for f in feats]).contiguous() if feats
+            else torch.zeros(0, 1, dtype=torch.bfloat16) for l in layers}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

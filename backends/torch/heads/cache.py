@@ -15,7 +15,8 @@ from typing import Sequence
 
 import torch
 
-from speculum.backends.torch.native.attention import paged_decode_attention, sdpa_attention, use_decode_kernel
+from speculum.backends.torch.native.attention import (causal_mask, paged_decode_attention, sdpa_attention,
+                                                      use_decode_kernel)
 from speculum.kv import PagedKVAllocator, blocks_for
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,7 @@ class PagedContext:
         k_pool.index_copy_(0, self.write_slots.reshape(-1), k.reshape(B * t, nkv, d).to(k_pool.dtype))
         v_pool.index_copy_(0, self.write_slots.reshape(-1), v.reshape(B * t, nkv, d).to(v_pool.dtype))
         if use_decode_kernel(q, t, d):  # draft steps on a GPU: no gathered context
-            return paged_decode_attention(q.to(k_pool.dtype), k_pool, v_pool, self.read_slots, None, scale,
-                                          self.mask).to(q.dtype)
+            return paged_decode_attention(q, k_pool, v_pool, self.read_slots, None, scale, self.mask)
         return sdpa_attention(q, k_pool, v_pool, self.read_slots, self.mask, scale)
 
 
@@ -109,6 +109,4 @@ class HeadKVCache:
         dev = self.device
         pos_t, wsl_t, blk_t = (torch.from_numpy(a).to(dev) for a in (pos, wsl, blk))
         read = (blk_t.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(B, -1)
-        Lc = read.shape[1]
-        mask = torch.arange(Lc, device=dev).view(1, 1, 1, Lc) <= pos_t.unsqueeze(1).unsqueeze(-1)
-        return pos_t, PagedContext(self.pools, wsl_t, read, mask)
+        return pos_t, PagedContext(self.pools, wsl_t, read, causal_mask(pos_t, read.shape[1]))

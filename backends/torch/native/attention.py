@@ -158,7 +158,8 @@ if triton is not None:
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                           positions: torch.Tensor | None, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+                           positions: torch.Tensor | None, scale: float,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path of the module doc: ``q`` [B, T, Hq, D] at ``positions`` [B, T];
     ``mask`` [B, 1, T, Lc] (a token tree's, a draft head's) replaces the causal rule, and
     then ``positions`` may be None. Returns [B, T, Hq, D]."""

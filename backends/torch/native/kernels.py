@@ -50,6 +50,11 @@ def rope_write_kv_torch(q, k, v, cos, sin, write_slots, k_pool, v_pool):
     return q
 
 
+def silu_mul_torch(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    g, u = gu.split(inter, dim=-1)
+    return F.silu(g) * u
+
+
 if triton is not None:
 
     @triton.jit
@@ -94,14 +99,6 @@ if triton is not None:
             offs_d = tl.arange(0, D)
             slot_v = tl.load(slot_ptr + tok)
             tl.store(v_ptr + (slot_v * NKV + (head - NQ - NKV)) * D + offs_d, tl.load(base + offs_d))
-
-
-def silu_mul_torch(gu: torch.Tensor, inter: int) -> torch.Tensor:
-    g, u = gu.split(inter, dim=-1)
-    return F.silu(g) * u
-
-
-if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr):
