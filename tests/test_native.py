@@ -115,3 +115,30 @@ def test_max_num_batched_tokens_bounds_admission_and_keeps_outputs(tiny_llama):
     while llm.has_unfinished_requests():
         step()
     assert [outs[str(i)] for i in range(len(prompts))] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (9, 3)])
+def test_fresh_prefill_attention_equals_the_gathered_causal_path(hq, hkv):
+    """A prefill's first chunk attends over its own keys only (flash-eligible SDPA, no mask):
+    every real row equals the gathered-context path with the causal mask, with right padding
+    written to a shared scratch slot and a block table wider than the chunk."""
+    from speculum.backends.torch.native.attention import causal_mask, fresh_attention, sdpa_attention
+    torch.manual_seed(0)
+    B, T, D, Lc = 3, 7, 16, 16
+    lens = [7, 3, 5]
+    k_pool, v_pool = torch.randn(64, hkv, D), torch.randn(64, hkv, D)
+    q = torch.randn(B, T, hq, D)
+    read = torch.stack([torch.arange(16 + 16 * b, 32 + 16 * b) for b in range(B)])  # [B, Lc]
+    write = read[:, :T].clone()
+    for b, n in enumerate(lens):
+        write[b, n:] = 0  # padding goes to the scratch slot
+    pos = torch.arange(T).expand(B, T)
+    fast = fresh_attention(q, k_pool, v_pool, write, D ** -0.5)
+    ref = sdpa_attention(q, k_pool, v_pool, read, causal_mask(pos, Lc), D ** -0.5)
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(fast[b, :n], ref[b, :n], rtol=1e-5, atol=1e-5)
+    # the wrong rule (attending to the whole chunk) differs
+    wrong = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k_pool[read[:, :T]].repeat_interleave(hq // hkv, 2).transpose(1, 2),
+        v_pool[read[:, :T]].repeat_interleave(hq // hkv, 2).transpose(1, 2), scale=D ** -0.5).transpose(1, 2)
+    assert not torch.allclose(wrong[0], ref[0], atol=1e-3)

@@ -3,7 +3,7 @@
 # the heads and the trained draft model in one run. With HEADS=/tmp/tr the heads just trained
 # by train_heads.sh (the machine must have stayed warm), else the shipped ones.
 . scripts/device/common.sh
-python3 -m pytest -q tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -2
+[ "${TESTS:-1}" = 0 ] || python3 -m pytest -q tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -2
 K=${K:-4}
 E="\"num_speculative_tokens\":$K"
 m() { if [ -n "$HEADS" ]; then echo "{\"method\":\"$1\",\"model\":\"$HEADS/$1\",$E}"; else echo "{\"method\":\"$1\",$E}"; fi; }

@@ -62,6 +62,24 @@ def sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     return out.transpose(1, 2)
 
 
+def fresh_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, write_slots: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """The first prefill chunk of sequences with no earlier context: causal attention over
+    the chunk's own keys (just written at ``write_slots`` [B, T]), ``q`` [B, T, Hq, D] ->
+    [B, T, Hq, D]. No gathered context of the block-table width and no mask, so SDPA takes
+    its flash kernel. Right padding is harmless: a padded key sits after every real query."""
+    B, T, Hq, D = q.shape
+    Hkv = k_pool.shape[1]
+    flat = write_slots.reshape(-1)
+    k = k_pool.index_select(0, flat).view(B, T, Hkv, D)
+    v = v_pool.index_select(0, flat).view(B, T, Hkv, D)
+    if Hq != Hkv:  # query head h reads KV head h // (Hq / Hkv)
+        k, v = k.repeat_interleave(Hq // Hkv, dim=2), v.repeat_interleave(Hq // Hkv, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, scale=scale)
+    return out.transpose(1, 2)
+
+
 def use_decode_kernel(q: torch.Tensor, num_query: int, head_dim: int) -> bool:
     """Whether a forward of ``num_query`` tokens per row takes :func:`paged_decode_attention`."""
     return (use_triton(q) and num_query <= MAX_QUERY and head_dim >= 16 and head_dim & (head_dim - 1) == 0

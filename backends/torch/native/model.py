@@ -19,8 +19,8 @@ from torch import nn
 
 from speculum.backends.torch.native import invariant
 from speculum.backends.torch.native.arch import LlamaArch
-from speculum.backends.torch.native.attention import (causal_mask, paged_decode_attention, sdpa_attention,
-                                                      use_decode_kernel)
+from speculum.backends.torch.native.attention import (causal_mask, fresh_attention, paged_decode_attention,
+                                                      sdpa_attention, use_decode_kernel)
 from speculum.backends.torch.native.kernels import add_rmsnorm, rope_write_kv, rope_write_kv_torch, silu_mul
 
 
@@ -70,7 +70,7 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
         self.batch_invariant = False
 
-    def forward(self, x, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None):
+    def forward(self, x, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None, fresh=False):
         B, q, _ = x.shape
         inv = self.batch_invariant
         qkv = _linear(self.qkv, x, inv)
@@ -86,6 +86,8 @@ class Attention(nn.Module):
             out = invariant.paged_attention(qh, k_pool, v_pool, read_slots, positions, self.scale)
         elif use_decode_kernel(qh, q, self.d):  # decode and verify steps on a GPU
             out = paged_decode_attention(qh, k_pool, v_pool, read_slots, positions, self.scale, mask)
+        elif fresh:  # a prefill's first chunk: its own keys only
+            out = fresh_attention(qh, k_pool, v_pool, write_slots, self.scale)
         else:  # CPU, prefill chunks: the forward built the mask (causal unless a tree's)
             out = sdpa_attention(qh, k_pool, v_pool, read_slots, mask, self.scale)
         return _linear(self.o, out.reshape(B, q, self.nq * self.d), inv)
@@ -112,7 +114,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None):
+    def forward(self, x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None,
+                fresh=False):
         """``x + residual`` is the stream entering the layer (``residual`` None at layer 0).
 
         Returns (mlp output, residual): the layer's output stream is their sum, which the
@@ -122,7 +125,7 @@ class Block(nn.Module):
             normed, residual = self.attn_norm(x), x
         else:
             normed, residual = self.attn_norm(x, residual)
-        a = self.attn(normed, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions)
+        a = self.attn(normed, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions, fresh)
         normed, residual = self.mlp_norm(a, residual)
         return self.mlp(normed), residual
 
@@ -156,26 +159,30 @@ class NativeLlama(nn.Module):
         return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
 
     def forward(self, input_ids, positions, write_slots, read_slots, pools, hidden_layers=(),
-                compute_logits: bool = True, mask: torch.Tensor | None = None):
+                compute_logits: bool = True, mask: torch.Tensor | None = None, fresh: bool = False):
         """Returns (logits [B, q, V] float32 or None, {layer: hidden [B, q, H]}).
 
         Hidden layer ``i`` is the output of decoder layer ``i`` (0-based); ``-1`` is the
         final normed hidden state fed to the LM head. ``mask`` [B, 1, q, Lc] (bool, True =
-        attend) replaces the causal mask, e.g. a token tree's ancestors-only mask.
+        attend) replaces the causal mask, e.g. a token tree's ancestors-only mask. ``fresh``:
+        every row starts at position 0 with nothing in its cache before (a prefill's first
+        chunk), so attention needs only the chunk's own keys (:func:`fresh_attention`).
         """
         h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         Lc = read_slots.shape[1]
         if self.batch_invariant and mask is not None:
             raise ValueError("batch-invariant attention is causal by position; token trees are not supported")
-        if mask is None and not self.batch_invariant and not use_decode_kernel(h, input_ids.shape[1],
-                                                                                self.arch.head_dim):
+        fresh = fresh and mask is None and not self.batch_invariant
+        if mask is None and not fresh and not self.batch_invariant and not use_decode_kernel(
+                h, input_ids.shape[1], self.arch.head_dim):
             mask = causal_mask(positions, Lc)  # the SDPA path's; the decode kernel is causal by position
         hidden = {}
         x, residual = h, None
         for i, layer in enumerate(self.layers):
             k_pool, v_pool = pools[i]
-            x, residual = layer(x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions)
+            x, residual = layer(x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions,
+                                fresh)
             if i in hidden_layers:
                 hidden[i] = x + residual
         h, _ = self.norm(x, residual)

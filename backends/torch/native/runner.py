@@ -146,7 +146,7 @@ class NativeRunner:
                     ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
                     self.allocator.allocate(sid, len(toks))
                 out = self._eager([sid for sid, _ in part], ids, [len(t) for _, t in part], hidden_layers,
-                                  compute_logits=logits_sink is not None)
+                                  compute_logits=logits_sink is not None, fresh=start == 0)
                 if logits_sink is not None:
                     for r, (sid, toks) in enumerate(part):
                         logits_sink(sid, start, out.logits[r, : len(toks)])
@@ -175,7 +175,8 @@ class NativeRunner:
             return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols)
         return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols=cols)
 
-    def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True, cols=None) -> ForwardOutput:
+    def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True, cols=None,
+               fresh=False) -> ForwardOutput:
         B, q = token_ids.shape
         token_ids = token_ids.to(self.device)
         need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
@@ -186,7 +187,8 @@ class NativeRunner:
         if cols is not None:
             pos, mask = _tree_inputs(pos, read.shape[1], *cols)
         with torch.inference_mode():
-            logits, hidden = self.model(token_ids, pos, wsl, read, self.pools, hidden_layers, compute_logits, mask)
+            logits, hidden = self.model(token_ids, pos, wsl, read, self.pools, hidden_layers, compute_logits, mask,
+                                        fresh)
         return ForwardOutput(logits=logits, hidden_states=hidden)
 
     def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers, cols=None) -> ForwardOutput:

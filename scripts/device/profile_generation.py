@@ -1,0 +1,93 @@
+"""Where batched generation's time goes (issue 15's self-distillation throughput): a
+SmolLM2-135M-shaped model with random weights (no model file), ``speculum.LLM`` at
+``--batch`` sequences, kept full for ``--seconds`` (prompts of 100-300 random tokens,
+answers of 50-384, ignore_eos), greedy and sampled rows mixed as the data mix does;
+prints tokens/s, steps/s, the mean running batch and the host profile (cProfile).
+
+    python scripts/device/profile_generation.py [--batch 512] [--seconds 30] [--sampled 0.6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def smollm2_random(path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if (path / "config.json").exists():
+        return path
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--sampled", type=float, default=0.6, help="share of sampled rows")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    from speculum.engine import LLM
+    from speculum.sampling import SamplingParams
+    model = smollm2_random(Path("/tmp/smol_rand"))
+    llm = LLM(str(model), dtype="bfloat16", max_num_seqs=a.batch, max_model_len=2048)
+    rng = random.Random(0)
+    n = 0
+
+    def add():
+        nonlocal n
+        T = rng.random() < a.sampled
+        llm.add_request(f"r{n}", {"prompt_token_ids": [rng.randrange(3, 49152) for _ in range(rng.randrange(100, 300))]},
+                        SamplingParams(temperature=0.8 if T else 0.0, max_tokens=rng.randrange(50, 384),
+                                       ignore_eos=True, seed=n if T else None))
+        n += 1
+
+    for _ in range(a.batch):
+        add()
+    for _ in range(5):
+        llm.step(include_running=False)
+    pr = cProfile.Profile() if a.profile else None
+    steps = toks = running = 0
+    t0 = time.perf_counter()
+    if pr:
+        pr.enable()
+    while time.perf_counter() - t0 < a.seconds:
+        while llm.num_waiting < a.batch // 8:
+            add()
+        running += llm.num_running if hasattr(llm, "num_running") else 0
+        for out in llm.step(include_running=False):
+            toks += len(out.token_ids)
+        steps += 1
+    if pr:
+        pr.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    res = {"batch": a.batch, "sampled": a.sampled, "seconds": round(dt, 1), "steps": steps,
+           "ms_per_step": round(dt / steps * 1e3, 2), "finished_tokens_per_s": round(toks / dt),
+           "mean_running": round(running / steps, 1)}
+    print(json.dumps(res))
+    if pr:
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        print(s.getvalue()[:6000])
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
