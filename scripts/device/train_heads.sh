@@ -21,7 +21,7 @@ if [ -n "$ANSWERS" ] && [ -d "$ANSWERS" ]; then
   mkdir -p $SPECULUM_CACHE/distill && cp -r $ANSWERS/* $SPECULUM_CACHE/distill/
   echo "answers carried in: $(ls $ANSWERS | tr '\n' ' ')"
 fi
-D="--model $M --num-prompts ${NPROMPTS:-4728} --max-tokens ${MAXTOK:-384} --extra-answers ${EXTRA:-2} \
+D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-512} --max-tokens ${MAXTOK:-384} --extra-answers ${EXTRA:-2} \
    --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --second-turns ${SECOND:-0.5} \
    --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
    --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-}"
