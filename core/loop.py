@@ -44,6 +44,7 @@ from typing import Sequence as Seq
 import attrs
 import torch
 
+from speculum.devices import on_device
 from speculum.errors import RowError
 from speculum.interfaces import (Draft, ForwardOutput, HiddenStateProposer, KVCacheFull, ModelRunner, ProposeBatch,
                                  Proposer, StatefulProposer, StepFeedback, Verdict, Verifier)
@@ -327,7 +328,7 @@ class DraftVerifyLoop:
             if ids == ahead.seq_ids:
                 return ahead.out
             pos = {sid: i for i, sid in enumerate(ahead.seq_ids)}
-            idx = torch.tensor([pos[sid] for sid in ids], device=ahead.out.logits.device)
+            idx = on_device([pos[sid] for sid in ids], ahead.out.logits.device)
             return ForwardOutput(logits=ahead.out.logits[idx],
                                  hidden_states={l: h[idx] for l, h in ahead.out.hidden_states.items()})
         self._drop(ahead)
@@ -370,9 +371,9 @@ class DraftVerifyLoop:
         k = draft.token_ids.shape[1]
         ids = draft.token_ids
         if k:
-            keep = torch.arange(k, device=ids.device).view(1, k) < torch.tensor(drafted).view(B, 1).to(ids.device)
+            keep = torch.arange(k, device=ids.device).view(1, k) < on_device(drafted, ids.device).view(B, 1)
             if tree is not None and min(depths) < tree.depth_bound:
-                keep &= tree.depth.to(ids.device) <= torch.tensor(depths).view(B, 1).to(ids.device)
+                keep &= tree.depth.to(ids.device) <= on_device(depths, ids.device).view(B, 1)
             # token ids outside the vocabulary would crash the embedding: such drafts are dropped
             in_vocab = (ids >= 0) & (ids < self.target.vocab_size)
             if ids.device.type == "cpu" and bool((~in_vocab & (ids != -1)).any()):  # free to say on the host
@@ -390,7 +391,7 @@ class DraftVerifyLoop:
         draft.token_ids = ids
         # [B, k+1]: last token, then drafts; built where the drafts live (host for
         # model-free proposers, so the runner ships everything in one copy)
-        last = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64).view(B, 1).to(ids.device)
+        last = on_device([s.token_ids[-1] for s in seqs], ids.device).view(B, 1)
         inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
         return _Plan(draft, rows, asked, drafted, depths, k, inputs, [n + 1 for n in drafted], draft_seconds)
 
@@ -414,7 +415,7 @@ class DraftVerifyLoop:
         rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None and not s.finished]
         if not rows:
             return {}
-        idx = torch.tensor(rows, device=raw.device)
+        idx = on_device(rows, raw.device)
         top_n = max(seqs[b].params.logprobs for b in rows)
         scored = position_logprobs(raw[idx], verdict.token_ids.to(raw.device)[idx], top_n)
         return {b: [(t, lp, rank, ids[: seqs[b].params.logprobs], lps[: seqs[b].params.logprobs])
@@ -458,7 +459,7 @@ class DraftVerifyLoop:
             return draft
         k = draft.token_ids.shape[1]
         dev = draft.token_ids.device
-        idx = torch.tensor(rows, device=dev)
+        idx = on_device(rows, dev)
         token_ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
         token_ids[idx] = draft.token_ids
         probs = None

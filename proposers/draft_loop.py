@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from speculum.devices import on_device
 from speculum.interfaces import Draft, ModelRunner, SequenceView
 from speculum.sampling import SamplingBatch, processed_probs, sample_rows
 
@@ -44,7 +45,7 @@ def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: i
         out = runner.forward(seq_ids, ids, counts)
         # [B, V] logits at each row's last valid input
         last = out.logits[:, -1] if max(counts) == min(counts) else \
-            out.logits[torch.arange(B, device=out.logits.device), torch.tensor(counts, device=out.logits.device) - 1]
+            out.logits[torch.arange(B, device=out.logits.device), on_device(counts, out.logits.device) - 1]
         if sampling.needs_processing:  # penalties etc. counting this step's drafts so far
             last = sampling.process_logits(last.unsqueeze(1), torch.stack(tokens, dim=1) if tokens else None, i)[:, 0]
         if sample:

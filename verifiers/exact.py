@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from speculum.devices import on_device
 from speculum.interfaces import Draft, Verdict
 from speculum.sampling import SamplingBatch
 from speculum.verifiers.noise import keyed_exponentials
@@ -53,8 +54,8 @@ class ExactMatchVerifier:
                              "SamplingBatch.from_params(..., keys=)")
 
         def rule(p, _q, ids, _generators):  # draft probabilities and streams are not used
-            seeds = torch.tensor([s for s, _ in sampling.keys], dtype=torch.int64, device=p.device)
-            positions = torch.tensor([t for _, t in sampling.keys], dtype=torch.int64, device=p.device)
+            seeds = on_device([s for s, _ in sampling.keys], p.device)
+            positions = on_device([t for _, t in sampling.keys], p.device)
             return exact_match_sample(p, ids, keyed_exponentials(seeds, positions, p.shape[1], p.shape[2]))
 
         return verify_sampled(rule, target_logits, draft, sampling)

@@ -6,4 +6,4 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 timeout ${TEST_TL:-240} python3 -m pytest -q -p no:cacheprovider tests/test_trees_cuda.py tests/test_heads_cuda.py \
   tests/test_kernels_cuda.py tests/test_batch_invariant_cuda.py tests/test_decode_attention_cuda.py \
-  tests/test_overlap.py 2>&1 | tail -12
+  tests/test_overlap.py tests/test_devices.py 2>&1 | tail -12

@@ -39,6 +39,7 @@ import torch
 
 from speculum.backends.torch.heads.cache import HeadKVCache
 from speculum.backends.torch.heads.graph import HeadDraftGraphs, HeadTreeGraphs
+from speculum.devices import on_device
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.head_checkpoint import find_shipped_head, read_config, shipped_names, target_fingerprint
@@ -167,7 +168,7 @@ def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBat
                                          rows=rows)[:, 0]
     if not sample or sampling.all_greedy:
         return logits.argmax(dim=-1), None
-    idx = torch.tensor(list(rows), device=sampling.temperature.device)
+    idx = on_device(list(rows), sampling.temperature.device)
     p = processed_probs(logits.unsqueeze(1), sampling.temperature[idx], sampling.top_k[idx],
                         sampling.top_p[idx])[:, 0]
     gens = sampling.generators
@@ -263,27 +264,29 @@ class ChainHeadProposer:
         feats = [self.pending[s] for s in sids]
         counts = [f.shape[0] for f in feats]
         R, P = len(rows), max(counts)
-        x = torch.zeros(R, P, feats[0].shape[-1], dtype=self.dtype, device=self.device)
-        toks = torch.zeros(R, P, dtype=torch.int64)
-        for i, (b, f, n) in enumerate(zip(rows, feats, counts)):
-            x[i, :n] = f
-            toks[i, :n] = torch.tensor(seqs[b].token_ids[-n:], dtype=torch.int64)  # x_{t+1} of each pending t
         sample = self.sample and not batch.sampling.all_greedy
         lengths = [0] * B
         for b in rows:
             lengths[b] = k
         if self.graphs is not None and not sample and self.graphs.fits(counts):
             # [R, graphs' k]: the static function drafts the engine's k; a shorter step keeps a prefix
-            out = self.graphs.run(sids, feats, [toks[i, :n].tolist() for i, n in enumerate(counts)], counts)[:, :k]
+            out = self.graphs.run(sids, feats, [seqs[b].token_ids[-n:] for b, n in zip(rows, counts)], counts)[:, :k]
             for s in sids:
                 self.pending[s] = None  # consumed: the cache now holds them
-            token_ids[torch.tensor(rows, device=self.device)] = out
+            if R == B:  # every row drafted (the usual case): no scatter
+                return Draft(token_ids=out, lengths=lengths)
+            token_ids[on_device(rows, self.device)] = out  # no synchronisation: the draft is still running
             return Draft(token_ids=token_ids, lengths=lengths)
-        toks = toks.to(self.device)
+        x = torch.zeros(R, P, feats[0].shape[-1], dtype=self.dtype, device=self.device)
+        toks = torch.zeros(R, P, dtype=torch.int64)
+        for i, (b, f, n) in enumerate(zip(rows, feats, counts)):
+            x[i, :n] = f
+            toks[i, :n] = torch.tensor(seqs[b].token_ids[-n:], dtype=torch.int64)  # x_{t+1} of each pending t
+        toks = toks.to(self.device, non_blocking=True)
         drafts, probs = [], []
         with torch.inference_mode():
             out = self._run(sids, x, toks, counts)
-            last = out[torch.arange(R, device=self.device), torch.tensor(counts, device=self.device) - 1]
+            last = out[torch.arange(R, device=self.device), on_device(counts, self.device) - 1]
             for i in range(k):
                 tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample,
                                      torch.stack(drafts, dim=1) if drafts else None)
@@ -293,7 +296,7 @@ class ChainHeadProposer:
                     last = self._run(sids, last.unsqueeze(1), tok.view(R, 1), [1] * R)[:, 0]
         for s in sids:
             self.pending[s] = None  # consumed: the cache now holds them
-        idx = torch.tensor(rows, device=self.device)
+        idx = on_device(rows, self.device)
         token_ids[idx] = torch.stack(drafts, dim=1)
         q = None
         if sample:
@@ -337,7 +340,7 @@ class ChainHeadProposer:
             if len(rows) == B:  # every row drafted (the usual case): no scatter
                 token_ids, parents, depth, anc = out
             else:
-                idx = torch.tensor(rows, device=dev)
+                idx = on_device(rows, dev)
                 token_ids[idx], parents[idx], depth[idx], anc[idx] = out
             for s in sids:
                 self.pending[s] = None  # consumed: the cache now holds them
