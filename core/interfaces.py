@@ -134,6 +134,22 @@ class StatefulProposer(Proposer, Protocol):
 
 
 @runtime_checkable
+class RewindableProposer(StatefulProposer, Protocol):
+    """A stateful proposer that can take back its last propose.
+
+    With overlapped steps the loop drafts the next step right after this one is verified,
+    before the engine's bookkeeping, and launches its forward; when the next step turns
+    out different (a request joined, finished, was aborted or preempted) the loop calls
+    :meth:`rewind` for the sequences still running, instead of verifying those drafts.
+    Proposers without it never draft ahead.
+    """
+
+    def rewind(self, seq_ids: Sequence[int]) -> None:
+        """Undo the last :meth:`propose` for these sequences (state and caches as before it);
+        sequences it did not draft for are ignored."""
+
+
+@runtime_checkable
 class HiddenStateProposer(StatefulProposer, Protocol):
     """A proposer that drafts from the target's hidden states (EAGLE, MTP, Medusa...).
 

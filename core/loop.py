@@ -26,8 +26,11 @@ aborted or preempted, or drafts resume) the forward is dropped and its KV positi
 truncated, and the step runs its own. While requests wait for admission the engine asks
 for nothing to run ahead (the next batch would likely differ). Sampling is untouched (it
 happens in step order on the host's call), so outputs are identical with and without
-overlap. A speculative step with a stateless proposer at a fixed k and greedy rows drafts
-the next step and launches its forward right after its appends and stop checks.
+overlap. A speculative step at a fixed k with greedy rows drafts the next step and
+launches its forward right after its appends, stop checks and the proposer's observe,
+when the proposer is stateless or can take a propose back
+(:class:`~speculum.interfaces.RewindableProposer`: the hidden-state heads); a next step
+that differs drops that forward and rewinds those drafts.
 
 Token trees (``Draft.tree``, see :mod:`speculum.tree`): the forward verifies every node at
 once, the verdict names the accepted path, whose K/V the target moves into consecutive
@@ -47,7 +50,7 @@ import torch
 from speculum.devices import on_device
 from speculum.errors import RowError
 from speculum.interfaces import (Draft, ForwardOutput, HiddenStateProposer, KVCacheFull, ModelRunner, ProposeBatch,
-                                 Proposer, StatefulProposer, StepFeedback, Verdict, Verifier)
+                                 Proposer, RewindableProposer, StatefulProposer, StepFeedback, Verdict, Verifier)
 from speculum.logprobs import position_logprobs, prompt_scorer
 from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
@@ -81,6 +84,8 @@ class DraftVerifyLoop:
         self.hidden_layers = tuple(hidden_layers)
         self.stateful = isinstance(proposer, StatefulProposer)
         self.wants_hidden = isinstance(proposer, HiddenStateProposer)
+        #: a stateful proposer that can take back a propose may draft the next step ahead
+        self.rewindable = self.stateful and isinstance(proposer, RewindableProposer)
         self._said: set[str] = set()
         #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
         self.failures: dict[str, int] = {}
@@ -256,11 +261,12 @@ class DraftVerifyLoop:
 
     def _may_plan_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step's drafts may be made now, before the engine's bookkeeping:
-        a fixed k (nothing this step observes changes it), a stateless proposer with no
-        hidden states (it drafts from the tokens alone), chains, every row greedy with
+        a fixed k (nothing this step observes changes it), a stateless proposer or one that
+        can rewind a propose (:class:`RewindableProposer`: it has observed this step
+        already, and is rewound if the step never comes), chains, every row greedy with
         unprocessed logits and no logprobs (no random stream is drawn early, nothing read
         from this step's outputs later), no row finished (the batch stays the same)."""
-        return (isinstance(self.length, FixedLength) and not self.stateful and not self.hidden_layers
+        return (isinstance(self.length, FixedLength) and (not self.stateful or self.rewindable)
                 and not self.trees
                 and all(s.params.temperature == 0 and not s.processed and s.params.logprobs is None
                         and not s.finished for s in seqs)
@@ -270,11 +276,13 @@ class DraftVerifyLoop:
         """Draft the next step now and launch its forward; :meth:`step` takes both if the
         same sequences come back unchanged (:meth:`_claim_planned`)."""
         plan = self._plan(seqs, self._sampling(seqs), k_step, timing=False)
-        if any(s.finished for s in seqs):  # the proposer failed a row: the batch changes anyway
-            return
-        launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens)
+        launched = None
+        if not any(s.finished for s in seqs):  # else the proposer failed a row: the batch changes anyway
+            launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens)
         if launched is not None:
             self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched, plan, k_step)
+        elif self.rewindable:
+            self._rewind([s.seq_id for s in seqs if not s.finished])
 
     def _claim_planned(self, seqs: list[Sequence], k_step: int) -> "_Ahead | None":
         """The step drafted and launched ahead by :meth:`_plan_ahead`, if it is this step:
@@ -311,10 +319,21 @@ class DraftVerifyLoop:
 
     def _drop(self, ahead: "_Ahead") -> None:
         """Give back the KV positions of a forward run ahead that no step will use (rows
-        still running: finish() removed the others)."""
+        still running: finish() removed the others), and the drafts made for it."""
         self.ahead_dropped += 1
         for sid, base in ahead.bases.items():
             self.target.truncate(sid, base)
+        if ahead.plan is not None and self.rewindable:
+            self._rewind(list(ahead.bases))
+
+    def _rewind(self, seq_ids: list[int]) -> None:
+        """Take back the proposer's drafts of a step planned ahead that will not run."""
+        try:
+            self.proposer.rewind(seq_ids)
+        except Exception as exc:  # drafts are only drafts (verification keeps output exact); plan no more
+            self.rewindable = False
+            self._once("proposer", f"proposer {type(self.proposer).__name__}.rewind failed ({exc!r}); "
+                                   "steps are no longer drafted ahead")
 
     def _take_ahead(self, seqs: list[Sequence], k: int):
         """The forward run ahead for this step, if it is this step's forward; else drop it

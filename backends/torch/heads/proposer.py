@@ -193,6 +193,9 @@ class ChainHeadProposer:
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.pending: dict[int, torch.Tensor | None] = {}
+        #: per sequence drafted for by the last propose: (its pending states, head-cache
+        #: length) before it, for :meth:`rewind`
+        self._before: dict[int, tuple[torch.Tensor, int]] = {}
         #: per sequence, states of steps that drafted nothing (speculation length 0), as
         #: (the step's features [B, 1, H], row): folded into ``pending`` when it drafts next
         self.backlog: dict[int, list[tuple[torch.Tensor, int]]] = {}
@@ -242,6 +245,7 @@ class ChainHeadProposer:
         self.cache.remove(seq_id)
         self.pending.pop(seq_id, None)
         self.backlog.pop(seq_id, None)
+        self._before.pop(seq_id, None)
 
     # -- drafting ---------------------------------------------------------------------------
     def _run(self, seq_ids, feats, tokens, counts) -> torch.Tensor:
@@ -262,6 +266,7 @@ class ChainHeadProposer:
             return Draft(token_ids=token_ids, lengths=[0] * B)
         sids = [seqs[b].seq_id for b in rows]
         feats = [self.pending[s] for s in sids]
+        self._remember(sids, feats)
         counts = [f.shape[0] for f in feats]
         R, P = len(rows), max(counts)
         sample = self.sample and not batch.sampling.all_greedy
@@ -322,6 +327,7 @@ class ChainHeadProposer:
         if rows:
             sids = [seqs[b].seq_id for b in rows]
             feats = [self.pending[s] for s in sids]
+            self._remember(sids, feats)
             counts = [f.shape[0] for f in feats]
             toks = [seqs[b].token_ids[-n:] for b, n in zip(rows, counts)]  # x_{t+1} of each pending t
             over = [i for i, n in enumerate(counts) if n > graphs.Q]
@@ -348,6 +354,21 @@ class ChainHeadProposer:
                 lengths[b] = N
         tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
         return Draft(token_ids=token_ids, lengths=lengths, tree=tree)
+
+    def _remember(self, sids: Sequence[int], feats: Sequence[torch.Tensor]) -> None:
+        """What a propose about to consume ``feats`` changes, for :meth:`rewind`."""
+        self._before = {sid: (f, self.cache.length(sid)) for sid, f in zip(sids, feats)}
+
+    def rewind(self, seq_ids: Sequence[int]) -> None:
+        """Undo the last propose for ``seq_ids`` (a step drafted ahead that never ran): its
+        pending states come back and the head-cache positions it appended are dropped (their
+        K/V is overwritten when the states are consumed again)."""
+        for sid in seq_ids:
+            before = self._before.pop(sid, None)
+            if before is None or sid not in self.pending:
+                continue
+            self.pending[sid], length = before
+            self.cache.truncate(sid, length)
 
     def _fold(self, seq_id: int) -> None:
         """Join a sequence's backlog of draft-less steps to its pending states."""

@@ -322,3 +322,49 @@ def test_sampled_requests_with_trees_are_deterministic_per_seed(target, trained)
     first = run(3)
     assert run(3) == first and run(4) != first
     assert llm.metrics.num_tree_steps > 0 and llm.metrics.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-draft"])
+def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trained, method, static):
+    """Overlapped steps with a head (forced on: a CPU engine does not overlap): each step's
+    drafts and forward are made at the end of the step before, after the head observed it.
+    An abort and a request joining drop a step drafted ahead, and the head rewinds it.
+    Outputs equal plain decoding, and acceptance equals a run without overlap on the same
+    schedule: the rewound head drafts exactly as if nothing had been drafted ahead. A head
+    that does not rewind (the wrong variant) accepts differently."""
+    from speculum.backends.torch.heads import HeadDraftGraphs
+    spec = {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def run(overlap: bool, rewind: bool = True):
+        llm = make_llm(target, spec, max_num_seqs=4)
+        llm.loop.overlap = overlap
+        p = llm.proposer
+        if static:
+            p.graphs = HeadDraftGraphs(p.head, p.cache, 3, p.dtype, p.device, use_graphs=False)
+        if not rewind:
+            p.rewind = lambda seq_ids: None
+        outs = {}
+        for i in range(3):
+            llm.add_request(f"r{i}", prompts[i], params)
+        for _ in range(4):
+            llm.step()
+        llm.abort_request("r1")  # drops the step drafted ahead (the batch changes)
+        for _ in range(3):
+            llm.step()
+        llm.add_request("r3", prompts[3], params)  # a join drops it too
+        while llm.has_unfinished_requests():
+            outs.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
+        llm.scheduler.check()
+        return outs, llm.stats.num_drafts, llm.stats.num_accepted_tokens, llm.loop
+
+    on, drafts_on, acc_on, loop = run(True)
+    off, drafts_off, acc_off, _ = run(False)
+    plain = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(make_llm(target).generate(prompts, params))}
+    assert on == off == {r: plain[r] for r in ("r0", "r2", "r3")}
+    assert loop.ahead_used > 10 and loop.ahead_dropped >= 2
+    assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
+    _, drafts_bad, acc_bad, _ = run(True, rewind=False)
+    assert (drafts_bad, acc_bad) != (drafts_off, acc_off)
