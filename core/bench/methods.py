@@ -115,7 +115,14 @@ def run_group(llm, prompts: list, params) -> GroupResult:
     return g
 
 
-def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult], k_before: list[int]) -> MethodResult:
+def _counters(llm) -> tuple[list[int], int, int]:
+    """What :func:`_result` reports as differences: steps per k, forwards run ahead and used, dropped."""
+    return list(llm.loop.k_counts), llm.loop.ahead_used, llm.loop.ahead_dropped
+
+
+def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
+            before: tuple[list[int], int, int]) -> MethodResult:
+    k_before, used, dropped = before
     total = GroupResult()
     texts: list[str] = []
     for g in out.values():
@@ -123,19 +130,21 @@ def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult], k_
         total.metrics.merge(g.metrics)
         texts += g.texts
     steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
-    return MethodResult(name, config, out, total, texts, steps_per_k=steps_per_k)
+    # overlapped steps: forwards (with their drafts) made during the step before, used or dropped
+    extra = {"steps_run_ahead": llm.loop.ahead_used - used, "steps_dropped_ahead": llm.loop.ahead_dropped - dropped}
+    return MethodResult(name, config, out, total, texts, extra=extra, steps_per_k=steps_per_k)
 
 
 def run_method(llm, groups: dict[str, list], params, name: str, config: dict | None,
                progress: Callable[[str], Any] | None = None) -> MethodResult:
     """Run every group through ``llm`` (already warm); time each group separately."""
     out: dict[str, GroupResult] = {}
-    k_before = list(llm.loop.k_counts)
+    before = _counters(llm)
     for cat, prompts in groups.items():
         if progress:
             progress(f"{name}: {cat} ({len(prompts)} prompts)")
         out[cat] = run_group(llm, prompts, params)
-    return _result(llm, name, config, out, k_before)
+    return _result(llm, name, config, out, before)
 
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
@@ -190,14 +199,14 @@ def _skip(cfg: dict | None, exc: Exception, errors: list | None) -> None:
 
 
 def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors) -> list[MethodResult]:
-    engines = []  # (config, engine, name, k counts before)
+    engines = []  # (config, engine, name, counters before)
     for cfg in [None] + [c for c in configs if c is not None]:
         try:
             llm, name = _start(make_llm, cfg, groups, params, warmup_tokens)
         except Exception as exc:
             _skip(cfg, exc, errors)
             continue
-        engines.append((cfg, llm, name, list(llm.loop.k_counts)))
+        engines.append((cfg, llm, name, _counters(llm)))
     outs: list[dict[str, GroupResult]] = [{} for _ in engines]
     for cat, prompts in groups.items():
         for (cfg, llm, name, _), out in zip(engines, outs):
@@ -205,8 +214,8 @@ def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progr
                 progress(f"{name}: {cat} ({len(prompts)} prompts)")
             out[cat] = run_group(llm, prompts, params)
     results = []
-    for (cfg, llm, name, k_before), out in zip(engines, outs):
-        results.append(_result(llm, name, cfg, out, k_before))
+    for (cfg, llm, name, before), out in zip(engines, outs):
+        results.append(_result(llm, name, cfg, out, before))
         if after is not None:
             after(llm, results[-1])
     engines.clear()
