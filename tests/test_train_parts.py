@@ -58,6 +58,26 @@ def test_evaluation_prompts_are_dropped_after_normalising():
     assert [r.index for r in kept] == [2] and dropped == 3
 
 
+def test_template_rows_get_explained_long_answers(spec_factory):
+    """--template-long-form N: a task-template (T0) row gets N long-form answers with a request
+    to explain appended (the first greedy, then sampled); instruction rows keep --long-form;
+    left at 0 it adds nothing and leaves the cache key as before."""
+    from speculum.train.mix import EXPLAIN
+    base = spec_factory(temperature=0.0, extra_temperature=(0.7, 1.0), long_form=1)
+    spec = spec_factory(temperature=0.0, extra_temperature=(0.7, 1.0), long_form=1, template_long_form=2)
+    t0 = Row(8, "t0/task", ("Is it positive?\nAnswer:",))
+    jobs = first_jobs(t0, spec)
+    assert [j.kind for j in jobs] == [ANSWER, LONG, LONG] and [j.temperature for j in jobs] == [0.0, 0.0, 0.7]
+    for j in jobs[1:]:
+        head, ask = j.messages[-1]["content"].split("\n\n")
+        assert head == "Is it positive?\nAnswer:" and ask in EXPLAIN
+    assert [j.kind for j in first_jobs(t0, base)] == [ANSWER]
+    instr = Row(7, "user_oriented", ("Explain tides.",))
+    assert [j.kind for j in first_jobs(instr, spec)] == [j.kind for j in first_jobs(instr, base)] == [ANSWER, LONG]
+    assert base.key() != spec.key() and base.key() == spec_factory(temperature=0.0, extra_temperature=(0.7, 1.0),
+                                                                   long_form=1, template_long_form=0).key()
+
+
 def test_jobs_of_the_mix(spec_factory):
     spec = spec_factory(temperature=0.0, extra_answers=3, extra_temperature=(0.7, 1.0), long_form=2,
                         second_turns=1.0, max_turns=2)

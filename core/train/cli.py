@@ -50,6 +50,9 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-form", type=int, default=0, metavar="N",
                    help="long-form answers per instruction-style prompt: a request for detail is appended "
                         "(the first greedy, then sampled)")
+    g.add_argument("--template-long-form", type=int, default=0, metavar="N",
+                   help="long-form answers per task-template prompt (t0/*): a request to explain the answer is "
+                        "appended (the first greedy, then sampled); default 0")
     g.add_argument("--second-turns", type=float, default=0.0, metavar="FRACTION",
                    help="fraction of single-turn prompts that get a second turn: the target writes a follow-up "
                         "question about its own answer, then answers it (all through the chat template)")

@@ -61,6 +61,8 @@ class DistillSpec:
     extra_temperature: float | tuple[float, ...] = 0.8
     #: long-form answers per instruction-style prompt (a request for detail appended)
     long_form: int = 0
+    #: long-form answers per task-template prompt (T0: a request to explain the answer appended)
+    template_long_form: int = 0
     #: fraction of single-turn prompts answered again after a follow-up the target writes
     second_turns: float = 0.0
     #: user turns answered per conversation (MT-bench and ``data`` rows may have several)

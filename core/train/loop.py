@@ -146,7 +146,8 @@ def distill_spec(args, model_path: Path, layers: tuple[int, ...]) -> DistillSpec
                        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                        temperature=args.temperature, seed=args.data_seed, layers=layers,
                        extra_answers=args.extra_answers, extra_temperature=temps[0] if len(temps) == 1 else temps,
-                       long_form=args.long_form, second_turns=args.second_turns, max_turns=args.max_turns,
+                       long_form=args.long_form, template_long_form=args.template_long_form,
+                       second_turns=args.second_turns, max_turns=args.max_turns,
                        data=tuple(str(d) for d in args.data or ()), exclude=tuple(sorted(set(exclude))))
 
 
@@ -198,7 +199,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     if getattr(args, "eval_prompts", None):  # another prompt set, answered the same way, never trained on
         espec = attrs.evolve(spec, prompts=str(args.eval_prompts), num_prompts=args.eval_num_prompts,
                              max_prompt_tokens=max(args.max_prompt_tokens, 1024), extra_answers=0, long_form=0,
-                             second_turns=0.0, data=(), exclude=(), max_turns=args.max_turns)
+                             template_long_form=0, second_turns=0.0, data=(), exclude=(), max_turns=args.max_turns)
         eval_dir, eval_shards = ensure_distill(espec, args.cache_dir, generate=not args.cached_data_only,
                                                **_gen_kwargs(args))
         if not eval_shards:
@@ -356,7 +357,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
             "training": {**{k: report[k] for k in keep if k in report},
                          "data": {k: report["data"][k] for k in ("prompts", "num_prompts", "data", "max_tokens",
                                                                  "temperature", "extra_answers", "extra_temperature",
-                                                                 "long_form", "second_turns", "max_turns",
+                                                                 "long_form", "template_long_form", "second_turns",
+                                                                 "max_turns",
                                                                  "sequences", "tokens", "sequences_per_kind",
                                                                  "answer_tokens_per_kind", "dropped_overlaps")
                                   if k in report["data"]}}}

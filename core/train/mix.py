@@ -12,7 +12,10 @@ A *job* is one answer to generate. Per row (:func:`first_jobs`):
 - ``sampled``: instruction-style rows (not T0 templates) get ``extra_answers`` more,
   sampled at the ``extra_temperature`` values in turn;
 - ``long``: instruction-style rows get ``long_form`` answers to the first turn with a
-  request for detail appended (the first at ``temperature``, then sampled);
+  request for detail appended (the first at ``temperature``, then sampled), task-template
+  rows (T0) ``template_long_form`` answers with a request to explain the answer: the
+  explanations, reasoning and longer prose that chat asks for, over the many topics of
+  the task rows, where their own answers are a word or a line;
 - ``turn``: a row's later user turns (MT-bench's second turn, a conversation's), asked
   after the target's own earlier answers, up to ``max_turns`` turns;
 - ``followup``: for a ``second_turns`` fraction of single-turn rows, the target writes a
@@ -46,6 +49,10 @@ QUESTION = -1
 DETAIL = ("Please answer in detail.", "Explain your answer step by step, in detail.",
           "Give a thorough, well-structured answer with examples.", "Write a detailed and complete response.",
           "Answer at length and cover every important point.")
+#: requests appended to task-template prompts (T0) for their long-form answers
+EXPLAIN = ("Give the answer, then explain your reasoning step by step.", "Answer, and explain why in detail.",
+           "Answer the question and justify your answer thoroughly.",
+           "Give your answer with a detailed explanation.")
 #: the user's request for a follow-up question, and the question's forced first words
 #: (a 135M model asked for "a question" alone mostly answers instead of asking)
 FOLLOWUP_REQUEST = "Write a follow-up question I could ask you about your answer."
@@ -230,11 +237,12 @@ def first_jobs(row: Row, spec, chat: bool = True) -> list[Job]:
     if row.instruction:
         jobs += [Job(row, SAMPLED, temps[i % len(temps)], _seed(spec.seed, row, 1 + i), first)
                  for i in range(spec.extra_answers)]
-        rng = random.Random(f"long-{spec.seed}-{row.index}")
-        for i in range(spec.long_form):
-            t = spec.temperature if i == 0 else temps[(i - 1) % len(temps)]
-            ask = _chat(row, f"{row.turns[0].rstrip()}\n\n{rng.choice(DETAIL)}")
-            jobs.append(Job(row, LONG, t, _seed(spec.seed, row, 1000 + i), ask))
+    n, asks = (spec.long_form, DETAIL) if row.instruction else (getattr(spec, "template_long_form", 0), EXPLAIN)
+    rng = random.Random(f"long-{spec.seed}-{row.index}")
+    for i in range(n):
+        t = spec.temperature if i == 0 else temps[(i - 1) % len(temps)]
+        ask = _chat(row, f"{row.turns[0].rstrip()}\n\n{rng.choice(asks)}")
+        jobs.append(Job(row, LONG, t, _seed(spec.seed, row, 1000 + i), ask))
     return jobs
 
 

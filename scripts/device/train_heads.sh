@@ -4,6 +4,8 @@
 #     for evaluation only (at most GEN_TL seconds; the shards finished by then are used);
 #  2. eagle, eagle3, medusa, mtp and a draft model side by side on the GPU for the time left
 #     (the draft's shape from /tmp/draft_shapes.json when draft_shapes.sh ran in this warm session);
+#     (DATA_ONLY=1: stop after step 1, the answers into $OUT as answers.tar: a data call, whose
+#     answers a training call carries back in as ANSWERS, so training gets the whole call)
 #  3. heads, reports, logs and training curves into $OUT as tar parts of 15 MiB (the draft's
 #     weights left out when they do not fit), and the answers alone (answers.tar: token ids, no
 #     hidden states) for a later call to carry back in as ANSWERS=<folder> (states recomputed
@@ -22,12 +24,22 @@ if [ -n "$ANSWERS" ] && [ -d "$ANSWERS" ]; then
   echo "answers carried in: $(ls $ANSWERS | tr '\n' ' ')"
 fi
 D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-512} --max-tokens ${MAXTOK:-384} --extra-answers ${EXTRA:-2} \
-   --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --second-turns ${SECOND:-0.5} \
+   --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --template-long-form ${TLONG:-1} \
+   --second-turns ${SECOND:-0.5} \
    --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
    --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-}"
 speculum train eagle3 $D --prepare-only > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
 grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
+export_answers() {  # the answers alone (token ids, no hidden states: megabytes) into /tmp/answers.tar
+  rm -rf /tmp/answers && mkdir -p /tmp/answers
+  for d in $SPECULUM_CACHE/distill/*/; do python3 -m speculum.train.distill export $d /tmp/answers | tail -1; done
+  tar cf /tmp/answers.tar -C /tmp answers
+}
+if [ "${DATA_ONLY:-0}" = 1 ]; then  # a data call: the answers come back, training is another call's
+  export_answers && mv /tmp/answers.tar $OUT/ && cp $TR/data.log $OUT/ && ls -la $OUT
+  exit 0
+fi
 TL=$(( BUDGET - ($(date +%s) - T0) - RESERVE ))
 echo "training for $TL s"
 T="$D --cached-data-only --max-len ${MAXLEN:-640} --batch-size ${BS:-32} --time-limit $TL --steps 1000000 \
@@ -47,8 +59,7 @@ for f in $SPECULUM_CACHE/distill/*/meta.json; do cp $f $TR/data_meta_$(basename 
 [ -f /tmp/draft_shapes.json ] && cp /tmp/draft_shapes.json $TR/
 echo "total: $(( $(date +%s) - T0 )) s"
 # the answers alone (no hidden states: megabytes), for the next session to carry back in as ANSWERS
-rm -rf /tmp/answers && mkdir -p /tmp/answers
-for d in $SPECULUM_CACHE/distill/*/; do python3 -m speculum.train.distill export $d /tmp/answers | tail -1; done
+export_answers
 # pack: everything but checkpoints; what comes back from a call is about 60 MB in all, so the
 # draft's weights (70 MB) are left out when the rest would not fit (they stay in $TR/draft while warm)
 LIMIT=${OUT_LIMIT:-60000000}
@@ -58,7 +69,6 @@ if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
   tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
     eagle eagle3 medusa mtp draft *.log *.json
 fi
-tar cf /tmp/answers.tar -C /tmp answers
 if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tar) )) -le $LIMIT ]; then
   mv /tmp/answers.tar $OUT/
 else
