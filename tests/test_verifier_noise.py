@@ -190,3 +190,25 @@ def test_shared_noise_is_caught(rule, variant):
     assert power > 0.999, f"{rule}/{variant}: estimated power {power:.4f}"
     pval, _, _ = check(*run(rule, n, seed=3, wrong=wrong, per_row=False))
     assert pval < ALPHA, f"{rule}/{variant}: not caught (p = {pval:.2e})"
+
+
+def test_rows_without_a_generator_share_one_draw_and_seeded_rows_keep_theirs():
+    """Rows with a generator of their own draw from it alone (a seeded request's noise does not
+    depend on the batch); rows without one draw together from the default generator, in row
+    order, the same values as drawn one by one (CPU); nothing is drawn for n = 0."""
+    from speculum.verifiers.noise import RowNoise
+    V = 50
+
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+
+    torch.manual_seed(123)
+    mixed = RowNoise([None, gen(1), None, None, gen(2)]).exponentials(5, V, "cpu")
+    torch.manual_seed(123)
+    alone = [torch.empty(V).exponential_() for _ in range(3)]
+    assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[2], alone[1]) and torch.equal(mixed[3], alone[2])
+    assert torch.equal(mixed[1], torch.empty(V).exponential_(generator=gen(1)).clamp_min(torch.finfo(torch.float32).tiny))
+    assert torch.equal(mixed[4], torch.empty(V).exponential_(generator=gen(2)).clamp_min(torch.finfo(torch.float32).tiny))
+    g = gen(3)
+    assert RowNoise([g, None]).uniforms(2, 0, "cpu").shape == (2, 0)
+    assert torch.equal(torch.empty(4).uniform_(generator=g), torch.empty(4).uniform_(generator=gen(3)))  # g unmoved

@@ -33,6 +33,8 @@ from typing import Sequence
 import attrs
 import torch
 
+from speculum.devices import on_device
+
 Generators = Sequence[torch.Generator | None] | torch.Generator | None
 
 
@@ -54,9 +56,18 @@ class RowNoise:
         gens = self.generators
         if gens is None or isinstance(gens, torch.Generator):
             return one((B, n), gens)
-        if not B:
-            return torch.empty((0, n), device=device)
-        return torch.stack([one((n,), g) for g in gens])
+        if not B or not n:  # nothing to draw (no drafts: no acceptance uniforms); no stream moves
+            return torch.empty((B, n), device=device)
+        shared = [b for b, g in enumerate(gens) if g is None]
+        if len(shared) == B:
+            return one((B, n), None)
+        if len(shared) < 2:
+            return torch.stack([one((n,), g) for g in gens])
+        # rows without a generator of their own (greedy requests in a mixed batch) draw from
+        # the default generator in one call, in row order: one launch instead of one each
+        own = [b for b, g in enumerate(gens) if g is not None]
+        drawn = torch.cat([one((len(shared), n), None)] + [one((1, n), gens[b]) for b in own])
+        return torch.empty((B, n), device=device).index_copy_(0, on_device(shared + own, device), drawn)
 
     def uniforms(self, B: int, n: int, device) -> torch.Tensor:
         """[B, n] U[0, 1): the acceptance noise (drawn first)."""
