@@ -261,9 +261,11 @@ class ChainHeadProposer:
             self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
                 and self.pending[s.seq_id].shape[0] > 0]
-        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
+        def blank() -> torch.Tensor:  # [B, k] of -1 (made only when some row has no draft)
+            return torch.full((B, k), -1, dtype=torch.int64, device=self.device)
+
         if not rows:  # e.g. one-token prompts: no target state to start from yet
-            return Draft(token_ids=token_ids, lengths=[0] * B)
+            return Draft(token_ids=blank(), lengths=[0] * B)
         sids = [seqs[b].seq_id for b in rows]
         feats = [self.pending[s] for s in sids]
         self._remember(sids, feats)
@@ -280,6 +282,7 @@ class ChainHeadProposer:
                 self.pending[s] = None  # consumed: the cache now holds them
             if R == B:  # every row drafted (the usual case): no scatter
                 return Draft(token_ids=out, lengths=lengths)
+            token_ids = blank()
             token_ids[on_device(rows, self.device)] = out  # no synchronisation: the draft is still running
             return Draft(token_ids=token_ids, lengths=lengths)
         x = torch.zeros(R, P, feats[0].shape[-1], dtype=self.dtype, device=self.device)
@@ -302,6 +305,7 @@ class ChainHeadProposer:
         for s in sids:
             self.pending[s] = None  # consumed: the cache now holds them
         idx = on_device(rows, self.device)
+        token_ids = blank()
         token_ids[idx] = torch.stack(drafts, dim=1)
         q = None
         if sample:
