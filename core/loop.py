@@ -202,7 +202,7 @@ class DraftVerifyLoop:
         # the host synchronisation of the step (greedy verification has synced already);
         # the copy is queued before a forward run ahead, so it does not wait for that one
         to_host = _to_host(verdict, bad)
-        if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
+        if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows, k_step):
             self._run_ahead(seqs, verdict.token_ids[:, :1])
         both = to_host()
         accepted = [r[0] for r in both]
@@ -251,13 +251,20 @@ class DraftVerifyLoop:
         self.length.observe_step(B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
 
     # -- overlap (see the module doc) -----------------------------------------------------
-    def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict) -> bool:
+    def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict, k_step: int) -> bool:
         """Whether the next step is a plain decode of these rows whose forward may start now:
-        no row can draft, no hidden states or logprobs are read from this step's outputs
-        (the next forward overwrites them), no row failed."""
+        no row will draft, no hidden states or logprobs are read from this step's outputs
+        (the next forward overwrites them), no row failed.
+
+        Rows that may draft will not when a length policy that varies k (``"auto"``, a
+        batch-size schedule) chose none for this step: the same rows most likely get none
+        next step too. If they do get drafts, the forward run ahead is dropped
+        (:meth:`_take_ahead`): one wasted forward at a switch, against no overlap at all
+        while load keeps speculation off."""
+        may_draft = self.k and any(s.speculative and self._cap(s) for s in seqs) \
+            and not (k_step == 0 and self.length.varies)
         return (not failed_rows and not self.hidden_layers
-                and not any(s.params.logprobs is not None for s in seqs)
-                and not (self.k and any(s.speculative and self._cap(s) for s in seqs)))
+                and not any(s.params.logprobs is not None for s in seqs) and not may_draft)
 
     def _may_plan_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step's drafts may be made now, before the engine's bookkeeping:

@@ -207,3 +207,23 @@ def test_no_overlap_flag_on_every_engine_command(tiny_llama):
     assert engine_options(parser.parse_args(["generate", "--no-overlap"]))["overlap"] is False
     assert "overlap" not in engine_options(parser.parse_args(["generate"]))
     assert LLM(str(tiny_llama), device="cpu", dtype="float32").overlap is False  # a CPU computes on the host
+
+
+def test_steps_without_drafts_run_ahead_under_a_varying_length_policy(tiny_llama):
+    """A batch-size schedule (as "auto" under load) that gives k = 0 at 3-4 rows: those steps
+    run the next plain forward ahead although the rows could draft; when the batch falls to
+    2 rows and drafts come back, the forward run ahead is dropped. Outputs equal a run
+    without overlap and a run without speculation."""
+    prompts = _repetitive(6, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
+    cfg = dict(NGRAM, num_speculative_tokens_per_batch_size={"1-2": 3, "3-64": 0})
+    on = _llm(tiny_llama, True, speculative_config=cfg, max_num_seqs=4)
+    got = _run(on, prompts, params)
+    assert got == _run(_llm(tiny_llama, False, speculative_config=cfg, max_num_seqs=4), prompts, params)
+    assert got == _run(_llm(tiny_llama, False, max_num_seqs=4), prompts, params)
+    zero, drafting = on.loop.k_counts[0], on.loop.k_counts[3]
+    assert zero > 10 and drafting > 10 and on.stats.num_accepted_tokens > 0
+    # most steps ran ahead: the k = 0 ones (plain forwards) and the k = 3 ones (drafted
+    # ahead); under the rule before (rows that may draft never run a plain step ahead) only
+    # the latter did: 15 of 43 steps here, against 26 now
+    assert on.loop.ahead_used >= 0.55 * (zero + drafting)
