@@ -373,7 +373,7 @@ class DraftVerifyLoop:
         # bad words...) decode without drafts: their drafts' histories are tree paths
         rows = [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)
                 and not (self.trees and s.processed)] if k_step else []
-        timed = timing and bool(rows) and (self._steps % self.time_every == 0 or self.length.needs_timing(B))
+        timed = timing and bool(rows) and self.length.times_drafting and (self._steps % self.time_every == 0 or self.length.needs_timing(B))
         if timed:
             _sync(self.target.device)
         t_draft = time.perf_counter()

@@ -166,6 +166,9 @@ class FixedLength:
     """Every step proposes ``num_speculative_tokens`` (the default)."""
 
     kind = "fixed"
+    #: whether the policy reads drafting times (the loop then times a step's drafting now
+    #: and then, a device synchronisation each time): only ``"auto"`` does
+    times_drafting = False
     decay = 0.8  # per drafting step, a request's acceptance EMA
     #: per drafting step, a request's availability EMA: slower, since whether a proposer
     #: finds anything (n-gram lookup) comes and goes within a text, and a run of misses
@@ -228,6 +231,7 @@ class AutoLength(FixedLength):
     """
 
     kind = "auto"
+    times_drafting = True
     margin = 0.02          # k > 0 must beat no speculation by this much
     global_decay = 0.995   # per drafting row-step, the engine-wide acceptance EMA
     probe_every = 32
@@ -290,9 +294,19 @@ class AutoLength(FixedLength):
         if k <= 0:
             return 0.0
         key = _bucket(batch_size)
-        known = {kk: e.value for (b, kk), e in self._draft.items() if b == key and e.value is not None}
-        if not known:
+        buckets = {b for (b, _), e in self._draft.items() if e.value is not None}
+        if key in buckets:
+            return self._draft_in(key, k)
+        # a batch size not measured yet (load rising at once): drafting for B rows costs at
+        # most B / B' times drafting for B' < B rows (batching never costs more than running
+        # them apart), and no more than for B' > B rows. Until this size is timed (its first
+        # drafting step is), the larger of those bounds stands; nothing measured at all: free
+        if not buckets:
             return 0.0
+        return min(self._draft_in(b, k) * max(1.0, key / b) for b in buckets)
+
+    def _draft_in(self, key: int, k: int) -> float:
+        known = {kk: e.value for (b, kk), e in self._draft.items() if b == key and e.value is not None}
         own = known[k] if k in known else known[min(known, key=lambda kk: (abs(kk - k), kk))]
         return min([own] + [v * max(1.0, k / kk) for kk, v in known.items() if kk != k])
 

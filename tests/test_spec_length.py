@@ -194,7 +194,7 @@ def test_verify_cost_interpolates_and_extrapolates():
 class Alternating:
     """Test policy: k = 0, max, 1, 0, max, ... whatever the batch (every switch exercised)."""
 
-    kind, varies, decay = "test", True, 0.8
+    kind, varies, decay, times_drafting = "test", True, 0.8, False
 
     def __init__(self, k):
         self.seq, self.i = [0, k, 1, 0, 0, k, 2], 0
@@ -397,7 +397,15 @@ def test_a_per_step_drafting_cost_is_not_multiplied_by_k():
     assert auto.draft_seconds(1, 4) == 0.0008 and auto.draft_seconds(1, 2) == 0.0002  # nearest: k = 1
     # nearest measured (4) is never divided, but three tokens cost at most 3x one (k = 1's)
     assert auto.draft_seconds(1, 3) == pytest.approx(0.0006)
-    assert auto.draft_seconds(16, 4) == 0.0  # another batch bucket: nothing measured yet
+    # another batch size, not measured yet: bounded by what 1 row costs, times 16 (n-gram
+    # lookup runs row by row), rather than free (seen on the H200: "auto" speculated on all
+    # 32 requests arriving at once before their drafting was ever timed)
+    assert auto.draft_seconds(16, 4) == pytest.approx(16 * 0.0008)
+    auto.observe_step(16, 4, 5, 0.003, None)
+    assert auto.draft_seconds(16, 4) == 0.003  # measured: its own figure
+    assert auto.draft_seconds(8, 4) == pytest.approx(0.003)  # fewer rows cost no more than 16
+    assert auto.draft_seconds(2, 1) == pytest.approx(2 * 0.0002)
+    assert AutoLength(4, _cost(lambda b, q: 0.001)).draft_seconds(16, 4) == 0.0  # nothing measured anywhere
 
 
 def test_a_run_of_misses_does_not_switch_a_request_off_for_good():
