@@ -166,3 +166,50 @@ def test_vectorised_search_equals_the_definition(vocab):
         want = _reference(t, n_min, n_max, k)
         assert find_ngram_draft(t, n_min, n_max, k) == want
         assert find_ngram_draft(t.tolist(), n_min, n_max, k) == want
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 50])
+@pytest.mark.parametrize("n_min,n_max,window", [(1, 5, 0), (2, 5, 0), (3, 3, 0), (1, 4, 12), (2, 6, 20)])
+def test_the_proposer_index_drafts_what_the_search_drafts(vocab, n_min, n_max, window):
+    """The proposer indexes each sequence's n-grams as it grows (SuffixIndex); step by step
+    (1-5 tokens appended between steps, as accepted drafts do) its drafts equal
+    find_ngram_draft over the whole (or windowed) context, for 3 sequences at once."""
+    g = torch.Generator().manual_seed(100 * vocab + n_min + n_max + window)
+    p = NgramProposer(n_min, n_max, window)
+    seqs = [SequenceView(i, torch.randint(0, vocab, (1 + 5 * i,), generator=g).tolist(), 1) for i in range(3)]
+    params = [SamplingParams(temperature=0)] * 3
+    checked = 0
+    for step in range(120):
+        k = 1 + step % 4
+        got = p.propose(ProposeBatch(seqs, k, SamplingBatch.from_params(params, [None] * 3))).token_ids
+        for b, s in enumerate(seqs):
+            ctx = s.token_ids[-window:] if window else s.token_ids
+            want = find_ngram_draft(ctx, n_min, n_max, k)
+            row = [t for t in got[b].tolist() if t >= 0]
+            assert row == want, (step, b)
+            checked += bool(want)
+            grow = 1 + int(torch.randint(0, 5, (1,), generator=g))
+            if step % 2:  # half the time a piece of earlier text comes back (as in real answers)
+                at = int(torch.randint(0, len(s.token_ids), (1,), generator=g))
+                s.token_ids.extend(s.token_ids[at: at + 2 * grow + 2])
+            else:
+                s.token_ids.extend(torch.randint(0, vocab, (grow,), generator=g).tolist())
+    assert checked > 40  # of 360 row-steps, those with a draft (the fewest: a window of 20, n >= 2, vocabulary 50)
+
+
+def test_an_index_is_never_used_for_another_sequence():
+    """A seq_id that comes back with another token list (a new request) is indexed anew;
+    indexes of sequences not seen for forget_after steps are dropped."""
+    p = NgramProposer(1, 3)
+    p.forget_after = 4
+    params = [SamplingParams(temperature=0)]
+
+    def one(view, k=2):
+        return [t for t in p.propose(ProposeBatch([view], k, SamplingBatch.from_params(params, [None]))).token_ids[0].tolist()
+                if t >= 0]
+
+    assert one(SequenceView(0, [5, 6, 7, 5], 1)) == [6, 7]
+    assert one(SequenceView(0, [9, 8, 9], 1)) == [8, 9]  # same id, another list: not [6, 7]
+    for i in range(8):
+        one(SequenceView(1, [1, 2, 1], 1))
+    assert 0 not in p._index and 1 in p._index
