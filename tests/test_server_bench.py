@@ -119,3 +119,21 @@ def test_load_check_verdicts(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps(bad))
     (tmp_path / "c.json").write_text(json.dumps(c1))
     assert check_main([str(tmp_path / "s.json"), str(tmp_path / "c.json")]) == 1
+
+
+@pytest.mark.parametrize("burst", [True, False])
+def test_a_sweep_starts_with_an_uncounted_burst(tiny_llama, dataset, tmp_path, burst):
+    """Before the timed runs, the prompts go out at once (up to --max-concurrency), so shapes
+    first met at high load are captured before any run is timed; --no-warmup-burst skips it.
+    Counted by the tokens the server generated: warm-up 1 x 8, burst 4 x 16, runs 6 x 16."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_num_seqs=8)
+    app = create_app(llm, model_names=["tiny"], log_interval_s=0)
+    out = tmp_path / "result.json"
+    extra = [] if burst else ["--no-warmup-burst"]
+    with ServerThread(app) as server:
+        rc = main(_bench_args(dataset, out, "--base-url", server.url, "--sweep", "inf", "--max-concurrency", "4",
+                              *extra))
+    assert rc == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["completed"] == 6 and run["total_output_tokens"] == 6 * 16  # the burst is not in the results
+    assert llm.num_generated_tokens == 8 + (4 * 16 if burst else 0) + 6 * 16

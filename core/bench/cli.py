@@ -63,6 +63,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--result-json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before each sweep")
+    p.add_argument("--no-warmup-burst", dest="warmup_burst", action="store_false",
+                   help="skip the uncounted burst before each sweep (default: when the sweep includes all-at-once "
+                        "or --max-concurrency > 1, the prompts are first sent all at once, up to the concurrency "
+                        "limit, so the batch sizes and context lengths the measured runs reach are compiled and "
+                        "captured as CUDA graphs before any run is timed, for every server alike)")
     c = p.add_argument_group("--compare: start both servers here")
     c.add_argument("--compare", action="store_true",
                    help="start `speculum serve` without and with --speculative-config, sweep both, plot, and "
@@ -132,11 +137,22 @@ async def _sweep(base_url: str, prompts, rates, args, extra, model) -> list[dict
                   extra_body=extra, seed=args.seed, timeout_s=args.timeout)
     if args.warmup:
         await run_benchmark(base_url, prompts[: args.warmup], **{**common, "max_tokens": min(args.max_tokens, 8)})
+    if warmup_burst(args, rates):
+        # a shape first met in a timed run (a batch of 40, contexts past 256 tokens) would be
+        # captured there: 0.1-0.5 s inside an all-at-once run that lasts about a second
+        n = min(len(prompts), args.max_concurrency or len(prompts))
+        print(f"bench: warm-up burst of {n} prompts to {base_url} (not counted)", file=sys.stderr, flush=True)
+        await run_benchmark(base_url, prompts[:n], **{**common, "request_rate": math.inf})
     runs = []
     for rate in rates:
         print(f"bench: {len(prompts)} prompts at rate {rate} to {base_url}", file=sys.stderr, flush=True)
         runs.append(await run_benchmark(base_url, prompts, request_rate=rate, **common))
     return runs
+
+
+def warmup_burst(args, rates) -> bool:
+    """Whether a sweep starts with an uncounted burst (see ``--no-warmup-burst``)."""
+    return bool(getattr(args, "warmup_burst", True)) and (math.inf in rates or (args.max_concurrency or 0) > 1)
 
 
 def config_label(cfg: dict) -> str:
