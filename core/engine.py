@@ -295,8 +295,11 @@ class LLM:
             return outputs
         before = [s.num_output_tokens for s in running]
         try:
-            # with requests waiting, the next batch likely differs: nothing runs ahead for it
-            self.loop.step(running, ahead=not self.scheduler.waiting)
+            # with requests waiting and a free slot, the next batch likely differs: nothing runs
+            # ahead for it. A full batch (max_num_seqs running: batch 1 with a queue) changes
+            # only when a row finishes, which drops a step run ahead anyway
+            admit = self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs
+            self.loop.step(running, ahead=not admit)
         except Exception as exc:
             self._batch_failed(list(running), "step", exc, outputs)
             return outputs

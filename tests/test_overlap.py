@@ -227,3 +227,19 @@ def test_steps_without_drafts_run_ahead_under_a_varying_length_policy(tiny_llama
     # ahead); under the rule before (rows that may draft never run a plain step ahead) only
     # the latter did: 15 of 43 steps here, against 26 now
     assert on.loop.ahead_used >= 0.55 * (zero + drafting)
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM])
+def test_a_full_batch_with_a_queue_runs_ahead(tiny_llama, spec):
+    """Batch 1 (max_num_seqs=1) with requests queued (an offline benchmark): the running
+    row's steps run ahead although requests wait, since none can join before it finishes.
+    Before, a queue stopped overlap: only the last request's steps ran ahead."""
+    prompts = _repetitive(4, seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) for _ in range(4)]
+    on = _llm(tiny_llama, True, speculative_config=spec, max_num_seqs=1)
+    got = _run(on, prompts, params)
+    assert got == _run(_llm(tiny_llama, False, max_num_seqs=1), prompts, params)
+    steps = sum(on.loop.k_counts)
+    # each request's first step follows its prefill (nothing ran ahead for it) and its last
+    # step runs nothing ahead; the rest do
+    assert on.loop.ahead_used >= steps - 2 * len(prompts) - 2, (on.loop.ahead_used, steps)
