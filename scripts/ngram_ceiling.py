@@ -1,0 +1,86 @@
+"""How many tokens per target forward n-gram lookup can give on a prompt set, whatever the
+step costs: greedy outputs are made once without speculation (batched), then each lookup
+variant is replayed over them (lossless greedy speculation emits exactly these tokens, so
+a draft's accepted length is its agreement with them). Prints a table, writes JSON.
+
+    python scripts/ngram_ceiling.py --max-tokens 256 --json ngram_ceiling.json
+    python scripts/ngram_ceiling.py --outputs ngram_ceiling.json     # replay saved outputs
+
+The ratio of n-gram speculation to autoregressive decoding is at most this figure times
+(plain step / speculative step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def generate(args) -> list[dict]:
+    from speculum.datasets import first_turn, mt_bench
+    from speculum.engine import LLM
+    from speculum.sampling import SamplingParams
+
+    rows = mt_bench(path=args.mt_bench)
+    prompts = [[{"role": "user", "content": first_turn(r)}] for r in rows]
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=len(prompts), threads=args.threads)
+    t0 = time.perf_counter()
+    outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    print(f"{len(outs)} answers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return [dict(category=r["category"], prompt=o.prompt_token_ids, output=list(o.outputs[0].token_ids))
+            for r, o in zip(rows, outs)]
+
+
+def replay(data: list[dict], n_min: int, n_max: int, k: int) -> dict:
+    """Steps, tokens and drafting steps of lookup (n_min..n_max, k drafts) over the answers."""
+    from speculum_ngram.proposer import SuffixIndex
+
+    steps = tokens = drafted = 0
+    for r in data:
+        ctx, out = list(r["prompt"]), r["output"]
+        index = SuffixIndex(ctx)
+        i = 0
+        while i < len(out):
+            d = index.draft(n_min, n_max, k)
+            a = 0
+            while a < len(d) and i + a < len(out) and d[a] == out[i + a]:
+                a += 1
+            n = min(a + 1, len(out) - i)
+            ctx.extend(out[i: i + n])
+            i += n
+            tokens += n
+            steps += 1
+            drafted += bool(d)
+    return dict(n_min=n_min, n_max=n_max, k=k, steps=steps, tokens=tokens, tokens_per_forward=tokens / steps,
+                drafting_share=drafted / steps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--mt-bench", default=None, help="MT-bench style JSONL (default: the 80 shipped questions)")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per answer")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--outputs", default=None, help="replay the answers saved in this JSON instead of generating")
+    p.add_argument("-k", type=int, nargs="+", default=[2, 4], help="draft lengths to replay")
+    p.add_argument("--json", default="results/ngram_ceiling.json", help="where answers and figures go")
+    args = p.parse_args(argv)
+    data = json.load(open(args.outputs))["answers"] if args.outputs else generate(args)
+    rows = [replay(data, lo, hi, k) for k in args.k for lo, hi in ((2, 5), (1, 5), (3, 5), (2, 8))]
+    print(f"{'k':>2} {'n':>5} {'tokens/forward':>15} {'drafting share':>15}")
+    for r in rows:
+        print(f"{r['k']:>2} {r['n_min']}-{r['n_max']:<3} {r['tokens_per_forward']:>15.3f} {r['drafting_share']:>15.2f}")
+    from pathlib import Path
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"answers": data, "replay": rows}))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
