@@ -1,0 +1,45 @@
+"""scripts/ngram_ceiling.py: the replay counts steps as lossless greedy speculation would."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("speculum_ngram")
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ngram_ceiling.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("ngram_ceiling", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_replay_counts_steps_by_hand():
+    mod = _module()
+    # prompt 1 2 3 4, answer 1 2 3 4 9. Lookup n = 2..5, k = 2: no earlier "4" (step 1
+    # emits 1); no earlier [4, 1] (step 2 emits 2); [1, 2] ends at 1: draft [3, 4], both
+    # accepted, then 9 (step 3: 3 tokens)
+    data = [{"category": "x", "prompt": [1, 2, 3, 4], "output": [1, 2, 3, 4, 9]}]
+    r = mod.replay(data, 2, 5, 2)
+    assert (r["steps"], r["tokens"]) == (3, 5)
+    assert r["tokens_per_forward"] == pytest.approx(5 / 3) and r["drafting_share"] == pytest.approx(1 / 3)
+    # n = 1..5: step 2 matches [1] alone: draft [2, 3] accepted, then 4; step 3 drafts [1, 2]
+    # after [1, 2, 3, 4], rejected by 9
+    r = mod.replay(data, 1, 5, 2)
+    assert (r["steps"], r["tokens"], r["drafting_share"]) == (3, 5, pytest.approx(2 / 3))
+
+
+def test_the_command_replays_saved_answers(tmp_path, capsys):
+    mod = _module()
+    answers = tmp_path / "a.json"
+    answers.write_text(json.dumps({"answers": [{"category": "x", "prompt": [5, 6, 7], "output": [5, 6, 7, 5, 6]}]}))
+    out = tmp_path / "out.json"
+    assert mod.main(["--outputs", str(answers), "--json", str(out), "-k", "2"]) == 0
+    rows = json.loads(out.read_text())["replay"]
+    assert [(r["n_min"], r["n_max"], r["k"]) for r in rows] == [(2, 5, 2), (1, 5, 2), (3, 5, 2), (2, 8, 2)]
+    assert "tokens/forward" in capsys.readouterr().out
