@@ -46,15 +46,18 @@ T="$D --cached-data-only --max-len ${MAXLEN:-640} --batch-size ${BS:-32} --time-
    --warmup 100 --eval-every 0 --eval-seconds ${EVAL_S:-45} --save-every 5000 --val-max-seqs 256 --threads 2 --amp bf16"
 SHAPE=""; [ -f /tmp/draft_shapes.json ] && SHAPE="--shape /tmp/draft_shapes.json"
 PIDS=()
+# METHODS: which trainers share the GPU (default all five; e.g. METHODS=eagle3 gives one head the whole GPU)
+METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
          "draft=draft $SHAPE ${DRAFT_ARGS:-}"; do
   n=${m%%=*}
+  case " $METHODS " in *" $n "*) ;; *) continue ;; esac
   speculum train ${m#*=} $T --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
   PIDS+=($!)
 done
 for p in "${PIDS[@]}"; do wait $p || echo "a training failed (pid $p): see $TR/*.log"; done
-for n in eagle eagle3 medusa mtp draft; do echo "== $n"; grep -h -E "top-1 agreement|Error|error" $TR/$n.log | tail -3; done
-python3 -m speculum.train.curves $TR/eagle $TR/eagle3 $TR/medusa $TR/mtp $TR/draft --json $TR/curves.json | tail -6
+for n in $METHODS; do echo "== $n"; grep -h -E "top-1 agreement|Error|error" $TR/$n.log | tail -3; done
+python3 -m speculum.train.curves $(for n in $METHODS; do echo $TR/$n; done) --json $TR/curves.json | tail -6
 for f in $SPECULUM_CACHE/distill/*/meta.json; do cp $f $TR/data_meta_$(basename $(dirname $f)).json; done
 [ -f /tmp/draft_shapes.json ] && cp /tmp/draft_shapes.json $TR/
 echo "total: $(( $(date +%s) - T0 )) s"
@@ -63,11 +66,11 @@ export_answers
 # pack: everything but checkpoints; what comes back from a call is about 60 MB in all, so the
 # draft's weights (70 MB) are left out when the rest would not fit (they stay in $TR/draft while warm)
 LIMIT=${OUT_LIMIT:-60000000}
-cd $TR && tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json eagle eagle3 medusa mtp draft *.log *.json
+cd $TR && tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json $METHODS *.log *.json
 if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
   echo "the draft's weights do not fit: left out (they stay in $TR/draft while the machine is warm)"
   tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
-    eagle eagle3 medusa mtp draft *.log *.json
+    $METHODS *.log *.json
 fi
 if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tar) )) -le $LIMIT ]; then
   mv /tmp/answers.tar $OUT/
