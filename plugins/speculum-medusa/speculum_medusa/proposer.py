@@ -87,6 +87,11 @@ class MedusaProposer:
     def remove_request(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
 
+    def rewind(self, seq_ids) -> None:
+        """Nothing to take back: :meth:`propose` reads each sequence's last state and
+        changes nothing (:class:`~speculum.interfaces.RewindableProposer`, so the loop may
+        draft the next step ahead)."""
+
     def propose(self, batch: ProposeBatch) -> Draft:
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)

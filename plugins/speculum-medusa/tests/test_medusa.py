@@ -193,3 +193,36 @@ def test_tree_deeper_than_the_heads_is_a_config_error(target, trained):
     with pytest.raises(ConfigError, match="needs 4 Medusa heads"):
         make_llm(target, {"method": "medusa", "model": str(trained), "tree_topk": 2, "tree_depth": 4,
                           "num_draft_tokens": 8})
+
+
+def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained):
+    """Overlapped steps (forced on: a CPU engine does not overlap): Medusa's propose changes
+    no state, so it is rewindable for free and each step is drafted at the end of the step
+    before. An abort and a join drop a step drafted ahead. Outputs equal plain decoding,
+    and drafts and acceptance equal a run without overlap on the same schedule."""
+    spec = {"method": "medusa", "model": str(trained), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def run(overlap: bool):
+        llm = make_llm(target, spec, max_num_seqs=4)
+        llm.loop.overlap = overlap
+        outs = {}
+        for i in range(3):
+            llm.add_request(f"r{i}", PROMPTS[i], params)
+        for _ in range(4):
+            llm.step()
+        llm.abort_request("r1")
+        for _ in range(3):
+            llm.step()
+        llm.add_request("r3", PROMPTS[3], params)
+        while llm.has_unfinished_requests():
+            outs.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
+        llm.scheduler.check()
+        return outs, llm.stats.num_drafts, llm.stats.num_accepted_tokens, llm.loop
+
+    on, drafts_on, acc_on, loop = run(True)
+    off, drafts_off, acc_off, _ = run(False)
+    plain = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(make_llm(target).generate(PROMPTS, params))}
+    assert on == off == {r: plain[r] for r in ("r0", "r2", "r3")}
+    assert loop.rewindable and loop.ahead_used > 10 and loop.ahead_dropped >= 2
+    assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
