@@ -7,6 +7,8 @@
 #                                                # profile, with and without overlap, and the old attention path
 #   bash scripts/device/step_cost.sh eagle3      # carry the eagle3 head's folder: eagle3 k=4 against autoregressive
 #                                                # on prompts of about 100, 500 and 2,000 tokens, both attention paths
+#   bash scripts/device/step_cost.sh after       # carry .gguf_b: AR and ngram k=4 (lookup min 2 and 1), profiled
+#   bash scripts/device/step_cost.sh eagle3_after  # carry the eagle3 head's folder (model joined already): eagle3 k=4, 2
 # Results in $OUT: step_{smollm,8b}{,_sdpa}.json, offline_{after,no_overlap,sdpa}.json, long_{N}{,_sdpa}.json.
 set -e
 PART=${1:-bench}
@@ -43,5 +45,19 @@ case $PART in
           --json $OUT/long_$n$sfx.json 2>&1 | quiet | tail -5
       done
     done ;;
-  *) echo "usage: step_cost.sh bench|eagle3" >&2; exit 2 ;;
+  after)
+    # the overlap of speculative steps (n-gram drafted ahead; hidden-state heads drafted ahead
+    # and rewound) without the before runs: AR, ngram k=4 (prompt_lookup_min 2 and 1), then
+    # eagle3 k=4 and k=2 if its head is there (carry its folder in a call without the GGUF)
+    . scripts/device/common.sh
+    speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category $PPC --max-tokens $TOK \
+      --method "$NGRAM" --method '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":1}' --profile \
+      --json $OUT/offline_after3.json 2>&1 | quiet | tail -26 ;;
+  eagle3_after)
+    . scripts/device/common.sh
+    speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC_E3:-2} \
+      --max-tokens $TOK --method '{"method":"eagle3","num_speculative_tokens":4}' \
+      --method '{"method":"eagle3","num_speculative_tokens":2}' --profile --json $OUT/eagle3_after.json 2>&1 \
+      | quiet | tail -26 ;;
+  *) echo "usage: step_cost.sh bench|eagle3|after|eagle3_after" >&2; exit 2 ;;
 esac
