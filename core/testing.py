@@ -210,6 +210,25 @@ TREE_CONFIGS = {
 }
 
 
+def run_with_an_abort_and_a_join(llm, prompts: list, params) -> tuple[dict, int, int]:
+    """The schedule of the overlap tests: three requests, four steps, the second aborted,
+    three steps, a fourth joining, then to the end (an abort and a join each drop a step
+    run or drafted ahead). Returns ({request id: output token ids}, drafts, accepted)."""
+    outs: dict = {}
+    for i in range(3):
+        llm.add_request(f"r{i}", prompts[i], params)
+    for _ in range(4):
+        llm.step()
+    llm.abort_request("r1")
+    for _ in range(3):
+        llm.step()
+    llm.add_request("r3", prompts[3], params)
+    while llm.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
+    llm.scheduler.check()
+    return outs, llm.stats.num_drafts, llm.stats.num_accepted_tokens
+
+
 def reference_tree_paths(spec, topk) -> set[tuple[int, ...]]:
     """The token paths of the tree ``spec`` (a :class:`speculum.tree.TreeSpec`) drafted in
     plain Python: ``topk(path, width)`` gives (log-probs, token ids) of the ``width`` best

@@ -20,7 +20,7 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
                               assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_drafts, record_trees,
-                              tiny_model_dir, train_tiny)
+                              run_with_an_abort_and_a_join, tiny_model_dir, train_tiny)
 from speculum_eagle.formats import (default_aux_ids, detect, eagle1_state, eagle3_state, load_eagle1, load_eagle3,
                                     save_eagle1, save_eagle3)
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -346,19 +346,8 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
             p.graphs = HeadDraftGraphs(p.head, p.cache, 3, p.dtype, p.device, use_graphs=False)
         if not rewind:
             p.rewind = lambda seq_ids: None
-        outs = {}
-        for i in range(3):
-            llm.add_request(f"r{i}", prompts[i], params)
-        for _ in range(4):
-            llm.step()
-        llm.abort_request("r1")  # drops the step drafted ahead (the batch changes)
-        for _ in range(3):
-            llm.step()
-        llm.add_request("r3", prompts[3], params)  # a join drops it too
-        while llm.has_unfinished_requests():
-            outs.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
-        llm.scheduler.check()
-        return outs, llm.stats.num_drafts, llm.stats.num_accepted_tokens, llm.loop
+        # an abort drops the step drafted ahead (the batch changes); a join drops it too
+        return (*run_with_an_abort_and_a_join(llm, prompts, params), llm.loop)
 
     on, drafts_on, acc_on, loop = run(True)
     off, drafts_off, acc_off, _ = run(False)

@@ -15,7 +15,8 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.proposers.tree import topk_logprobs
 from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
-                              record_drafts, record_trees, tiny_model_dir, train_tiny)
+                              record_drafts, record_trees, run_with_an_abort_and_a_join, tiny_model_dir,
+                              train_tiny)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import detect, load_medusa, medusa_state, save_medusa
 
@@ -206,19 +207,7 @@ def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained):
     def run(overlap: bool):
         llm = make_llm(target, spec, max_num_seqs=4)
         llm.loop.overlap = overlap
-        outs = {}
-        for i in range(3):
-            llm.add_request(f"r{i}", PROMPTS[i], params)
-        for _ in range(4):
-            llm.step()
-        llm.abort_request("r1")
-        for _ in range(3):
-            llm.step()
-        llm.add_request("r3", PROMPTS[3], params)
-        while llm.has_unfinished_requests():
-            outs.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
-        llm.scheduler.check()
-        return outs, llm.stats.num_drafts, llm.stats.num_accepted_tokens, llm.loop
+        return (*run_with_an_abort_and_a_join(llm, PROMPTS, params), llm.loop)
 
     on, drafts_on, acc_on, loop = run(True)
     off, drafts_off, acc_off, _ = run(False)
