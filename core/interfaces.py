@@ -76,6 +76,36 @@ class Draft:
     def empty(cls, batch_size: int, device: torch.device | str = "cpu") -> "Draft":
         return cls(token_ids=torch.full((batch_size, 0), -1, dtype=torch.int64, device=device))
 
+    def scatter(self, rows: Sequence[int], batch_size: int) -> "Draft":
+        """This draft (of ``len(rows)`` rows) as rows ``rows`` of a ``batch_size``-row draft;
+        the other rows get nothing (-1; zero probabilities; a tree without nodes)."""
+        from speculum.devices import on_device
+        B, k = batch_size, self.token_ids.shape[1]
+        dev = self.token_ids.device
+        idx = on_device(list(rows), dev)
+        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
+        token_ids[idx] = self.token_ids.to(torch.int64)
+        probs = None
+        if self.probs is not None:
+            probs = torch.zeros((B, *self.probs.shape[1:]), dtype=self.probs.dtype, device=self.probs.device)
+            probs[idx.to(probs.device)] = self.probs
+        lengths = None
+        if self.lengths is not None:
+            lengths = [0] * B
+            for r, b in enumerate(rows):
+                lengths[b] = self.lengths[r]
+        tree = None
+        if self.tree is not None:  # rows without drafts: no nodes (their parents are the root)
+            t = self.tree
+            parents = torch.full((B, k), -1, dtype=torch.int64, device=dev)
+            parents[idx] = t.parents
+            depth = torch.ones(B, k, dtype=torch.int64, device=dev)
+            depth[idx] = t.depth
+            anc = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k).clone()
+            anc[idx] = t.ancestors
+            tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=t.max_depth, max_children=t.max_children)
+        return Draft(token_ids=token_ids, probs=probs, lengths=lengths, tree=tree)
+
 
 @attrs.define(eq=False)
 class Verdict:

@@ -56,7 +56,7 @@ from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
 from speculum.spec_length import FixedLength
 from speculum.tokenizer import Tokenizer
-from speculum.tree import TokenTree, gather_path, path_moves
+from speculum.tree import gather_path, path_moves
 
 log = logging.getLogger(__name__)
 
@@ -481,33 +481,7 @@ class DraftVerifyLoop:
             else:
                 self._once("draft", msg)
             return Draft.empty(B)
-        if len(rows) == B:
-            return draft
-        k = draft.token_ids.shape[1]
-        dev = draft.token_ids.device
-        idx = on_device(rows, dev)
-        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
-        token_ids[idx] = draft.token_ids
-        probs = None
-        if draft.probs is not None:
-            probs = torch.zeros((B, *draft.probs.shape[1:]), dtype=draft.probs.dtype, device=draft.probs.device)
-            probs[idx.to(probs.device)] = draft.probs
-        lengths = None
-        if draft.lengths is not None:
-            lengths = [0] * B
-            for r, b in enumerate(rows):
-                lengths[b] = draft.lengths[r]
-        tree = None
-        if draft.tree is not None:  # rows without drafts: no nodes (their parents are the root)
-            t = draft.tree
-            parents = torch.full((B, k), -1, dtype=torch.int64, device=dev)
-            parents[idx] = t.parents
-            depth = torch.ones(B, k, dtype=torch.int64, device=dev)
-            depth[idx] = t.depth
-            anc = torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k).clone()
-            anc[idx] = t.ancestors
-            tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=t.max_depth, max_children=t.max_children)
-        return Draft(token_ids=token_ids, probs=probs, lengths=lengths, tree=tree)
+        return draft if len(rows) == B else draft.scatter(rows, B)
 
     def _verify(self, logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> tuple[Verdict, dict[int, str]]:
         """The verifier's verdict, or plain sampling of position 0 if it raised."""
