@@ -49,12 +49,20 @@ def check_parallel(cfg: SpeculativeConfig, target_tp: int) -> None:
 
 def build_speculation(cfg: SpeculativeConfig, registry: Registry, backend_name: str, **ctx_fields):
     """Return ``(resolved config, proposer, method spec)`` for the engine."""
+    from speculum.proposers.first_draft import first_draft, split_method
     cfg = resolve_method(cfg, registry)
     check_parallel(cfg, ctx_fields.get("tensor_parallel_size", 1))
-    spec = registry.method(cfg.method, backend_name)
-    options = validate_options(spec, dict(cfg.options))
-    ctx = ProposerContext(config=cfg, options=options, **ctx_fields)
-    proposer = spec.factory(ctx)
+    names = split_method(cfg.method)
+    if len(names) > 1 and cfg.tree is not None:
+        raise ConfigError(f"method {cfg.method!r} combines proposers, which draft chains only; drop the tree "
+                          f"settings or use one method (e.g. {names[-1]!r})")
+    parts = []
+    for i, name in enumerate(names):  # options belong to the last method; the others take their defaults
+        spec = registry.method(name, backend_name)
+        options = validate_options(spec, dict(cfg.options) if i == len(names) - 1 else {})
+        part_cfg = cfg if len(names) == 1 else attrs.evolve(cfg, method=name)
+        parts.append(spec.factory(ProposerContext(config=part_cfg, options=options, **ctx_fields)))
+    proposer = parts[0] if len(parts) == 1 else first_draft(parts, names)
     return cfg, proposer, spec
 
 

@@ -196,9 +196,11 @@ class ChainHeadProposer:
         #: per sequence drafted for by the last propose: (its pending states, head-cache
         #: length) before it, for :meth:`rewind`
         self._before: dict[int, tuple[torch.Tensor, int]] = {}
-        #: per sequence, states of steps that drafted nothing (speculation length 0), as
-        #: (the step's features [B, 1, H], row): folded into ``pending`` when it drafts next
-        self.backlog: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        #: per sequence, states of steps it did not draft for (speculation length 0, or
+        #: another proposer drafted: ``"ngram+eagle3"``), as (the step's features [B, q, H],
+        #: row, positions kept: the accepted drafts and the new token): folded into
+        #: ``pending`` when it drafts next
+        self.backlog: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
         # greedy steps after a request's first run as one static function, replayed as a
         # CUDA graph (``static_draft`` forces the static function on or off; tests run it
         # eagerly on the CPU)
@@ -379,7 +381,7 @@ class ChainHeadProposer:
         backlog = self.backlog.pop(seq_id, None)
         if backlog:
             with torch.inference_mode():
-                self.pending[seq_id] = torch.cat([self.pending[seq_id]] + [f[b, :1] for f, b in backlog])
+                self.pending[seq_id] = torch.cat([self.pending[seq_id]] + [f[b, :n] for f, b, n in backlog])
 
     def observe(self, feedback: StepFeedback) -> None:
         hs = feedback.hidden_states
@@ -391,14 +393,15 @@ class ChainHeadProposer:
         for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
             prev = self.pending.get(sid)
             if prev is not None and prev.shape[0] > 0:
-                # no propose this step (speculation length 0): nothing was drafted or
-                # cached; the new token's state joins what is still to catch up on (kept
-                # by reference: no tensor op per row in a step without drafts)
+                # no propose for this row this step (speculation length 0, or another
+                # proposer drafted): nothing was cached; the states of the accepted drafts
+                # and the new token join what is still to catch up on (kept by reference:
+                # no tensor op per row)
                 if kept is None:
                     with torch.inference_mode():
-                        kept = feats[:, :1].clone()
+                        kept = feats[:, : max(feedback.num_accepted) + 1].clone()
                 backlog = self.backlog.setdefault(sid, [])
-                backlog.append((kept, b))
+                backlog.append((kept, b, a + 1))
                 if len(backlog) >= 64:  # bounded: fold now and then
                     self._fold(sid)
                 continue

@@ -357,3 +357,129 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
     assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
     _, drafts_bad, acc_bad, _ = run(True, rewind=False)
     assert (drafts_bad, acc_bad) != (drafts_off, acc_off)
+
+
+# ------------------------------------------------------------------ "ngram+<head>"
+def _lookup_then_head(method, trained):
+    return {"method": f"ngram+{method}", "model": str(trained[method]), "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1}
+
+
+REPEATS = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17, 29, 41, 3 + i, 17]} for i in range(3)]
+
+
+def _head_drafts(llm) -> list:
+    """(sequence tokens, first draft token) of every row the head drafted for."""
+    head, seen = llm.proposer.parts[-1], []
+    inner = head.propose
+
+    def propose(batch):
+        d = inner(batch)
+        seen.extend((list(s.token_ids), int(t)) for s, t in zip(batch.seqs, d.token_ids[:, 0].tolist()) if t >= 0)
+        return d
+
+    head.propose = propose
+    return seen
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_lookup_then_head_is_lossless_and_the_head_keeps_up(target, trained, method):
+    """``"ngram+<head>"``: rows with a lookup match draft by lookup, the others with the
+    head. Greedy output equals plain decoding (joins mid-flight), both kinds of draft are
+    made and accepted, and every head draft is the head's top token after the sequence's
+    tokens computed from scratch (HeadPathReference): the states of tokens that lookup
+    drafted and the target accepted reach the head. The wrong variant (a head that keeps
+    only the new token's state of a step it did not draft for, as before the composite)
+    drafts differently."""
+    prompts = PROMPTS + REPEATS
+
+    def run(wrong=False):
+        llm = make_llm(target, _lookup_then_head(method, trained), max_num_seqs=3)
+        seen = _head_drafts(llm)
+        if wrong:
+            head = llm.proposer.parts[-1]
+            observe = head.observe
+
+            def forgetful(fb):  # rows the head did not draft for: as if nothing was accepted
+                idle = [head.pending.get(s) is not None and head.pending[s].shape[0] > 0 for s in fb.seq_ids]
+                fb.num_accepted = [0 if i else a for i, a in zip(idle, fb.num_accepted)]
+                observe(fb)
+            head.observe = forgetful
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        return outs, seen, llm
+
+    outs, seen, llm = run()
+    assert outs == [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, GREEDY)]
+    assert len(seen) > 20 and llm.stats.num_accepted_tokens > 0
+    lookup_rows = llm.stats.num_drafts - len(seen)
+    assert lookup_rows > 10, lookup_rows
+    ref = HeadPathReference(llm.proposer.parts[-1].head, target, llm.proposer.hidden_layers)
+    mismatch = [len(t) for t, d in seen if ref.topk_fn(t)([], 1)[1][0] != d]
+    assert not mismatch, mismatch
+    _, bad, bad_llm = run(wrong=True)
+    assert any(ref.topk_fn(t)([], 1)[1][0] != d for t, d in bad)
+
+
+def test_lookup_then_head_drafts_ahead_and_rewinds(target, trained):
+    """With overlap, the composite is rewindable (its head is; lookup has no state): an
+    abort and a join drop steps drafted ahead; outputs, drafts and acceptance equal a run
+    without overlap."""
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    prompts = REPEATS + PROMPTS[:1]
+
+    def run(overlap):
+        llm = make_llm(target, _lookup_then_head("eagle3", trained), max_num_seqs=4)
+        llm.loop.overlap = overlap
+        return (*run_with_an_abort_and_a_join(llm, prompts, params), llm.loop)
+
+    on, drafts_on, acc_on, loop = run(True)
+    off, drafts_off, acc_off, _ = run(False)
+    assert on == off and (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
+    assert loop.rewindable and loop.ahead_used > 10 and loop.ahead_dropped >= 2
+
+
+def test_lookup_then_head_sampled_drafts_carry_their_distribution(target, trained):
+    """Sampled requests: lookup rows' drafts are one-hot in the composite's probabilities,
+    the head's rows carry the head's distribution; seeded runs repeat."""
+    from speculum.proposers.first_draft import FirstDraft
+    llm = make_llm(target, _lookup_then_head("eagle3", trained), max_num_seqs=4)
+    drafts = []
+    inner = FirstDraft.propose
+
+    def spy(self, batch):
+        d = inner(self, batch)
+        drafts.append(d)
+        return d
+
+    llm.proposer.propose = lambda batch: spy(llm.proposer, batch)
+    params = SamplingParams(temperature=0.9, max_tokens=24, seed=5, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS + REPEATS, params)]
+    assert first == [o.outputs[0].token_ids for o in llm.generate(PROMPTS + REPEATS, params)]
+    mixed = [d for d in drafts if d.probs is not None]
+    assert mixed
+    one_hot = head_rows = 0
+    for d in mixed:
+        for b in range(d.token_ids.shape[0]):
+            n = d.lengths[b]
+            for i in range(n):
+                if int(d.token_ids[b, i]) < 0:  # masked by the loop afterwards (past the request's room)
+                    continue
+                p = d.probs[b, i]
+                assert float(p.sum()) == pytest.approx(1.0, abs=1e-4) and float(p[d.token_ids[b, i]]) > 0
+                if float(p.max()) == 1.0 and int(p.argmax()) == int(d.token_ids[b, i]):
+                    one_hot += 1
+                else:
+                    head_rows += 1
+    assert one_hot > 0 and head_rows > 0
+
+
+@pytest.mark.parametrize("method, error", [
+    ("eagle3+ngram", "only the last method may keep per-request state"),
+    ("ngram+", "write methods joined by"),
+])
+def test_lookup_then_head_config_errors(target, trained, method, error):
+    with pytest.raises(ConfigError, match=error):
+        make_llm(target, {"method": method, "model": str(trained["eagle3"]), "num_speculative_tokens": 3})
+    with pytest.raises(ConfigError, match="chains only"):
+        cfg = {k: v for k, v in _lookup_then_head("eagle3", trained).items() if k != "num_speculative_tokens"}
+        make_llm(target, {**cfg, **TREE_CONFIGS["dynamic"]})
