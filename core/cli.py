@@ -223,6 +223,14 @@ def _installed(configs: list[dict]) -> list[dict]:
     return out
 
 
+def _why_different(engines: list[tuple[str, str]]) -> str:
+    """What a greedy output that differs from no speculation means, for the engines' dtype."""
+    if engines and all(dt.endswith("float32") and dev.startswith("cpu") for dt, dev in engines):
+        return " (fp32 on CPU must be identical: please report this)"
+    return (" (in bf16/fp16 a 1-token and a k+1-token forward round differently and near-ties flip; "
+            "--batch-invariant on CUDA, or --dtype float32, makes them identical)")
+
+
 def _compare(args, rows, params, common, specs) -> int:
     from speculum.bench import methods as cmp
 
@@ -234,12 +242,13 @@ def _compare(args, rows, params, common, specs) -> int:
     print(f"== comparing on {len(rows)} prompts x {args.max_tokens} tokens: no speculation, then "
           + ", ".join(json.dumps(c) for c in configs) + " (every category through each in turn)", file=sys.stderr)
     t0 = time.perf_counter()
-    made = []
+    made, engines = [], []
 
     def make(cfg):
         from speculum.engine import LLM
         llm = LLM(speculative_config=cfg, **common)
         made.append(llm.threads)
+        engines.append((str(getattr(llm.backend, "dtype", "")), str(getattr(llm.backend, "device", ""))))
         return llm
     # interleaved: a shared machine's slow minute falls on every config, not on one
     results = cmp.compare(configs, groups, params, make, interleave=True,
@@ -266,7 +275,7 @@ def _compare(args, rows, params, common, specs) -> int:
         same = sum(r.identical(base)[0] for r in results[1:])
         total = sum(r.identical(base)[1] for r in results[1:])
         print(f"identical: {same}/{total} speculative outputs token-identical to no speculation"
-              + ("" if same == total else " (fp32 on CPU must be identical: please report this)"))
+              + ("" if same == total else _why_different(engines)))
     print(f"best: {best.name} at {best.speedup(base):.2f}x. {GPU_HINT}")
     if args.json:
         report = {"prompts": len(rows), "max_tokens": args.max_tokens, "temperature": args.temperature,
