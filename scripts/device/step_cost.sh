@@ -9,6 +9,7 @@
 #                                                # on prompts of about 100, 500 and 2,000 tokens, both attention paths
 #   bash scripts/device/step_cost.sh after       # carry .gguf_b: AR and ngram k=4 (lookup min 2 and 1), profiled
 #   bash scripts/device/step_cost.sh eagle3_after  # carry the eagle3 head's folder (model joined already): eagle3 k=4, 2
+#                                                # and ngram+eagle3 k=4
 # Results in $OUT: step_{smollm,8b}{,_sdpa}.json, offline_{after,no_overlap,sdpa}.json, long_{N}{,_sdpa}.json.
 set -e
 PART=${1:-bench}
@@ -57,7 +58,8 @@ case $PART in
     . scripts/device/common.sh
     speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC_E3:-2} \
       --max-tokens $TOK --method '{"method":"eagle3","num_speculative_tokens":4}' \
-      --method '{"method":"eagle3","num_speculative_tokens":2}' --profile --json $OUT/eagle3_after.json 2>&1 \
+      --method '{"method":"eagle3","num_speculative_tokens":2}' \
+      --method '{"method":"ngram+eagle3","num_speculative_tokens":4}' --profile --json $OUT/eagle3_after.json 2>&1 \
       | quiet | tail -26 ;;
   *) echo "usage: step_cost.sh bench|eagle3|after|eagle3_after" >&2; exit 2 ;;
 esac
