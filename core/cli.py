@@ -242,13 +242,12 @@ def _compare(args, rows, params, common, specs) -> int:
     print(f"== comparing on {len(rows)} prompts x {args.max_tokens} tokens: no speculation, then "
           + ", ".join(json.dumps(c) for c in configs) + " (every category through each in turn)", file=sys.stderr)
     t0 = time.perf_counter()
-    made, engines = [], []
+    made = []  # per engine: (threads, dtype, device)
 
     def make(cfg):
         from speculum.engine import LLM
         llm = LLM(speculative_config=cfg, **common)
-        made.append(llm.threads)
-        engines.append((str(getattr(llm.backend, "dtype", "")), str(getattr(llm.backend, "device", ""))))
+        made.append((llm.threads, str(getattr(llm.backend, "dtype", "")), str(getattr(llm.backend, "device", ""))))
         return llm
     # interleaved: a shared machine's slow minute falls on every config, not on one
     results = cmp.compare(configs, groups, params, make, interleave=True,
@@ -263,7 +262,7 @@ def _compare(args, rows, params, common, specs) -> int:
         print(f"    ({len(toks)} tokens, {best.name})")
     greedy = args.temperature == 0
     print(f"\n== {len(rows)} prompts x up to {args.max_tokens} tokens, batch {args.max_num_seqs}, "
-          f"threads {made[0].threads if made else '?'}, {wall:.0f} s in all")
+          f"threads {made[0][0].threads if made else '?'}, {wall:.0f} s in all")
     print(cmp.table(results, greedy))
     print()
     for r in results[1:]:
@@ -275,11 +274,11 @@ def _compare(args, rows, params, common, specs) -> int:
         same = sum(r.identical(base)[0] for r in results[1:])
         total = sum(r.identical(base)[1] for r in results[1:])
         print(f"identical: {same}/{total} speculative outputs token-identical to no speculation"
-              + ("" if same == total else _why_different(engines)))
+              + ("" if same == total else _why_different([(dt, dev) for _, dt, dev in made])))
     print(f"best: {best.name} at {best.speedup(base):.2f}x. {GPU_HINT}")
     if args.json:
         report = {"prompts": len(rows), "max_tokens": args.max_tokens, "temperature": args.temperature,
-                  "batch": args.max_num_seqs, "threads": made[0].threads if made else None, "wall_seconds": wall,
+                  "batch": args.max_num_seqs, "threads": made[0][0].threads if made else None, "wall_seconds": wall,
                   "results": [r.as_dict(base) for r in results]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -42,10 +42,10 @@ def replay(data: list[dict], n_min: int, n_max: int, k: int) -> dict:
     steps = tokens = drafted = 0
     for r in data:
         ctx, out = list(r["prompt"]), r["output"]
-        index = SuffixIndex(ctx)
+        index = SuffixIndex(ctx, n_min, n_max)
         i = 0
         while i < len(out):
-            d = index.draft(n_min, n_max, k)
+            d = index.draft(k)
             a = 0
             while a < len(d) and i + a < len(out) and d[a] == out[i + a]:
                 a += 1

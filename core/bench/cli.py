@@ -137,7 +137,7 @@ async def _sweep(base_url: str, prompts, rates, args, extra, model) -> list[dict
                   extra_body=extra, seed=args.seed, timeout_s=args.timeout)
     if args.warmup:
         await run_benchmark(base_url, prompts[: args.warmup], **{**common, "max_tokens": min(args.max_tokens, 8)})
-    if warmup_burst(args, rates):
+    if args.warmup_burst and (math.inf in rates or (args.max_concurrency or 0) > 1):
         # a shape first met in a timed run (a batch of 40, contexts past 256 tokens) would be
         # captured there: 0.1-0.5 s inside an all-at-once run that lasts about a second
         n = min(len(prompts), args.max_concurrency or len(prompts))
@@ -148,11 +148,6 @@ async def _sweep(base_url: str, prompts, rates, args, extra, model) -> list[dict
         print(f"bench: {len(prompts)} prompts at rate {rate} to {base_url}", file=sys.stderr, flush=True)
         runs.append(await run_benchmark(base_url, prompts, request_rate=rate, **common))
     return runs
-
-
-def warmup_burst(args, rates) -> bool:
-    """Whether a sweep starts with an uncounted burst (see ``--no-warmup-burst``)."""
-    return bool(getattr(args, "warmup_burst", True)) and (math.inf in rates or (args.max_concurrency or 0) > 1)
 
 
 def config_label(cfg: dict) -> str:

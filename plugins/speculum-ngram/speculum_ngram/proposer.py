@@ -32,10 +32,11 @@ def find_ngram_draft(tokens, n_min: int, n_max: int, k: int) -> list[int]:
     empty list when no match): for n from ``n_max`` down to ``n_min``, the tokens after
     the most recent earlier occurrence of the last n tokens.
 
-    One vectorised pass: the candidate ends are the earlier positions holding the last
-    token; each one's backward match length (up to ``n_max``) is grown one position at a
-    time over all candidates together. A step costs tens of microseconds at thousands of
-    tokens (the host work of every n-gram step; a torch ``unfold`` per n cost ~100 us).
+    One vectorised pass over the whole context: the candidate ends are the earlier
+    positions holding the last token; each one's backward match length (up to ``n_max``)
+    is grown one position at a time over all candidates together. For a one-off lookup;
+    the proposer keeps an index per sequence instead (:class:`SuffixIndex`, tested to
+    draft exactly this).
     """
     arr = tokens.numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens, dtype=np.int64)
     L = arr.shape[0]
@@ -73,19 +74,21 @@ class SuffixIndex:
     step at 40 rows, which served requests wait for).
 
     ``tokens`` is the sequence's own list, which only grows (a step appends, nothing
-    rewrites it); an index built for another list is never used for it.
+    rewrites it); an index built for another list is never used for it. The n-gram
+    lengths are fixed at construction: what is indexed depends on them.
     """
 
-    __slots__ = ("tokens", "done", "last", "seen")
+    __slots__ = ("tokens", "n_min", "n_max", "done", "last", "seen")
 
-    def __init__(self, tokens: list[int]):
+    def __init__(self, tokens: list[int], n_min: int, n_max: int):
         self.tokens = tokens
+        self.n_min, self.n_max = max(n_min, 1), n_max
         self.done = 0  # window ends 0 .. done - 1 are indexed
         self.last: dict[tuple[int, ...], int] = {}
         self.seen = 0
 
-    def draft(self, n_min: int, n_max: int, k: int, window: int = 0) -> list[int]:
-        t, last = self.tokens, self.last
+    def draft(self, k: int, window: int = 0) -> list[int]:
+        t, last, n_min, n_max = self.tokens, self.last, self.n_min, self.n_max
         L = len(t)
         for e in range(self.done, L - 1):  # windows end before the suffix's last token
             for n in range(n_min, min(n_max, e + 1) + 1):
@@ -117,9 +120,9 @@ class NgramProposer:
     def _draft(self, seq, k: int) -> list[int]:
         index = self._index.get(seq.seq_id)
         if index is None or index.tokens is not seq.token_ids or index.done > len(seq.token_ids):
-            index = self._index[seq.seq_id] = SuffixIndex(seq.token_ids)
+            index = self._index[seq.seq_id] = SuffixIndex(seq.token_ids, self.n_min, self.n_max)
         index.seen = self._calls
-        return index.draft(max(self.n_min, 1), self.n_max, k, self.search_window)
+        return index.draft(k, self.search_window)
 
     @classmethod
     def from_context(cls, ctx) -> "NgramProposer":
