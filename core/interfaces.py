@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
+from speculum.devices import on_device
 from speculum.tree import TokenTree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,7 +80,6 @@ class Draft:
     def scatter(self, rows: Sequence[int], batch_size: int) -> "Draft":
         """This draft (of ``len(rows)`` rows) as rows ``rows`` of a ``batch_size``-row draft;
         the other rows get nothing (-1; zero probabilities; a tree without nodes)."""
-        from speculum.devices import on_device
         B, k = batch_size, self.token_ids.shape[1]
         dev = self.token_ids.device
         idx = on_device(list(rows), dev)
