@@ -137,3 +137,26 @@ def test_a_sweep_starts_with_an_uncounted_burst(tiny_llama, dataset, tmp_path, b
     run = json.loads(out.read_text())["runs"][0]
     assert run["completed"] == 6 and run["total_output_tokens"] == 6 * 16  # the burst is not in the results
     assert llm.num_generated_tokens == 8 + (4 * 16 if burst else 0) + 6 * 16
+
+
+def test_num_prompts_per_rate(tiny_llama, dataset, tmp_path):
+    """--num-prompts N1,N2 pairs with --sweep R1,R2 in the order given (runs come out low
+    load first); a count list of another length is an error that says what to give."""
+    from speculum.bench.cli import rate_counts
+    from speculum.errors import ConfigError
+    assert rate_counts([float("inf"), 50.0], [7]) == [(50.0, 7), (float("inf"), 7)]
+    assert rate_counts([float("inf"), 50.0], [9, 4]) == [(50.0, 4), (float("inf"), 9)]
+    with pytest.raises(ConfigError, match="one per rate of --sweep"):
+        rate_counts([1.0, 2.0, 4.0], [3, 4])
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--num-prompts", "4,x"])
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_num_seqs=8)
+    app = create_app(llm, model_names=["tiny"], log_interval_s=0)
+    out = tmp_path / "result.json"
+    with ServerThread(app) as server:
+        args = _bench_args(dataset, out, "--base-url", server.url, "--sweep", "inf,50", "--no-warmup-burst")
+        args[args.index("--num-prompts") + 1] = "5,2"
+        assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == [2, 5]
+    assert [(r["request_rate"], r["completed"]) for r in result["runs"]] == [(50.0, 2), ("inf", 5)]

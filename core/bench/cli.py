@@ -34,6 +34,30 @@ def _rates(text: str) -> list[float]:
     return [_rate(t) for t in text.split(",") if t.strip()]
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--num-prompts is a count or one count per sweep rate (e.g. 40,40,256), "
+                                         f"got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--num-prompts must be >= 1, got {text!r}")
+    return counts
+
+
+def rate_counts(rates: list[float], counts: list[int]) -> list[tuple[float, int]]:
+    """(rate, prompts sent at it), low load first: one count for every rate, or one per rate
+    in the order ``--sweep`` gave them (a high rate needs more prompts to last long enough
+    to measure: 40 prompts all at once finish in half a second)."""
+    from speculum.errors import ConfigError
+    if len(counts) == 1:
+        counts = counts * len(rates)
+    elif len(counts) != len(rates):
+        raise ConfigError(f"--num-prompts has {len(counts)} counts for {len(rates)} request rates; give one count, "
+                          "or one per rate of --sweep in the same order")
+    return sorted(zip(rates, counts), key=lambda rc: rc[0])
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: serve (load-test an OpenAI-compatible server) and more")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -47,7 +71,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="model name to request (default: the server's first); with --compare, the model to serve")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help='one {"prompt": "text" or [token ids]} per line (default: MT-bench questions)')
-    p.add_argument("--num-prompts", type=int, default=32, help="requests sent per request rate")
+    p.add_argument("--num-prompts", type=_counts, default=[32], metavar="N[,N2,...]",
+                   help="requests sent per request rate (default 32); with --sweep, one count per rate in the same "
+                        "order may be given, e.g. --sweep 1,32,inf --num-prompts 32,256,320")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (0: greedy)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (fixed output lengths)")
@@ -105,31 +131,35 @@ def cmd_bench_serve(args) -> int:
     from speculum.bench.datasets import load_prompts
     from speculum.errors import ConfigError
 
-    if args.num_prompts < 1:
-        raise ConfigError("--num-prompts must be >= 1")
+    plan = rate_counts(args.sweep or [args.request_rate], args.num_prompts)  # low load first; inf last
     extra = json.loads(args.extra_body) if args.extra_body else None
     if extra is not None and not isinstance(extra, dict):
         raise ConfigError("--extra-body must be a JSON object")
-    prompts = load_prompts(args.dataset, args.num_prompts)
+    prompts = load_prompts(args.dataset, max(n for _, n in plan))
     if args.endpoint == "chat" and any(not isinstance(p, str) for p in prompts):
         raise ConfigError("token-id prompts need --endpoint completions")
-    rates = sorted(args.sweep or [args.request_rate])  # low load first; inf last
     if args.compare:
-        return _compare(args, prompts, rates, extra)
+        return _compare(args, prompts, plan, extra)
 
-    runs = asyncio.run(_sweep(args.base_url, prompts, rates, args, extra, args.model))
+    runs = asyncio.run(_sweep(args.base_url, prompts, plan, args, extra, args.model))
     for r in runs:
         print(report.run_table(r))
     if len(runs) > 1:
         print(report.sweep_table(runs))
     if args.result_json:
         from speculum.bench.compare import write_json
-        write_json(args.result_json, {"base_url": args.base_url, "num_prompts": len(prompts), "runs": runs})
+        write_json(args.result_json, {"base_url": args.base_url, "num_prompts": _count_json(plan), "runs": runs})
         print(f"wrote {args.result_json}")
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
-async def _sweep(base_url: str, prompts, rates, args, extra, model) -> list[dict]:
+def _count_json(plan: list[tuple[float, int]]) -> int | list[int]:
+    """``num_prompts`` of the result JSON: one count, or one per rate (low load first)."""
+    counts = [n for _, n in plan]
+    return counts[0] if len(set(counts)) == 1 else counts
+
+
+async def _sweep(base_url: str, prompts, plan: list[tuple[float, int]], args, extra, model) -> list[dict]:
     from speculum.bench.runner import run_benchmark
 
     common = dict(endpoint=args.endpoint, model=model, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -137,16 +167,16 @@ async def _sweep(base_url: str, prompts, rates, args, extra, model) -> list[dict
                   extra_body=extra, seed=args.seed, timeout_s=args.timeout)
     if args.warmup:
         await run_benchmark(base_url, prompts[: args.warmup], **{**common, "max_tokens": min(args.max_tokens, 8)})
-    if args.warmup_burst and (math.inf in rates or (args.max_concurrency or 0) > 1):
+    if args.warmup_burst and (any(r == math.inf for r, _ in plan) or (args.max_concurrency or 0) > 1):
         # a shape first met in a timed run (a batch of 40, contexts past 256 tokens) would be
         # captured there: 0.1-0.5 s inside an all-at-once run that lasts about a second
         n = min(len(prompts), args.max_concurrency or len(prompts))
         print(f"bench: warm-up burst of {n} prompts to {base_url} (not counted)", file=sys.stderr, flush=True)
         await run_benchmark(base_url, prompts[:n], **{**common, "request_rate": math.inf})
     runs = []
-    for rate in rates:
-        print(f"bench: {len(prompts)} prompts at rate {rate} to {base_url}", file=sys.stderr, flush=True)
-        runs.append(await run_benchmark(base_url, prompts, request_rate=rate, **common))
+    for rate, n in plan:
+        print(f"bench: {n} prompts at rate {rate} to {base_url}", file=sys.stderr, flush=True)
+        runs.append(await run_benchmark(base_url, prompts[:n], request_rate=rate, **common))
     return runs
 
 
@@ -162,7 +192,7 @@ def config_label(cfg: dict) -> str:
     return f"{method}(k={k})"
 
 
-def _compare(args, prompts, rates, extra) -> int:
+def _compare(args, prompts, plan: list[tuple[float, int]], extra) -> int:
     import asyncio
 
     from speculum.bench import report
@@ -192,7 +222,7 @@ def _compare(args, prompts, rates, extra) -> int:
                     + (["--batch-invariant"] if args.batch_invariant else [])
                     + (["--no-overlap"] if args.no_overlap else []) or None,
                     device=args.device, log_path=log_dir / f"{log_name}.log" if log_dir else None) as url:
-            results[label] = asyncio.run(_sweep(url, prompts, rates, args, extra, name))
+            results[label] = asyncio.run(_sweep(url, prompts, plan, args, extra, name))
     base = results["baseline"]
     print("== baseline")
     print(report.sweep_table(base))
@@ -213,7 +243,7 @@ def _compare(args, prompts, rates, extra) -> int:
     if args.result_json:
         first = labels[0]
         write_json(args.result_json, {
-            "model": args.model, "speculative_config": json.loads(specs[0]), "num_prompts": len(prompts),
+            "model": args.model, "speculative_config": json.loads(specs[0]), "num_prompts": _count_json(plan),
             "max_concurrency": args.max_concurrency, "baseline": {"runs": base},
             "speculative": {"runs": results[first]}, "comparison": comparisons[first],
             "configs": [{"label": label, "speculative_config": json.loads(v), "runs": results[label],

@@ -3,21 +3,23 @@
 #   bash scripts/device/load_aware.sh c1      # the same at concurrency 1: auto and fixed k = 1..4
 #   bash scripts/device/load_aware.sh check   # the must-show verdicts from the two JSONs (they come back in $OUT)
 #   bash scripts/device/load_aware.sh tune    # speculum tune --check at batch 1, 8, 64
-# METHOD (default ngram; eagle3 for the shipped head), K (default 4), N (prompts per rate, default 32),
-# KS (the fixed k of c1, default 1..K).
+# METHOD (default ngram; eagle3 for the shipped head), K (default 4), KS (the fixed k of c1, default 1..K),
+# N: prompts per rate of the sweep, one count or one per rate of RATES (default: 24 at 1 req/s rising to
+# 384 all at once, so that every run lasts several seconds: 40 prompts all at once take half a second).
 # Results in $OUT: load_sweep.json, load_c1.json, load_check.{txt,json}, tune.{txt,json}, plots_*/ and server logs.
 set -e
 . scripts/device/common.sh
 PART=${1:-sweep}
 METHOD=${METHOD:-ngram}
 K=${K:-4}
-N=${N:-32}
+RATES=${RATES:-1,2,4,8,16,32,inf}
+N=${N:-24,24,32,48,96,256,384}
 cfg() { echo "{\"method\":\"$METHOD\",\"num_speculative_tokens\":$1${2:+,\"num_speculative_tokens_per_batch_size\":\"$2\"}}"; }
 AUTO=$(cfg $K auto)
 case $PART in
   sweep)
     speculum bench serve --compare --model $M --max-num-seqs 64 --max-concurrency 64 --num-prompts $N --max-tokens 128 \
-      --sweep 1,2,4,8,16,32,inf --warmup 4 --speculative-config "$AUTO" --speculative-config "$(cfg $K)" \
+      --sweep $RATES --warmup 4 --speculative-config "$AUTO" --speculative-config "$(cfg $K)" \
       --result-json $OUT/load_sweep.json --plot-dir $OUT/plots_sweep --server-log-dir $OUT/logs_sweep 2>&1 \
       | grep -v -E "Loading|Writing|it/s" | tail -40 ;;
   c1)
