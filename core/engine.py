@@ -292,6 +292,7 @@ class LLM:
                 self._batch_failed(sched.admitted, "prefill", exc, outputs)
         running = self.scheduler.running
         if not running:
+            self.loop.idle()
             return outputs
         before = [s.num_output_tokens for s in running]
         try:
@@ -314,6 +315,8 @@ class LLM:
                 advanced[s.request_id] = None
         done = {o.request_id for o in outputs}
         outputs += [self._output(rid) for rid in advanced if rid not in done and rid in self._by_request]
+        if not self.scheduler.running and not self.scheduler.waiting:
+            self.loop.idle()  # the wait for the next request is not the last step's cost
         return outputs
 
     def _retire(self, s: Sequence, outputs: list[RequestOutput]) -> None:

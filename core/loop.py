@@ -94,6 +94,11 @@ class DraftVerifyLoop:
         self._ahead: _Ahead | None = None
         #: forwards run ahead and then used, and run ahead and dropped
         self.ahead_used = self.ahead_dropped = 0
+        #: the last step, for its cycle time (:meth:`_observe_cycle`): (start, batch size,
+        #: k chosen, tokens verified per row, drafting seconds or None, seconds inside it)
+        self._cycle: tuple | None = None
+        #: seconds spent in prefills since the last step began (not that step's cost)
+        self._outside = 0.0
 
     def _once(self, kind: str, message: str) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + 1
@@ -111,6 +116,17 @@ class DraftVerifyLoop:
         """
         if not seqs:
             return
+        t0 = time.perf_counter()
+        try:
+            self._start(seqs)
+        finally:
+            self._outside += time.perf_counter() - t0
+
+    def idle(self) -> None:
+        """Nothing runs until the next request: the time until the next step is no step's."""
+        self._cycle = None
+
+    def _start(self, seqs: list[Sequence]) -> None:
         scored = [s for s in seqs if s.params.prompt_logprobs is not None and s.prompt_logprobs is None]
         plain = [s for s in seqs if s not in scored]
         hidden = {}
@@ -175,6 +191,7 @@ class DraftVerifyLoop:
         """
         B = len(seqs)
         t_start = time.perf_counter()
+        self._observe_cycle(t_start)
         sampling = self._sampling(seqs)
         k_step = min(self.length.choose(seqs), self.k) if self.k else 0
         if k_step and self.trees:  # a tree is drafted whole or not at all (the node budget is fixed)
@@ -248,7 +265,28 @@ class DraftVerifyLoop:
         self._observe(seqs, observed, accepted, new_lengths, hidden)
         if self.overlap and ahead and k_step and not failed_rows and self._may_plan_ahead(seqs):
             self._plan_ahead(seqs, k_step)  # the next step's drafts and forward, before the engine's work
-        self.length.observe_step(B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
+        self._cycle = (t_start, B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
+
+    #: a cycle longer than the step's own time by more than this is a pause (a collection,
+    #: the engine waiting for work), not what the step costs
+    max_gap = 0.25
+
+    def _observe_cycle(self, now: float) -> None:
+        """Tell the length policy what the last step cost: the wall time from its start to
+        this one's, less the prefills in between. That is the step's own time plus
+        whatever the engine and its callers do per step (outputs, streaming, scheduling,
+        detokenisation, a server's event loop holding the interpreter): at high load a
+        server spends more there than in the step, and more for a step that emits
+        several tokens per row, so a policy fed the step alone misjudges speculation."""
+        cycle, self._cycle = self._cycle, None
+        outside, self._outside = self._outside, 0.0
+        if cycle is None:
+            return
+        t0, B, k_step, q, draft_seconds, inside = cycle
+        seconds = now - t0 - outside
+        if seconds > inside + self.max_gap:
+            seconds = inside
+        self.length.observe_step(B, k_step, q, draft_seconds, seconds)
 
     # -- overlap (see the module doc) -----------------------------------------------------
     def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict, k_step: int) -> bool:

@@ -17,7 +17,9 @@ the first range, ``num_speculative_tokens``. ``k`` is clamped to
 ``T_target(B, q)``: the target's measured cost of verifying ``q`` tokens at batch size
 ``B`` (:mod:`speculum.cost_model`, profiled at engine start and cached on disk);
 ``T_draft``: the proposer's measured drafting time per draft token at this batch size;
-``T_other``: what the rest of a step measurably costs (sampling, host work); ``a_b``:
+``T_other``: what the rest of a step's cycle measurably costs (sampling, host work, and
+what the engine and a server do between two steps: outputs, streaming), measured apart
+for steps with and without drafts; ``a_b``:
 request ``b``'s running acceptance, an exponential moving average of accepted drafts
 per drafted position reached, and ``u_b`` the share of its steps that got any draft
 (:class:`Acceptance`; a new request starts from the engine-wide averages), so that
@@ -25,7 +27,9 @@ per drafted position reached, and ``u_b`` the share of its steps that got any dr
 proposer always drafts). ``k = 0`` wins ties within a 2% margin, so the engine never
 speculates on a predicted gain smaller than the model's error. When ``k = 0`` was chosen
 although a high acceptance (0.9) would make speculation pay, one step in 32 drafts a
-single token, so a request whose drafts became good is noticed again.
+single token, so a request whose drafts became good is noticed again; while speculating,
+one step in 128 drafts nothing, so the plain step's cost at that batch size is measured
+and kept current.
 """
 
 from __future__ import annotations
@@ -238,16 +242,26 @@ class AutoLength(FixedLength):
     probe_acceptance = 0.9
     every = 4              # steps between two choices at an unchanged batch size
 
+    #: a step without drafts every this many steps at a batch size where speculation runs,
+    #: so the plain steps' cost there is measured, and kept current, to compare against
+    refresh_every = 128
+
     def __init__(self, max_k: int, verify_cost, prior_acceptance: float = 0.5):
         super().__init__(max_k)
         self.varies = True
+        #: choices made, and the last one at each batch bucket that drafted nothing
+        self._calls = 0
+        self._plain_at: dict[int, int] = {}
         self.verify_cost = verify_cost
         self.global_acceptance = Acceptance()
         self.prior = prior_acceptance
         #: measured drafting seconds per step, by (batch bucket, k): a proposer's cost may
         #: be per step (n-gram lookup) or per token (a model), so each k is its own figure
         self._draft: dict[tuple[int, int], _Ema] = {}
-        self._other: dict[int, _Ema] = {}
+        #: the rest of a step's cycle, by (batch bucket, drafted or not): a speculative
+        #: step's host work (drafts to build, several tokens per row to append, detokenise
+        #: and stream) is not a plain one's
+        self._other: dict[tuple[int, bool], _Ema] = {}
         self._costs: dict[int, list[float]] = {}
         self._zero_steps = 0
         self._probe_gap = self.probe_every
@@ -269,7 +283,7 @@ class AutoLength(FixedLength):
         if step_seconds is not None:
             drafting = draft_seconds if draft_seconds is not None else self.draft_seconds(batch_size, k)
             rest = step_seconds - self._verify(batch_size)[min(q, self.max_k + 1) - 1] - drafting
-            self._other.setdefault(key, _Ema()).add(max(rest, 0.0), 0.1)
+            self._other.setdefault((key, k > 0), _Ema()).add(max(rest, 0.0), 0.1)
 
     # -- the choice -----------------------------------------------------------------------------
     def acceptance_of(self, seq) -> float:
@@ -310,10 +324,18 @@ class AutoLength(FixedLength):
         own = known[k] if k in known else known[min(known, key=lambda kk: (abs(kk - k), kk))]
         return min([own] + [v * max(1.0, k / kk) for kk, v in known.items() if kk != k])
 
+    def other_seconds(self, batch_size: int, k: int) -> float:
+        """The measured rest of a step's cycle at this batch size, for a step with drafts
+        (``k > 0``) or without; the other kind's while this kind is unmeasured; else 0."""
+        key = _bucket(batch_size)
+        for o in (self._other.get((key, k > 0)), self._other.get((key, k == 0))):
+            if o is not None and o.value is not None:
+                return o.value
+        return 0.0
+
     def step_seconds(self, batch_size: int, k: int) -> float:
         """Predicted wall time of a step drafting ``k`` tokens for ``batch_size`` rows."""
-        o = self._other.get(_bucket(batch_size))
-        return self._verify(batch_size)[k] + self.draft_seconds(batch_size, k) + (o.value or 0.0 if o else 0.0)
+        return self._verify(batch_size)[k] + self.draft_seconds(batch_size, k) + self.other_seconds(batch_size, k)
 
     def rates(self, seqs, acceptance: Seq[float] | None = None) -> list[float]:
         """Predicted tokens/s for k = 0..max_k. Runs every step, so plain arithmetic:
@@ -359,7 +381,21 @@ class AutoLength(FixedLength):
         """The step's k: re-chosen every ``every`` steps, and at once when the batch size
         changes (acceptance moves slowly; the choice costs tens of microseconds). After
         ``probe_every`` steps at 0, one step drafts a single token if speculation could
-        pay; each probe that changes nothing doubles the wait for the next (up to 1024)."""
+        pay; each probe that changes nothing doubles the wait for the next (up to 1024).
+        While speculating, one step in ``refresh_every`` at a batch size drafts nothing:
+        the plain step's cycle there is what speculation is weighed against."""
+        k = self._pick(seqs)
+        key = _bucket(len(seqs))
+        self._calls += 1
+        if k == 0:
+            self._plain_at[key] = self._calls
+        elif (key, True) in self._other and self._calls - self._plain_at.get(key, -self.refresh_every) > \
+                self.refresh_every:
+            self._plain_at[key] = self._calls
+            return 0  # measure (again) what a plain step costs at this batch size
+        return k
+
+    def _pick(self, seqs) -> int:
         B = len(seqs)
         self._since += 1
         if B != self._last_batch or self._since >= self.every or self._last_k is None:
@@ -406,12 +442,12 @@ class AutoLength(FixedLength):
         prior = self.global_acceptance.estimate(self.prior)
         a = sum(s.acceptance.estimate(prior) for s in seqs) / B
         u = sum(s.acceptance.availability(self.global_acceptance.availability()) for s in seqs) / B
-        o = self._other.get(key)
         drafting = {k: round(1e3 * e.value, 3) for (b, k), e in sorted(self._draft.items()) if b == key and e.value}
         log.info("auto (choice %d): batch %d -> k=%d; predicted tok/s by k %s; mean acceptance %.2f, availability "
-                 "%.2f; verify ms by k %s; other %.3f ms; drafting ms by k %s", self._choices, B, best,
-                 [round(r, 1) for r in rates], a, u, [round(1e3 * v, 3) for v in self._verify(B)],
-                 1e3 * (o.value or 0.0) if o else 0.0, drafting)
+                 "%.2f; verify ms by k %s; other ms %.3f without drafts, %.3f with; drafting ms by k %s",
+                 self._choices, B, best, [round(r, 1) for r in rates], a, u,
+                 [round(1e3 * v, 3) for v in self._verify(B)], 1e3 * self.other_seconds(B, 0),
+                 1e3 * self.other_seconds(B, 1), drafting)
 
     def _could_pay(self, seqs) -> bool:
         """Whether speculation would win at a high acceptance (then a probe is worth it)."""

@@ -441,3 +441,65 @@ def test_one_stalled_drafting_measurement_does_not_rule_a_k_out():
     assert model.draft_seconds(1, 3) == pytest.approx(0.001)  # unmeasured: the nearest k's figure
     model.observe_step(1, 3, 4, 0.02, None)  # a stall at k = 3
     assert model.draft_seconds(1, 3) == pytest.approx(0.003)  # at most 3x k = 1's
+
+
+def test_auto_weighs_the_measured_cycle_of_each_kind_of_step():
+    """Seen on the H200 behind the server, 61 requests at once: in-step costs (verify 1.8 ms,
+    drafting 5.4 ms) predicted k=4 1.06x faster, but a speculative step's cycle (outputs,
+    streaming, the event loop) cost so much more than a plain one's that fixed k=4 served
+    0.81x. The rest of a cycle is measured apart for steps with and without drafts."""
+    auto = AutoLength(4, _cost(lambda b, q: 0.002))
+    auto.every = 1
+    seqs = [_Seq(0.6)] * 64
+    assert auto.choose(seqs) == 4  # nothing measured: verifying is free, so draft
+    for _ in range(40):
+        auto.observe_step(64, 4, 5, 0.001, 0.050)  # a speculative cycle: 50 ms
+    assert auto.other_seconds(64, 0) == auto.other_seconds(64, 4) == pytest.approx(0.047, rel=0.01)
+    ks = [auto.choose(seqs) for _ in range(2 * auto.refresh_every + 2)]
+    # one plain step, to measure what one costs here, and again every refresh_every steps
+    assert [i for i, k in enumerate(ks) if k == 0] == [0, auto.refresh_every + 1]
+    for _ in range(40):
+        auto.observe_step(64, 0, 1, None, 0.012)  # a plain cycle: 12 ms
+    assert auto.other_seconds(64, 0) == pytest.approx(0.010, rel=0.01)
+    assert auto.other_seconds(64, 4) == pytest.approx(0.047, rel=0.01)
+    assert auto.choose(seqs) == 0  # 64 tokens / 12 ms beat 64 * 2.3 tokens / 50 ms
+    assert auto.choose([_Seq(0.6)]) == 4  # batch 1: nothing measured there
+
+
+class _Recorder(Alternating):
+    def __init__(self, k):
+        super().__init__(k)
+        self.steps = []
+
+    def observe_step(self, batch_size, k, q, draft_seconds, step_seconds):
+        self.steps.append((batch_size, k, step_seconds))
+
+
+def test_the_loop_reports_each_steps_cycle_less_prefills_and_idle_time(tiny_llama, monkeypatch):
+    """What the policy is told a step cost: from its start to the next step's start (the
+    engine's work between them included), less the prefills in between; the wait for new
+    work after the engine ran dry is nobody's."""
+    import time as _time
+
+    from speculum.loop import DraftVerifyLoop
+    llm = LLM(str(tiny_llama), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, **ENGINE)
+    rec = llm.loop.length = _Recorder(3)
+    step = DraftVerifyLoop.step
+
+    def slow_engine(self, seqs, ahead=True):  # 30 ms of "engine work" after each step
+        step(self, seqs, ahead)
+        _time.sleep(0.03)
+    monkeypatch.setattr(DraftVerifyLoop, "step", slow_engine)
+    start = DraftVerifyLoop._start
+    monkeypatch.setattr(DraftVerifyLoop, "_start", lambda self, seqs: _time.sleep(0.2) or start(self, seqs))
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(rec.steps) == 5  # the last step's cycle ends with the engine running dry
+    assert all(0.03 <= s < 0.03 + 0.2 for _, _, s in rec.steps), rec.steps
+    # a second request: its 200 ms prefill is not in the cycle of the step before it
+    llm.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    llm.step()
+    llm.step()
+    llm.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    llm.step()
+    llm.step()
+    assert all(s < 0.2 for _, _, s in rec.steps), rec.steps

@@ -13,13 +13,14 @@ PART=${1:-sweep}
 METHOD=${METHOD:-ngram}
 K=${K:-4}
 RATES=${RATES:-1,2,4,8,16,32,inf}
+FIXED_TOO=${FIXED_TOO-1}   # the sweep runs fixed k=K beside auto (FIXED_TOO= : auto alone)
 N=${N:-24,24,32,48,96,256,384}
 cfg() { echo "{\"method\":\"$METHOD\",\"num_speculative_tokens\":$1${2:+,\"num_speculative_tokens_per_batch_size\":\"$2\"}}"; }
 AUTO=$(cfg $K auto)
 case $PART in
   sweep)
     speculum bench serve --compare --model $M --max-num-seqs 64 --max-concurrency 64 --num-prompts $N --max-tokens 128 \
-      --sweep $RATES --warmup 4 --speculative-config "$AUTO" --speculative-config "$(cfg $K)" \
+      --sweep $RATES --warmup 4 --speculative-config "$AUTO" ${FIXED_TOO:+--speculative-config "$(cfg $K)"} \
       --result-json $OUT/load_sweep.json --plot-dir $OUT/plots_sweep --server-log-dir $OUT/logs_sweep 2>&1 \
       | grep -v -E "Loading|Writing|it/s" | tail -40 ;;
   c1)
