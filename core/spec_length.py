@@ -227,6 +227,28 @@ class _Ema:
         self.value = x if self.value is None else (1 - w) * self.value + w * x
 
 
+@attrs.define(eq=False)
+class _Median:
+    """The median of the last ``n`` samples: one stalled cycle (a first capture, a request
+    tokenised by the server meanwhile) moves it not at all, where it would move a mean for
+    dozens of steps, and, when it came first, decide against a kind of step for good."""
+
+    n: int = 9
+    samples: list[float] = attrs.field(factory=list)
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        if len(self.samples) > self.n:
+            del self.samples[0]
+
+    @property
+    def value(self) -> float | None:
+        if not self.samples:
+            return None
+        s = sorted(self.samples)
+        return s[len(s) // 2]
+
+
 class AutoLength(FixedLength):
     """``k`` per step from the verify cost curve, drafting cost and acceptance (module doc).
 
@@ -252,6 +274,8 @@ class AutoLength(FixedLength):
         #: choices made, and the last one at each batch bucket that drafted nothing
         self._calls = 0
         self._plain_at: dict[int, int] = {}
+        #: price speculative steps' cycles as plain ones' (:meth:`_could_pay`)
+        self._plain_other = False
         self.verify_cost = verify_cost
         self.global_acceptance = Acceptance()
         self.prior = prior_acceptance
@@ -261,7 +285,7 @@ class AutoLength(FixedLength):
         #: the rest of a step's cycle, by (batch bucket, drafted or not): a speculative
         #: step's host work (drafts to build, several tokens per row to append, detokenise
         #: and stream) is not a plain one's
-        self._other: dict[tuple[int, bool], _Ema] = {}
+        self._other: dict[tuple[int, bool], _Median] = {}
         self._costs: dict[int, list[float]] = {}
         self._zero_steps = 0
         self._probe_gap = self.probe_every
@@ -283,7 +307,7 @@ class AutoLength(FixedLength):
         if step_seconds is not None:
             drafting = draft_seconds if draft_seconds is not None else self.draft_seconds(batch_size, k)
             rest = step_seconds - self._verify(batch_size)[min(q, self.max_k + 1) - 1] - drafting
-            self._other.setdefault((key, k > 0), _Ema()).add(max(rest, 0.0), 0.1)
+            self._other.setdefault((key, k > 0), _Median()).add(max(rest, 0.0))
 
     # -- the choice -----------------------------------------------------------------------------
     def acceptance_of(self, seq) -> float:
@@ -328,7 +352,8 @@ class AutoLength(FixedLength):
         """The measured rest of a step's cycle at this batch size, for a step with drafts
         (``k > 0``) or without; the other kind's while this kind is unmeasured; else 0."""
         key = _bucket(batch_size)
-        for o in (self._other.get((key, k > 0)), self._other.get((key, k == 0))):
+        spec = k > 0 and not self._plain_other
+        for o in (self._other.get((key, spec)), self._other.get((key, not spec))):
             if o is not None and o.value is not None:
                 return o.value
         return 0.0
@@ -412,7 +437,8 @@ class AutoLength(FixedLength):
             # prior of every later request, and k = 0 is never left again
             self.global_acceptance.forget(self.availability_decay)
             self._zero_steps += 1
-            if self._zero_steps >= self._probe_gap and self._could_pay(seqs):
+            if self._zero_steps >= self._probe_gap and (self._could_pay(seqs) or
+                                                         (self._unsure(B) and self._could_pay(seqs, unsure=True))):
                 # probe; if the drafts stay poor, wait twice as long for the next one
                 self._zero_steps, self._probe_gap = 0, min(2 * self._probe_gap, 1024)
                 return 1
@@ -449,10 +475,25 @@ class AutoLength(FixedLength):
                  [round(1e3 * v, 3) for v in self._verify(B)], 1e3 * self.other_seconds(B, 0),
                  1e3 * self.other_seconds(B, 1), drafting)
 
-    def _could_pay(self, seqs) -> bool:
-        """Whether speculation would win at a high acceptance (then a probe is worth it)."""
+    #: a speculative step's cycle is known at a batch size once measured this many times
+    sure_after = 3
+
+    def _unsure(self, batch_size: int) -> bool:
+        """Whether too few speculative cycles were measured at this batch size to rule
+        speculation out there (then probes go on, whatever the estimate says)."""
+        o = self._other.get((_bucket(batch_size), True))
+        return o is None or len(o.samples) < self.sure_after
+
+    def _could_pay(self, seqs, unsure: bool = False) -> bool:
+        """Whether speculation would win at a high acceptance (then a probe is worth it);
+        ``unsure``: were a speculative step's cycle to cost what a plain one's does (the
+        speculative figure is not trusted yet)."""
         hi = [self.probe_acceptance if s.speculative and s.max_k != 0 else 0.0 for s in seqs]
-        r = self.rates(seqs, hi)
+        self._plain_other = unsure
+        try:
+            r = self.rates(seqs, hi)
+        finally:
+            self._plain_other = False
         return max(r[1:]) > r[0] * (1 + self.margin)
 
 
@@ -493,8 +534,12 @@ class TreeAutoLength(AutoLength):
         out[K] = tokens / max(self.step_seconds(B, K), 1e-9)
         return out
 
-    def _could_pay(self, seqs) -> bool:
-        r = self.rates(seqs, [self.probe_accepted] * len(seqs))
+    def _could_pay(self, seqs, unsure: bool = False) -> bool:
+        self._plain_other = unsure
+        try:
+            r = self.rates(seqs, [self.probe_accepted] * len(seqs))
+        finally:
+            self._plain_other = False
         return r[self.max_k] > r[0] * (1 + self.margin)
 
     def choose(self, seqs) -> int:

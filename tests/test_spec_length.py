@@ -503,3 +503,23 @@ def test_the_loop_reports_each_steps_cycle_less_prefills_and_idle_time(tiny_llam
     llm.step()
     llm.step()
     assert all(s < 0.2 for _, _, s in rec.steps), rec.steps
+
+
+def test_one_stalled_first_cycle_does_not_switch_speculation_off_for_good():
+    """Seen on the H200 (server, concurrency 1): the first speculative step's cycle took
+    0.47 s (first-time work), was the only speculative figure, and priced speculation out
+    for the rest of the run (0.88x of no speculation, where fixed k=3 served 1.17x).
+    Probes go on until a few speculative cycles are known, and a median forgets the stall."""
+    auto = AutoLength(4, _cost(lambda b, q: 0.001))
+    auto.every = 1
+    seq = [_Seq(0.7)]
+    assert auto.choose(seq) == 4
+    auto.observe_step(1, 4, 5, 0.0002, 0.47)  # the stall
+    ks = []
+    for _ in range(400):
+        k = auto.choose(seq)
+        ks.append(k)
+        auto.observe_step(1, k, k + 1, 0.0002 if k else None, 0.0012 + 0.0002 * (k > 0))
+    assert ks[0] == 0  # priced out at first ...
+    assert ks[-50:].count(4) >= 45, ks[-50:]  # ... back to drafting once probes measured the truth
+    assert auto.other_seconds(1, 4) < 0.001
