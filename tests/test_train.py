@@ -201,6 +201,13 @@ def test_time_limit_and_eval_prompts(tiny_llama, prompts, tmp_path):
     head = load_mtp(tmp_path / "out", target, None, 0).float()
     score = evaluate(trainer, head, data, list(range(6)), target, args, "cpu")
     assert score.accuracy() == ev and score.acceptance_length() == report["eval_expected_acceptance_length"]
+    # and the figure `bench offline` measures: first-turn answers, their first 256 tokens
+    first = report["eval_first_turns"]
+    ids = [i for i, k in enumerate(data.kind.tolist()) if k == 0]
+    assert first["sequences"] == len(ids) > 0 and first["answer_tokens"] == 256
+    cut = evaluate(trainer, head, data, ids, target, args, "cpu", answer_tokens=256)
+    assert cut.accuracy() == first["accuracy_per_position"]
+    assert cfg["speculum"]["training"]["eval_first_turns"] == first
 
 
 def test_batches_gather_padded_rows_with_masks():
@@ -213,11 +220,14 @@ def test_batches_gather_padded_rows_with_masks():
     data = DistillData(tokens=torch.randint(1, 100, (N,), generator=g), offsets=offsets,
                        prompt_lens=torch.tensor(plens), prompt_index=torch.arange(4),
                        hidden={-1: torch.randn(N, 6, generator=g).bfloat16(), 2: torch.randn(N, 6, generator=g).bfloat16()})
-    for ids, max_len, ctx in (([0, 1, 2, 3], 100, 0), ([2, 0], 8, 0), ([3, 2, 1], 100, 1)):
-        b = data.batch(ids, max_len, "cpu", ctx)
+    for ids, max_len, ctx, keep in (([0, 1, 2, 3], 100, 0, 0), ([2, 0], 8, 0, 0), ([3, 2, 1], 100, 1, 0),
+                                    ([0, 1, 2, 3], 100, 0, 2), ([2, 1], 4, 1, 3)):
+        b = data.batch(ids, max_len, "cpu", ctx, answer_tokens=keep)
         rows = []
         for i in ids:
             s, e, P = int(offsets[i]), int(offsets[i + 1]), plens[i]
+            if keep:  # only the answer's first `keep` tokens
+                e = min(e, s + P + keep)
             rows.append((max(s, e - max_len, s + P - ctx if ctx else s), e, s + P))
         T = max(e - s for s, e, _ in rows)
         assert b.tokens.shape == (len(ids), T)
@@ -228,7 +238,7 @@ def test_batches_gather_padded_rows_with_masks():
             assert b.answer_next[r].tolist() == [t < n - 1 and s + t + 1 >= a for t in range(T)]
             for l in (-1, 2):
                 assert torch.equal(b.hidden[l][r, :n], data.hidden[l][s:e].float()) and not b.hidden[l][r, n:].any()
-        b2 = data.to("cpu").batch(ids, max_len, "cpu", ctx)
+        b2 = data.to("cpu").batch(ids, max_len, "cpu", ctx, answer_tokens=keep)
         assert torch.equal(b2.tokens, b.tokens) and torch.equal(b2.hidden[-1], b.hidden[-1])
 
 

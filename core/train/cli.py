@@ -85,6 +85,9 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
                         "dropped). "
                         "MT-bench is always kept out of training")
     g.add_argument("--eval-num-prompts", type=int, default=80, help="prompts of --eval-prompts used")
+    g.add_argument("--eval-answer-tokens", type=int, default=256,
+                   help="the final report also scores the first this many tokens of the first-turn answers to "
+                        "--eval-prompts: what `bench offline --max-tokens N` measures on them (default 256)")
     g.add_argument("--loss-on", choices=("answer", "all"), default="answer",
                    help="train on answer tokens only, or on every position")
     g.add_argument("--prompt-context", type=int, default=0,

@@ -160,13 +160,18 @@ class DistillData:
         gathered there, with no per-step host copies)."""
         return attrs.evolve(self, tokens=self.tokens.to(device), hidden={l: h.to(device) for l, h in self.hidden.items()})
 
-    def batch(self, ids: Sequence[int], max_len: int, device="cpu", prompt_context: int = 0) -> Batch:
+    def batch(self, ids: Sequence[int], max_len: int, device="cpu", prompt_context: int = 0,
+              answer_tokens: int = 0) -> Batch:
         """Pad the sequences ``ids`` into a Batch: at most ``max_len`` tokens of each, and at
         most ``prompt_context`` prompt tokens before the answer (0: no limit); what is cut
-        is the start of the prompt. Gathered where the data lives, then moved to ``device``."""
+        is the start of the prompt. ``answer_tokens`` > 0 keeps only the first that many
+        answer tokens (as a generation with that ``max_tokens`` would have made). Gathered
+        where the data lives, then moved to ``device``."""
         rows = []
         for i in ids:
             s, e, P = int(self.offsets[i]), int(self.offsets[i + 1]), int(self.prompt_lens[i])
+            if answer_tokens:
+                e = min(e, s + P + answer_tokens)
             start = max(s, e - max_len, s + P - prompt_context if prompt_context else s)
             rows.append((start, e, s + P))
         B, T = len(rows), max(e - s for s, e, _ in rows)

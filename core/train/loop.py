@@ -32,7 +32,7 @@ from speculum.train.base import Score, Trainer, frequent_tokens
 from speculum.train.data import DistillData
 from speculum.train.distill import DistillSpec, ensure_distill, mix_summary
 from speculum.train.generate import release_engines
-from speculum.train.mix import KINDS
+from speculum.train.mix import ANSWER, KINDS
 
 if TYPE_CHECKING:
     from speculum.backends.torch import TargetParts
@@ -108,10 +108,10 @@ def length_buckets(data: DistillData, ids: list[int], batch_size: int, rng: rand
 
 
 def evaluate(trainer: Trainer, module, data: DistillData, ids: list[int], target: TargetParts, args,
-             device) -> Score:
+             device, answer_tokens: int = 0) -> Score:
     """Top-1 agreement with the target per draft position and greedy-chain acceptance on
     the answers of sequences ``ids`` (answer tokens only, whatever ``--loss-on`` trains
-    on; fp32, the whole vocabulary)."""
+    on; fp32, the whole vocabulary; the first ``answer_tokens`` of each answer if > 0)."""
     import copy
     K = trainer.positions(args)
     total = Score.zeros(K)
@@ -123,7 +123,7 @@ def evaluate(trainer: Trainer, module, data: DistillData, ids: list[int], target
     with torch.no_grad():
         bs = getattr(args, "eval_batch_size", 0) or args.batch_size
         for i in range(0, len(ids), bs):
-            batch = data.batch(ids[i: i + bs], args.max_len, device, args.prompt_context)
+            batch = data.batch(ids[i: i + bs], args.max_len, device, args.prompt_context, answer_tokens)
             total = total + score_of(trainer.loss(module, batch, target, eval_args))
     module.train()
     return total
@@ -326,6 +326,13 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
                              "expected_acceptance_length": s.acceptance_length()}
     ev = evaluate(trainer, module, eval_data, list(range(len(eval_data))), target, args, device) \
         if eval_data is not None else None
+    # what `bench offline` measures on the same prompts: first-turn greedy answers, their
+    # first --eval-answer-tokens tokens (the openings are the hardest text; the answers'
+    # later tokens and second turns, which the figure above includes, are easier)
+    first = [] if ev is None or eval_data.kind is None else \
+        [i for i, k in enumerate(eval_data.kind.tolist()) if k == ANSWER]
+    ev_bench = evaluate(trainer, module, eval_data, first, target, args, device,
+                        answer_tokens=args.eval_answer_tokens) if first else None
     vocab = getattr(module, "loss_vocab", None)
     if vocab is None and hasattr(module, "draft_to_target"):
         vocab = module.draft_to_target
@@ -350,9 +357,13 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         report.update({"eval_prompts": str(args.eval_prompts), "eval_sequences": len(eval_data),
                        "eval_accuracy_per_position": ev.accuracy(), "eval_acceptance_per_position": ev.acceptance(),
                        "eval_expected_acceptance_length": ev.acceptance_length()})
+    if ev_bench is not None:
+        report["eval_first_turns"] = {"sequences": len(first), "answer_tokens": args.eval_answer_tokens,
+                                      "accuracy_per_position": ev_bench.accuracy(),
+                                      "expected_acceptance_length": ev_bench.acceptance_length()}
     keep = ("command", "device", "steps", "train_seconds", "loss_vocab_coverage", "val_accuracy_per_position",
             "val_acceptance_per_position", "expected_acceptance_length", "eval_prompts", "eval_accuracy_per_position",
-            "eval_acceptance_per_position", "eval_expected_acceptance_length")
+            "eval_acceptance_per_position", "eval_expected_acceptance_length", "eval_first_turns")
     meta = {"method": trainer.name, "target": target.fingerprint(),
             "training": {**{k: report[k] for k in keep if k in report},
                          "data": {k: report["data"][k] for k in ("prompts", "num_prompts", "data", "max_tokens",
@@ -370,4 +381,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     if ev is not None:
         print(f"{trainer.name}: on {args.eval_prompts}: top-1 agreement per position {ev.accuracy()} (expected "
               f"acceptance length {ev.acceptance_length()})")
+    if ev_bench is not None:
+        print(f"{trainer.name}: on {args.eval_prompts}, first turns' first {args.eval_answer_tokens} answer tokens "
+              f"(what `bench offline` measures): top-1 agreement per position {ev_bench.accuracy()} (expected "
+              f"acceptance length {ev_bench.acceptance_length()})")
     return report
