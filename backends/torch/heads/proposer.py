@@ -38,7 +38,7 @@ import attrs
 import torch
 
 from speculum.backends.torch.heads.cache import HeadKVCache
-from speculum.backends.torch.heads.graph import HeadDraftGraphs, HeadTreeGraphs
+from speculum.backends.torch.heads.graph import HeadDraftGraphs, HeadTreeGraphs, greedy_tokens
 from speculum.devices import on_device
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
@@ -294,12 +294,18 @@ class ChainHeadProposer:
             toks[i, :n] = torch.tensor(seqs[b].token_ids[-n:], dtype=torch.int64)  # x_{t+1} of each pending t
         toks = toks.to(self.device, non_blocking=True)
         drafts, probs = [], []
+        # argmax ids straight from the head when nothing reads the logits (EAGLE-3: no
+        # scatter of its draft vocabulary into the whole one, no argmax over all of it)
+        direct = not sample and not batch.sampling.needs_processing
         with torch.inference_mode():
             out = self._run(sids, x, toks, counts)
             last = out[torch.arange(R, device=self.device), on_device(counts, self.device) - 1]
             for i in range(k):
-                tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample,
-                                     torch.stack(drafts, dim=1) if drafts else None)
+                if direct:
+                    tok, p = greedy_tokens(self.head, last), None
+                else:
+                    tok, p = pick_tokens(self.head.logits(last), rows, batch.sampling, sample,
+                                         torch.stack(drafts, dim=1) if drafts else None)
                 drafts.append(tok)
                 probs.append(p)
                 if i + 1 < k:
