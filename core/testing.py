@@ -76,6 +76,22 @@ def train_tiny(method: str, target: Path, workdir: Path, steps: int = 120, num_p
     return out
 
 
+def assert_training_starts_from(method: str, target: Path, checkpoint: Path, workdir: Path,
+                                extra: tuple[str, ...] = ()) -> Path:
+    """``speculum train METHOD --init-from CHECKPOINT --lr 0`` exports the checkpoint's weights
+    unchanged (they are where training started, and nothing moved them); returns the output."""
+    import torch
+
+    from speculum.proposers.head_checkpoint import read_weights
+    out = train_tiny(method, target, workdir, steps=2, num_prompts=16, max_tokens=16,
+                     extra=(*extra, "--init-from", str(checkpoint), "--lr", "0", "--save-dtype", "bfloat16"))
+    before, after = read_weights(checkpoint), read_weights(out)
+    assert set(before) == set(after), set(before) ^ set(after)
+    for name, w in before.items():
+        assert torch.equal(w, after[name]), name
+    return out
+
+
 def record_drafts(llm) -> list:
     """Wrap ``llm.proposer.propose``; returns the list it appends (token rows, draft ids) to."""
     seen = []

@@ -339,3 +339,11 @@ def test_exported_answers_get_their_states_back_by_prefill(tiny_llama, prompts, 
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets)
     for layer in (-1, 0):
         torch.testing.assert_close(b.hidden[layer].float(), a.hidden[layer].float(), atol=0.05, rtol=0.02)
+
+
+def test_init_from_is_refused_where_a_method_cannot_load_its_checkpoints(tiny_llama, prompts, tmp_path, capsys):
+    """`speculum train draft` has no checkpoint loader for --init-from: a clear error, rc 2."""
+    assert train(["draft", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "8",
+                  "--max-tokens", "8", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--out",
+                  str(tmp_path / "d"), "--steps", "1", "--init-from", str(tiny_llama)]) == 2
+    assert "cannot start from a checkpoint (--init-from)" in capsys.readouterr().err

@@ -58,6 +58,13 @@ class Trainer:
         """Write the trained module in its public checkpoint format."""
         raise NotImplementedError
 
+    def load(self, path: Path, target: TargetParts, args: argparse.Namespace) -> nn.Module:
+        """A checkpoint of this method's public format, as a module whose state :meth:`build`'s
+        module takes (``--init-from``: start training from it)."""
+        from speculum.errors import ConfigError
+        raise ConfigError(f"`speculum train {self.name}` cannot start from a checkpoint (--init-from); "
+                          "train from scratch, or --resume a run of its own")
+
 
 @attrs.define(eq=False)
 class Score:

@@ -113,6 +113,10 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds of training (then validate and export as at the end)")
     t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    t.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this checkpoint of the method (e.g. the shipped head) instead of a fresh "
+                        "initialisation: its weights (and EAGLE-3's draft vocabulary), with a new optimiser and "
+                        "schedule; --resume, when it finds a checkpoint, wins (default: none)")
     t.add_argument("--amp", choices=sorted(AMP), default="off",
                    help="bf16: forward and loss under bf16 autocast (fp32 master weights; validation in fp32)")
     t.add_argument("--seed", type=int, default=0, help="seed of initialisation and batch order")

@@ -129,6 +129,25 @@ def evaluate(trainer: Trainer, module, data: DistillData, ids: list[int], target
     return total
 
 
+def start_from(module, loaded, where: str) -> None:
+    """Copy the weights (and buffers, e.g. EAGLE-3's draft vocabulary) of ``loaded`` into
+    ``module``, cast to its dtypes; ConfigError when the shapes differ."""
+    from speculum.errors import ConfigError
+    want, have = module.state_dict(), loaded.state_dict()
+    missing = sorted(set(want) - set(have))
+    wrong = sorted(k for k in set(want) & set(have) if want[k].shape != have[k].shape)
+    if missing or wrong:
+        raise ConfigError(f"--init-from {where}: the checkpoint does not fit the module these options build "
+                          f"({'missing ' + ', '.join(missing[:4]) if missing else ''}"
+                          f"{'; ' if missing and wrong else ''}"
+                          f"{'other shapes: ' + ', '.join(f'{k} {tuple(have[k].shape)} vs {tuple(want[k].shape)}' for k in wrong[:3]) if wrong else ''}); "
+                          "give the options it was trained with (layers, draft vocabulary, heads)")
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(have[k].to(v.device, v.dtype))
+    log.info("starting from %s", where)
+
+
 def score_of(result) -> Score:
     """The Score of a trainer's loss() result: (loss, Score) or (loss, correct, count)."""
     return Score.coerce(result[1] if len(result) == 2 else result[1:])
@@ -221,6 +240,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
 
     # 2. the module
     module = trainer.build(args, target, read_state_dict(model_path), data, train_ids).to(device)
+    if getattr(args, "init_from", None):
+        start_from(module, trainer.load(Path(args.init_from), target, args), args.init_from)
     if getattr(args, "loss_vocab", 0):  # not a parameter: rebuilt identically on --resume
         module.loss_vocab = frequent_tokens(data, train_ids, args.loss_vocab, target.vocab_size).to(device)
     params = [p for p in module.parameters() if p.requires_grad]

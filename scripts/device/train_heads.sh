@@ -3,6 +3,8 @@
 #     greedy + sampled answers, long-form answers and target-written second turns, MT-bench answers
 #     for evaluation only (at most GEN_TL seconds; the shards finished by then are used);
 #  2. eagle, eagle3, medusa, mtp and a draft model side by side on the GPU for the time left
+#     (INIT_FROM_SHIPPED=1: each head starts from the one shipped for it, --init-from, so that
+#     sessions add up; carry the heads' folders)
 #     (the draft's shape from /tmp/draft_shapes.json when draft_shapes.sh ran in this warm session);
 #     (DATA_ONLY=1: stop after step 1, the answers into $OUT as answers.tar: a data call, whose
 #     answers a training call carries back in as ANSWERS, so training gets the whole call)
@@ -52,7 +54,12 @@ for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers
          "draft=draft $SHAPE ${DRAFT_ARGS:-}"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
-  speculum train ${m#*=} $T --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
+  INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)
+  if [ "${INIT_FROM_SHIPPED:-0}" = 1 ]; then
+    for d in plugins/speculum-*/speculum_*/heads/$n-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
+    [ -n "$INIT" ] || echo "$n: no shipped head carried: trained from scratch"
+  fi
+  speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
   PIDS+=($!)
 done
 for p in "${PIDS[@]}"; do wait $p || echo "a training failed (pid $p): see $TR/*.log"; done

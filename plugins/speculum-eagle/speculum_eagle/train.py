@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from speculum.backends.torch.heads import arch_from_config
 from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, loss_vocab
-from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, save_eagle1, save_eagle3
+from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, load_eagle1, load_eagle3, save_eagle1, save_eagle3
 from speculum_eagle.model import Eagle1Head, Eagle3Head
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -82,6 +82,9 @@ class EagleTrainer(Trainer):
     def export(self, head, out, target, args, meta):
         save_eagle1(head, out, meta=meta, dtype=DTYPES[args.save_dtype])
 
+    def load(self, path, target, args):
+        return load_eagle1(path, target)
+
 
 class Eagle3Trainer(Trainer):
     name = "eagle3"
@@ -127,3 +130,7 @@ class Eagle3Trainer(Trainer):
 
     def export(self, head, out, target, args, meta):
         save_eagle3(head, out, meta=meta, dtype=DTYPES[args.save_dtype])
+
+    def load(self, path, target, args):
+        ids = [int(x) for x in args.aux_layers.split(",")] if getattr(args, "aux_layers", None) else None
+        return load_eagle3(path, target, ids)

@@ -20,7 +20,7 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
                               assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_drafts, record_trees,
-                              run_with_an_abort_and_a_join, tiny_model_dir, train_tiny)
+                              run_with_an_abort_and_a_join, tiny_model_dir, train_tiny, assert_training_starts_from)
 from speculum_eagle.formats import (default_aux_ids, detect, eagle1_state, eagle3_state, load_eagle1, load_eagle3,
                                     save_eagle1, save_eagle3)
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -483,3 +483,18 @@ def test_lookup_then_head_config_errors(target, trained, method, error):
     with pytest.raises(ConfigError, match="chains only"):
         cfg = {k: v for k, v in _lookup_then_head("eagle3", trained).items() if k != "num_speculative_tokens"}
         make_llm(target, {**cfg, **TREE_CONFIGS["dynamic"]})
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_training_starts_from_a_checkpoint(target, trained, tmp_path, method, capsys):
+    """--init-from: the run starts from the checkpoint's weights (and EAGLE-3's draft
+    vocabulary): with a learning rate of 0 it exports them unchanged; a checkpoint whose
+    shapes the options do not build is a ConfigError that says what to pass."""
+    extra = ("--draft-vocab", "384") if method == "eagle3" else ()
+    assert_training_starts_from(method, target, trained[method], tmp_path / "again", extra)
+    if method == "eagle":
+        with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
+            train_tiny(method, target, tmp_path / "wide", steps=1, num_prompts=16, max_tokens=16,
+                       extra=("--init-from", str(trained[method]), "--num-layers", "2"))
+        err = capsys.readouterr().err
+        assert "does not fit" in err and "missing layers.1." in err and "options it was trained with" in err

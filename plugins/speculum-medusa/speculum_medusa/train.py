@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, soft_ce
-from speculum_medusa.formats import save_medusa
+from speculum_medusa.formats import load_medusa, save_medusa
 from speculum_medusa.model import MedusaHeads
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -64,3 +64,6 @@ class MedusaTrainer(Trainer):
 
     def export(self, heads, out, target, args, meta):
         save_medusa(heads, out, base_model=target.name or "", meta=meta, dtype=DTYPES[args.save_dtype])
+
+    def load(self, path, target, args):
+        return load_medusa(path, target)

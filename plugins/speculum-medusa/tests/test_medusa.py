@@ -215,3 +215,9 @@ def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained):
     assert on == off == {r: plain[r] for r in ("r0", "r2", "r3")}
     assert loop.rewindable and loop.ahead_used > 10 and loop.ahead_dropped >= 2
     assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
+
+
+def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
+    """--init-from: a run with a learning rate of 0 exports the checkpoint it started from."""
+    from speculum.testing import assert_training_starts_from
+    assert_training_starts_from("medusa", target, trained, tmp_path / "again", ("--num-heads", "3"))

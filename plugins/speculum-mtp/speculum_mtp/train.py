@@ -14,7 +14,7 @@ import torch
 
 from speculum.backends.torch.heads import arch_from_config, init_layer
 from speculum.train.base import Trainer, chain_loss, layer_from_target, loss_vocab
-from speculum_mtp.formats import save_mtp
+from speculum_mtp.formats import load_mtp, save_mtp
 from speculum_mtp.model import ORDERS, MTPHead
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -55,3 +55,11 @@ class MTPTrainer(Trainer):
 
     def export(self, head, out, target, args, meta):
         save_mtp(head, out, target.config, meta=meta, dtype=DTYPES[args.save_dtype])
+
+    def load(self, path, target, args):
+        head = load_mtp(path, target, None, 0)
+        if head.concat_order != args.concat_order:
+            from speculum.errors import ConfigError
+            raise ConfigError(f"--init-from {path}: its concat order is {head.concat_order!r}; pass "
+                              f"--concat-order {head.concat_order}")
+        return head

@@ -199,3 +199,9 @@ def test_tree_drafts_follow_the_module_along_every_path(target, trained, tree):
     llm.generate(PROMPTS, GREEDY)
     ref = HeadPathReference(llm.proposer.head, target, llm.proposer.hidden_layers)
     assert assert_trees_follow_reference(seen, llm.speculative_config.tree, ref.topk_fn) > 10
+
+
+def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
+    """--init-from: a run with a learning rate of 0 exports the checkpoint it started from."""
+    from speculum.testing import assert_training_starts_from
+    assert_training_starts_from("mtp", target, trained, tmp_path / "again", ())
