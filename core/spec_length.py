@@ -489,12 +489,17 @@ class AutoLength(FixedLength):
         ``unsure``: were a speculative step's cycle to cost what a plain one's does (the
         speculative figure is not trusted yet)."""
         hi = [self.probe_acceptance if s.speculative and s.max_k != 0 else 0.0 for s in seqs]
+        r = self._probe_rates(seqs, hi, unsure)
+        return max(r[1:]) > r[0] * (1 + self.margin)
+
+    def _probe_rates(self, seqs, acceptance: Seq[float], unsure: bool) -> list[float]:
+        """:meth:`rates` at the given acceptance; ``unsure``: a speculative step's cycle
+        priced as a plain one's."""
         self._plain_other = unsure
         try:
-            r = self.rates(seqs, hi)
+            return self.rates(seqs, acceptance)
         finally:
             self._plain_other = False
-        return max(r[1:]) > r[0] * (1 + self.margin)
 
 
 class TreeAutoLength(AutoLength):
@@ -535,11 +540,7 @@ class TreeAutoLength(AutoLength):
         return out
 
     def _could_pay(self, seqs, unsure: bool = False) -> bool:
-        self._plain_other = unsure
-        try:
-            r = self.rates(seqs, [self.probe_accepted] * len(seqs))
-        finally:
-            self._plain_other = False
+        r = self._probe_rates(seqs, [self.probe_accepted] * len(seqs), unsure)
         return r[self.max_k] > r[0] * (1 + self.margin)
 
     def choose(self, seqs) -> int:

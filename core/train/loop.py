@@ -137,11 +137,12 @@ def start_from(module, loaded, where: str) -> None:
     missing = sorted(set(want) - set(have))
     wrong = sorted(k for k in set(want) & set(have) if want[k].shape != have[k].shape)
     if missing or wrong:
+        why = ([f"missing {', '.join(missing[:4])}"] if missing else []) + \
+              ([f"other shapes: {', '.join(f'{k} {tuple(have[k].shape)} vs {tuple(want[k].shape)}' for k in wrong[:3])}"]
+               if wrong else [])
         raise ConfigError(f"--init-from {where}: the checkpoint does not fit the module these options build "
-                          f"({'missing ' + ', '.join(missing[:4]) if missing else ''}"
-                          f"{'; ' if missing and wrong else ''}"
-                          f"{'other shapes: ' + ', '.join(f'{k} {tuple(have[k].shape)} vs {tuple(want[k].shape)}' for k in wrong[:3]) if wrong else ''}); "
-                          "give the options it was trained with (layers, draft vocabulary, heads)")
+                          f"({'; '.join(why)}); give the options it was trained with (layers, draft vocabulary, "
+                          "heads)")
     with torch.no_grad():
         for k, v in want.items():
             v.copy_(have[k].to(v.device, v.dtype))

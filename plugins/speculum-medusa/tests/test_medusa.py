@@ -16,7 +16,7 @@ from speculum.sampling import SamplingBatch
 from speculum.proposers.tree import topk_logprobs
 from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
                               record_drafts, record_trees, run_with_an_abort_and_a_join, tiny_model_dir,
-                              train_tiny)
+                              train_tiny, assert_training_starts_from)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import detect, load_medusa, medusa_state, save_medusa
 
@@ -219,5 +219,4 @@ def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained):
 
 def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
     """--init-from: a run with a learning rate of 0 exports the checkpoint it started from."""
-    from speculum.testing import assert_training_starts_from
     assert_training_starts_from("medusa", target, trained, tmp_path / "again", ("--num-heads", "3"))

@@ -17,7 +17,7 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
                               assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_drafts, record_trees,
-                              tiny_model_dir, train_tiny)
+                              tiny_model_dir, train_tiny, assert_training_starts_from)
 from speculum_mtp import MTPHead
 from speculum_mtp.formats import detect, load_mtp, mtp_state, save_mtp
 
@@ -203,5 +203,4 @@ def test_tree_drafts_follow_the_module_along_every_path(target, trained, tree):
 
 def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
     """--init-from: a run with a learning rate of 0 exports the checkpoint it started from."""
-    from speculum.testing import assert_training_starts_from
     assert_training_starts_from("mtp", target, trained, tmp_path / "again", ())
