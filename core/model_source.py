@@ -75,10 +75,22 @@ def resolve_model_path(model: str | os.PathLike | None, what: str = "model", hin
     raise ModelLoadError(f"{what} {str(model)!r} is neither a transformers directory nor a .gguf file; {hint}")
 
 
+def gguf_key(gguf: Path, sample: int = 1 << 20) -> str:
+    """The converted folder's key: the file's name, size and the hash of its first and last
+    ``sample`` bytes. Content, not path or modification time: a copy of the same GGUF on
+    another machine (or joined again from parts) maps to the same folder, so caches keyed
+    by the model (self-distillation answers, verify-cost profiles) carry over."""
+    h = hashlib.sha1(f"{gguf.name}:{gguf.stat().st_size}".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(sample))
+        f.seek(max(gguf.stat().st_size - sample, 0))
+        h.update(f.read(sample))
+    return h.hexdigest()[:12]
+
+
 def gguf_to_dir(gguf: Path) -> Path:
     """Dequantize a GGUF into a cached transformers directory and return it."""
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    key = gguf_key(gguf)
     out = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (out / "done").exists():
         return out

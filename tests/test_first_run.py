@@ -162,6 +162,24 @@ def test_folder_without_config_says_what_to_do(tmp_path, tiny_llama):
     assert "weights.bin" in str(exc.value)
 
 
+def test_a_gguf_copied_elsewhere_converts_to_the_same_folder(tmp_path):
+    """The converted folder (and every cache keyed by it) follows the GGUF's content, not
+    its path or modification time: the same file joined again on another machine maps to
+    the same folder; another file of the same name and size does not."""
+    import os
+
+    from speculum.model_source import gguf_key
+    body = os.urandom(3 << 20)
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(body)
+    os.utime(b, (1, 1))
+    assert gguf_key(a) == gguf_key(b)
+    b.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))
+    assert gguf_key(a) != gguf_key(b)
+
+
 # --------------------------------------------------------------------- typed plugin options
 @attrs.frozen
 class Options:

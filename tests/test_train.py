@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 
@@ -339,6 +340,26 @@ def test_exported_answers_get_their_states_back_by_prefill(tiny_llama, prompts, 
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets)
     for layer in (-1, 0):
         torch.testing.assert_close(b.hidden[layer].float(), a.hidden[layer].float(), atol=0.05, rtol=0.02)
+
+
+def test_imported_answers_are_found_by_training_on_another_machine(tiny_llama, prompts, tmp_path):
+    """`... distill import SRC --model M`: answers exported on one machine are keyed again
+    for the target as named on this one (there the converted GGUF's folder had another
+    name), so training finds them finished and generates nothing."""
+    import shutil
+
+    from speculum.train.distill import main as distill_main
+    sp = spec(tiny_llama, prompts, 12)
+    d, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    assert distill_main(["export", str(d), str(tmp_path / "b")]) == 0
+    there = shutil.copytree(tiny_llama, tmp_path / "elsewhere" / "tiny-llama-other-key")
+    sp2 = attrs.evolve(sp, model=str(there))
+    assert distill_main(["import", str(tmp_path / "b" / d.name), "--model", str(there),
+                         "--cache-root", str(tmp_path / "c")]) == 0
+    d2, shards2 = ensure_distill(sp2, tmp_path / "c", max_num_seqs=5, device="cpu", shard_size=8, generate=False)
+    assert d2.name != d.name and shards2 == shards
+    a, b = DistillData.load(d, shards=shards), DistillData.load(d2, shards=shards2)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets)
 
 
 def test_init_from_is_refused_where_a_method_cannot_load_its_checkpoints(tiny_llama, prompts, tmp_path, capsys):

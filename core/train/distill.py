@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -88,6 +89,7 @@ class DistillSpec:
         def file_id(f: str):
             p = Path(f)
             return [p.name, p.stat().st_size] if p.exists() else f
+        d["model"] = Path(self.model).name  # the folder, not where the cache root put it
         d["prompts"] = file_id(self.prompts)
         for k in ("data", "exclude"):
             if k in d:
@@ -257,6 +259,39 @@ def export_answers(src: Path, dst: Path) -> Path:
     return out
 
 
+def import_answers(src: Path, model: str, root: Path | None = None) -> Path:
+    """Put an exported cache ``src`` (answers, maybe without states) where this machine's
+    training looks for it: keyed again for ``model`` as resolved here (a converted GGUF's
+    folder, a checkpoint) and the prompt files found here (by name in speculum's data when
+    the path they were read from does not exist). Returns the cache folder."""
+    from speculum.datasets import data_path
+    from speculum.model_source import resolve_model_path
+    src = Path(src)
+    meta = json.loads((src / "meta.json").read_text())
+    spec = dict(meta["spec"], model=str(resolve_model_path(model)))
+
+    def here(f: str) -> str:
+        if Path(f).exists():
+            return f
+        try:
+            return str(data_path(Path(f).name))
+        except FileNotFoundError:
+            return f
+    spec["prompts"] = here(spec["prompts"])
+    for k in ("data", "exclude"):
+        spec[k] = [here(f) for f in spec.get(k, [])]
+    fields = {f.name for f in attrs.fields(DistillSpec)}
+    spec = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k in fields}
+    out = cache_dir(DistillSpec(**spec), root)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in meta["shards"]:
+        if not (out / name).exists():
+            shutil.copyfile(src / name, out / name)
+    meta["spec"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()}
+    _save_meta(out / "meta.json", meta)
+    return out
+
+
 def _save_tensors(path: Path, data: dict) -> None:
     from safetensors.torch import save_file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -317,7 +352,8 @@ def _hidden(feats: Sequence[dict[int, torch.Tensor]], layers: Sequence[int]) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m speculum.train.distill export SRC DST``: a cache's answers without states."""
+    """``python -m speculum.train.distill export SRC DST``: a cache's answers without states;
+    ``... import SRC... --model M``: such copies into this machine's cache."""
     import argparse
     ap = argparse.ArgumentParser(prog="python -m speculum.train.distill",
                                  description="copy a self-distillation cache's answers without the hidden states "
@@ -326,7 +362,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex = sub.add_parser("export", help="copy SRC (a cache folder) to DST/<its name>, answers only")
     ex.add_argument("src", help="a cache folder: $SPECULUM_CACHE/distill/<model>-<key>")
     ex.add_argument("dst", help="where the copy goes (its folder name is kept: the cache key)")
+    im = sub.add_parser("import", help="put exported answers (SRC...) into this machine's cache, keyed for MODEL")
+    im.add_argument("src", nargs="+", help="folders written by export")
+    im.add_argument("--model", required=True, help="the target as training will name it (a .gguf, a folder)")
+    im.add_argument("--cache-root", help="the distill cache (default $SPECULUM_CACHE/distill)")
     args = ap.parse_args(argv)
+    if args.cmd == "import":
+        for src in args.src:
+            print(f"imported {src} -> {import_answers(Path(src), args.model, args.cache_root)}")
+        return 0
     out = export_answers(Path(args.src), Path(args.dst))
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{out}: {len(list(out.glob('shard_*.safetensors')))} shards of answers, {size / 1e6:.1f} MB")

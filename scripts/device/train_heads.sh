@@ -22,8 +22,8 @@ mkdir -p $TR
 # answers generated in an earlier call (python -m speculum.train.distill export, carried as ANSWERS):
 # their hidden states are recomputed by prefill and generation continues where they stop
 if [ -n "$ANSWERS" ] && [ -d "$ANSWERS" ]; then
-  mkdir -p $SPECULUM_CACHE/distill && cp -r $ANSWERS/* $SPECULUM_CACHE/distill/
-  echo "answers carried in: $(ls $ANSWERS | tr '\n' ' ')"
+  # keyed again for this machine's model (import): the converted folder's name may differ
+  python3 -m speculum.train.distill import $ANSWERS/*/ --model $M
 fi
 D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-512} --max-tokens ${MAXTOK:-384} --extra-answers ${EXTRA:-2} \
    --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --template-long-form ${TLONG:-1} \
