@@ -2,7 +2,8 @@
 
 The engine is not thread safe, so nothing but the engine thread ever touches it. Request
 coroutines talk to that thread through a queue of commands (add, abort); the thread
-answers each request through its own ``asyncio.Queue`` (``loop.call_soon_threadsafe``)::
+answers each request through its own ``asyncio.Queue``, the updates of one step handed
+over together (one ``loop.call_soon_threadsafe`` per step, not one per request)::
 
     HTTP handlers --add/abort--> inbox --> engine thread: add_request / abort_request
                                                           step()
@@ -91,11 +92,19 @@ class _Live:
     prev_drafted: int = 0
     prev_accepted: int = 0
 
-    def push(self, update: EngineUpdate) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
-        except RuntimeError:  # the client's event loop is closed: nobody to tell
-            pass
+
+def deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Put each ``(asyncio.Queue, update)`` of ``items`` on its queue, in order, from the
+    engine thread: one ``call_soon_threadsafe`` (one wake-up of ``loop``) for all of them."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the client's event loop is closed: nobody to tell
+        pass
+
+
+def _put_all(items: list) -> None:
+    for q, update in items:
+        q.put_nowait(update)
 
 
 class RequestStream:
@@ -145,6 +154,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # engine-thread state only
         self._live: dict[str, _Live] = {}
+        #: updates of the current step, handed over together at its end (:meth:`_flush`):
+        #: at 64 requests a wake-up of the event loop per request per step cost the
+        #: server more host time than the step's own bookkeeping
+        self._outbox: list[tuple[_Live, EngineUpdate]] = []
         self.num_step_failures = 0
 
     # -- lifecycle (any thread) -------------------------------------------------------
@@ -215,11 +228,14 @@ class AsyncEngine:
             if self._stopping:
                 break
             self._drain()
+            self._flush()  # "added" before the step runs: a client's wait for it ends now
             if self.llm.has_unfinished_requests():
                 self._step()
+            self._flush()
             self._update_gauges()
         self._drain()
         self._fail_all(EngineStoppedError("the server is shutting down"), "abort")
+        self._flush()
         log.debug("engine thread stopped")
 
     def _drain(self) -> None:
@@ -233,21 +249,35 @@ class AsyncEngine:
             else:
                 self._abort(cmd[1])
 
+    def _push(self, live: _Live, update: EngineUpdate) -> None:
+        self._outbox.append((live, update))
+
+    def _flush(self) -> None:
+        """Hand the queued updates over: one wake-up per event loop, in the order queued."""
+        if not self._outbox:
+            return
+        out, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for live, update in out:
+            by_loop.setdefault(live.loop, []).append((live.queue, update))
+        for loop, items in by_loop.items():
+            deliver(loop, items)
+
     def _add(self, live: _Live, prompt: Any, params: SamplingParams) -> None:
         if self._stopping:
-            live.push(EngineUpdate("error", error=EngineStoppedError("the server is shutting down")))
+            self._push(live, EngineUpdate("error", error=EngineStoppedError("the server is shutting down")))
             return
         try:
             self.llm.add_request(live.request_id, prompt, params)
         except Exception as exc:  # a bad request never takes the engine down
-            live.push(EngineUpdate("error", error=exc))
+            self._push(live, EngineUpdate("error", error=exc))
             return
         if self.record_steps:
             live.steps = []
         self._live[live.request_id] = live
         if self.metrics is not None:
             self.metrics.count_prompt_tokens(live.num_prompt_tokens)
-        live.push(EngineUpdate("added"))
+        self._push(live, EngineUpdate("added"))
 
     def _abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -258,7 +288,7 @@ class AsyncEngine:
         except Exception:
             log.exception("aborting request %s failed", request_id)
         self._record_finished(live, "abort", time.perf_counter())
-        live.push(EngineUpdate("output", finished=True, finish_reason="abort",
+        self._push(live, EngineUpdate("output", finished=True, finish_reason="abort",
                                num_prompt_tokens=live.num_prompt_tokens, num_output_tokens=live.num_sent,
                                metrics=live.metrics, steps=live.steps))
         log.debug("aborted request %s", request_id)
@@ -299,14 +329,14 @@ class AsyncEngine:
             if out.finished and out.finish_reason == "error":  # this request failed; the engine serves on
                 del self._live[out.request_id]
                 self._record_finished(live, "error", now)
-                live.push(EngineUpdate("error", error=EngineStepError(f"the request failed: {out.error}")))
+                self._push(live, EngineUpdate("error", error=EngineStepError(f"the request failed: {out.error}")))
                 continue
             if out.finished:
                 del self._live[out.request_id]
                 reason = out.finish_reason or "stop"
                 # counters first: a client that has its answer finds it in /metrics
                 self._record_finished(live, reason, now)
-                live.push(EngineUpdate(
+                self._push(live, EngineUpdate(
                     "output", new_token_ids=list(new), finished=True, finish_reason=reason,
                     stop_reason=out.outputs[0].stop_reason, text=out.text, token_ids=list(ids),
                     num_prompt_tokens=live.num_prompt_tokens, num_output_tokens=len(ids),
@@ -314,7 +344,7 @@ class AsyncEngine:
                     logprobs=list(lps) if lps is not None else None,
                     cumulative_logprob=out.outputs[0].cumulative_logprob, prompt_logprobs=out.prompt_logprobs))
             elif live.stream and new:
-                live.push(EngineUpdate("output", new_token_ids=list(new), new_logprobs=new_lps))
+                self._push(live, EngineUpdate("output", new_token_ids=list(new), new_logprobs=new_lps))
         if self.metrics is not None and generated:
             self.metrics.count_step_tokens(generated)
 
@@ -327,7 +357,7 @@ class AsyncEngine:
             except Exception:
                 log.exception("aborting request %s failed", rid)
             self._record_finished(live, reason, now)
-            live.push(EngineUpdate("error", error=error))
+            self._push(live, EngineUpdate("error", error=error))
 
     def _record_finished(self, live: _Live, reason: str, now: float) -> None:
         if self.metrics is None:
