@@ -94,6 +94,34 @@ def test_bench_serve_compare_runs_several_configs_side_by_side(tiny_llama, datas
     assert "output throughput against no speculation" in printed and "mean k" in printed
 
 
+def test_bench_serve_compare_repeats_servers_in_turns_and_pools_them(tiny_llama, dataset, tmp_path, capsys):
+    """--repeats 2: every server twice, in turns; each rate's two runs pooled as one
+    (tokens and seconds summed, acceptance counters summed), both kept in the JSON."""
+    out = tmp_path / "compare.json"
+    rc = main(_bench_args(dataset, out, "--compare", "--model", str(tiny_llama), "--speculative-config", NGRAM,
+                          "--sweep", "inf", "--max-num-seqs", "4", "--dtype", "float32", "--device", "cpu",
+                          "--repeats", "2", "--server-log-dir", str(tmp_path / "logs")))
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["repeats"] == 2
+    reps = result["repeat_runs"]
+    assert set(reps) == {"baseline", "ngram(k=4)"} and all(len(v) == 2 for v in reps.values())
+    for label, pooled in (("baseline", result["baseline"]["runs"][0]), ("ngram(k=4)", result["speculative"]["runs"][0])):
+        runs = [sweep[0] for sweep in reps[label]]
+        assert pooled["total_output_tokens"] == sum(r["total_output_tokens"] for r in runs)
+        assert pooled["output_throughput"] == pytest.approx(
+            sum(r["total_output_tokens"] for r in runs) / sum(r["duration"] for r in runs))
+        assert pooled["output_throughput_per_repeat"] == [r["output_throughput"] for r in runs]
+    spec = result["speculative"]["runs"][0]["spec_decode"]
+    parts = [sweep[0]["spec_decode"] for sweep in reps["ngram(k=4)"]]
+    assert spec["num_accepted_tokens"] == sum(p["num_accepted_tokens"] for p in parts) > 0
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == \
+        ["baseline-r2.log", "baseline.log", "speculative-r2.log", "speculative.log"]
+    printed = capsys.readouterr().out
+    assert "(2 repeats pooled)" in printed and "== repeat 2 alone" in printed
+
+
 def _result(labels_cfgs, base_tps, spec_tps):
     return {"baseline": {"runs": [{"request_rate": r, "output_throughput": t} for r, t in base_tps]},
             "configs": [{"label": lab, "speculative_config": cfg,

@@ -110,6 +110,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_batch_invariant_arg(c)
     c.add_argument("--no-overlap", action="store_true",
                    help="start the servers with --no-overlap (the 'before' of overlapped steps)")
+    c.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="start every server N times, in turns (baseline, each config, baseline, ...), and pool "
+                        "each rate's N runs into one (speculum.bench.pool): a served engine's throughput at high "
+                        "load moves between server processes by more than the effects measured (default: 1)")
     c.add_argument("--plot-dir", default=None, help="where the PNGs go (default: beside --result-json, or .)")
     c.add_argument("--server-log-dir", default=None, help="keep each server's log here")
     p.set_defaults(func=cmd_bench_serve)
@@ -213,16 +217,23 @@ def _compare(args, prompts, plan: list[tuple[float, int]], extra) -> int:
         while label in labels:
             label += "'"
         labels.append(label)
-    results = {}
-    for i, (label, spec) in enumerate([("baseline", None)] + list(zip(labels, specs))):
-        print(f"bench: starting the {label} server", file=sys.stderr, flush=True)
-        log_name = "baseline" if spec is None else ("speculative" if i == 1 else f"speculative-{i}")
-        with served(args.model, spec, served_name=name, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                    extra_args=(["--threads", str(args.threads)] if args.threads else [])
-                    + (["--batch-invariant"] if args.batch_invariant else [])
-                    + (["--no-overlap"] if args.no_overlap else []) or None,
-                    device=args.device, log_path=log_dir / f"{log_name}.log" if log_dir else None) as url:
-            results[label] = asyncio.run(_sweep(url, prompts, plan, args, extra, name))
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: give 1 or more")
+    sweeps: dict[str, list] = {}
+    for rep in range(args.repeats):
+        for i, (label, spec) in enumerate([("baseline", None)] + list(zip(labels, specs))):
+            turn = f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""
+            print(f"bench: starting the {label} server{turn}", file=sys.stderr, flush=True)
+            log_name = ("baseline" if spec is None else ("speculative" if i == 1 else f"speculative-{i}")) \
+                + (f"-r{rep + 1}" if rep else "")
+            with served(args.model, spec, served_name=name, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                        extra_args=(["--threads", str(args.threads)] if args.threads else [])
+                        + (["--batch-invariant"] if args.batch_invariant else [])
+                        + (["--no-overlap"] if args.no_overlap else []) or None,
+                        device=args.device, log_path=log_dir / f"{log_name}.log" if log_dir else None) as url:
+                sweeps.setdefault(label, []).append(asyncio.run(_sweep(url, prompts, plan, args, extra, name)))
+    from speculum.bench.pool import pool_runs
+    results = {label: pool_runs(runs) for label, runs in sweeps.items()}
     base = results["baseline"]
     print("== baseline")
     print(report.sweep_table(base))
@@ -233,9 +244,14 @@ def _compare(args, prompts, plan: list[tuple[float, int]], extra) -> int:
         comparisons[label] = report.compare_rows(base, results[label])
         print(f"== what to look for, {label} (ratio > 1: speculation is better)")
         print(report.compare_table(comparisons[label]))
-    if len(labels) > 1:
-        print("== output throughput against no speculation, per request rate")
+    if len(labels) > 1 or args.repeats > 1:
+        print("== output throughput against no speculation, per request rate"
+              + (f" ({args.repeats} repeats pooled)" if args.repeats > 1 else ""))
         print(report.ratio_table(base, {label: results[label] for label in labels}))
+    if args.repeats > 1:
+        for rep in range(args.repeats):
+            print(f"== repeat {rep + 1} alone")
+            print(report.ratio_table(sweeps["baseline"][rep], {label: sweeps[label][rep] for label in labels}))
     plot_dir = Path(args.plot_dir) if args.plot_dir else (Path(args.result_json).parent if args.result_json else Path("."))
     paths = plot(base, [(label, results[label]) for label in labels], plot_dir,
                  title=Path(args.model).name if args.model else "default model")
@@ -244,11 +260,12 @@ def _compare(args, prompts, plan: list[tuple[float, int]], extra) -> int:
         first = labels[0]
         write_json(args.result_json, {
             "model": args.model, "speculative_config": json.loads(specs[0]), "num_prompts": _count_json(plan),
-            "max_concurrency": args.max_concurrency, "baseline": {"runs": base},
+            "max_concurrency": args.max_concurrency, "repeats": args.repeats, "baseline": {"runs": base},
             "speculative": {"runs": results[first]}, "comparison": comparisons[first],
             "configs": [{"label": label, "speculative_config": json.loads(v), "runs": results[label],
                          "comparison": comparisons[label],
                          "throughput_ratio": report.throughput_ratios(base, results[label])}
-                        for label, v in zip(labels, specs)]})
+                        for label, v in zip(labels, specs)],
+            **({"repeat_runs": sweeps} if args.repeats > 1 else {})})
         print(f"wrote {args.result_json}")
     return 0

@@ -6,6 +6,11 @@
 # METHOD (default ngram; eagle3 for the shipped head), K (default 4), KS (the fixed k of c1, default 1..K),
 # N: prompts per rate of the sweep, one count or one per rate of RATES (default: 24 at 1 req/s rising to
 # 384 all at once, so that every run lasts several seconds: 40 prompts all at once take half a second).
+# REPEATS (default 1): every server of the sweep started that many times, in turns, each rate's runs pooled
+# (bench serve --repeats): at high load one server process differs from the next by up to 17% on the H200
+# (no speculation all at once: 2,915 / 3,411 / 4,075 tok/s in three servers), so one run per config can
+# fail 0.97 by chance. A sweep takes ~125 s per server: REPEATS=2 fits a call with auto alone (FIXED_TOO=),
+# or with fixed k too on fewer rates (RATES=1,4,16,32,inf N=24,32,96,256,384).
 # Results in $OUT: load_sweep.json, load_c1.json, load_check.{txt,json}, tune.{txt,json}, plots_*/ and server logs.
 set -e
 . scripts/device/common.sh
@@ -20,7 +25,7 @@ AUTO=$(cfg $K auto)
 case $PART in
   sweep)
     speculum bench serve --compare --model $M --max-num-seqs 64 --max-concurrency 64 --num-prompts $N --max-tokens 128 \
-      --sweep $RATES --warmup 4 --speculative-config "$AUTO" ${FIXED_TOO:+--speculative-config "$(cfg $K)"} \
+      --sweep $RATES --warmup 4 --repeats ${REPEATS:-1} --speculative-config "$AUTO" ${FIXED_TOO:+--speculative-config "$(cfg $K)"} \
       --result-json $OUT/load_sweep.json --plot-dir $OUT/plots_sweep --server-log-dir $OUT/logs_sweep 2>&1 \
       | grep -v -E "Loading|Writing|it/s" | tail -40 ;;
   c1)
