@@ -89,7 +89,6 @@ class DistillSpec:
         def file_id(f: str):
             p = Path(f)
             return [p.name, p.stat().st_size] if p.exists() else f
-        d["model"] = Path(self.model).name  # the folder, not where the cache root put it
         d["prompts"] = file_id(self.prompts)
         for k in ("data", "exclude"):
             if k in d:
