@@ -331,6 +331,8 @@ def test_exported_answers_get_their_states_back_by_prefill(tiny_llama, prompts, 
     d, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
     assert distill_main(["export", str(d), str(tmp_path / "b")]) == 0
     copied = tmp_path / "b" / d.name
+    modes = {p.name: p.stat().st_mode & 0o777 for c in (d, copied) for p in c.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # shards as meta.json: one mode
     with safe_open(str(copied / shards[0]), "pt") as f:
         assert not any(k.startswith("hidden.") for k in f.keys())
     assert sum(p.stat().st_size for p in copied.iterdir()) < sum(p.stat().st_size for p in d.iterdir()) / 2

@@ -295,6 +295,9 @@ def _save_tensors(path: Path, data: dict) -> None:
     from safetensors.torch import save_file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(data, str(tmp))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; the cache's other files get a new file's mode
     os.replace(tmp, path)
 
 
