@@ -242,6 +242,32 @@ def test_train_writes_every_file_with_one_mode(tmp_path, tiny_llama):
     assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
 
 
+def test_each_engine_is_warmed_on_the_longest_prompt_for_the_tokens_asked():
+    """`bench offline` warms every engine before timing it: the longest prompt, for
+    --warmup-tokens (default --max-tokens), so what is built per context length is built
+    before the clock runs; 0 skips the warm-up."""
+    import attrs as _attrs
+
+    from speculum.bench import methods
+
+    class Fake:
+        speculative_config = None
+
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params):
+            self.calls.append((prompts, params.max_tokens))
+    groups = {"a": ["short", "a much longer prompt"], "b": ["mid prompt"]}
+    params = SamplingParams(temperature=0, max_tokens=64)
+    llm, _ = methods._start(lambda cfg: Fake(), None, groups, params, 256)
+    assert llm.calls == [(["a much longer prompt"], 64)]
+    llm, _ = methods._start(lambda cfg: Fake(), None, groups, _attrs.evolve(params, max_tokens=300), 256)
+    assert llm.calls == [(["a much longer prompt"], 256)]
+    llm, _ = methods._start(lambda cfg: Fake(), None, groups, params, 0)
+    assert llm.calls == []
+
+
 def test_interleaved_comparison_runs_each_category_through_every_config_in_turn(tiny_llama):
     """The main command interleaves (a shared CPU's slow minute then hits every config);
     the figures are assembled per config exactly as one engine at a time would."""

@@ -180,10 +180,11 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
 
 
 def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_tokens: int) -> tuple[Any, str]:
-    """A config's engine, warmed on the first prompt, and its name."""
+    """A config's engine, warmed on the longest prompt, and its name."""
     llm = make_llm(cfg)
-    warm = [p for ps in groups.values() for p in ps][:1]
-    llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
+    warm = [max((p for ps in groups.values() for p in ps), key=lambda p: len(str(p)))]
+    if warmup_tokens > 0:
+        llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
     resolved = llm.speculative_config.method if llm.speculative_config else None
     return llm, method_name(cfg, resolved)
 
