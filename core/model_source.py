@@ -80,10 +80,11 @@ def gguf_key(gguf: Path, sample: int = 1 << 20) -> str:
     ``sample`` bytes. Content, not path or modification time: a copy of the same GGUF on
     another machine (or joined again from parts) maps to the same folder, so caches keyed
     by the model (self-distillation answers, verify-cost profiles) carry over."""
-    h = hashlib.sha1(f"{gguf.name}:{gguf.stat().st_size}".encode())
+    size = gguf.stat().st_size
+    h = hashlib.sha1(f"{gguf.name}:{size}".encode())
     with open(gguf, "rb") as f:
         h.update(f.read(sample))
-        f.seek(max(gguf.stat().st_size - sample, 0))
+        f.seek(max(size - sample, 0))
         h.update(f.read(sample))
     return h.hexdigest()[:12]
 

@@ -295,10 +295,15 @@ def _save_tensors(path: Path, data: dict) -> None:
     from safetensors.torch import save_file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(data, str(tmp))
+    tmp.chmod(new_file_mode())  # safetensors writes 0600; the cache's other files get a new file's mode
+    os.replace(tmp, path)
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets under this process's umask (0644 under umask 022)."""
     umask = os.umask(0)
     os.umask(umask)
-    tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; the cache's other files get a new file's mode
-    os.replace(tmp, path)
+    return 0o666 & ~umask
 
 
 def _save_meta(path: Path, meta: dict) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import logging
 import math
 import random
@@ -30,7 +29,7 @@ import torch
 
 from speculum.train.base import Score, Trainer, frequent_tokens
 from speculum.train.data import DistillData
-from speculum.train.distill import DistillSpec, ensure_distill, mix_summary
+from speculum.train.distill import DistillSpec, ensure_distill, mix_summary, new_file_mode
 from speculum.train.generate import release_engines
 from speculum.train.mix import ANSWER, KINDS
 
@@ -179,11 +178,10 @@ def _gen_kwargs(args) -> dict:
 def normalize_modes(folder: Path) -> None:
     """Give every file in ``folder`` the mode a new file gets (0644 under umask 022):
     safetensors writes its files 0600, everything else is written 0644."""
-    umask = os.umask(0)
-    os.umask(umask)
+    mode = new_file_mode()
     for f in Path(folder).rglob("*"):
         if f.is_file():
-            f.chmod(0o666 & ~umask)
+            f.chmod(mode)
 
 
 def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
