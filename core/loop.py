@@ -97,6 +97,9 @@ class DraftVerifyLoop:
         #: the last step, for its cycle time (:meth:`_observe_cycle`): (start, batch size,
         #: k chosen, tokens verified per row, drafting seconds or None, seconds inside it)
         self._cycle: tuple | None = None
+        #: the next step's k, chosen when this step ended (so that the work launched ahead is
+        #: the work that runs): (the batch's sequence ids, k), or None
+        self._chosen: tuple[tuple[int, ...], int] | None = None
         #: seconds spent in prefills since the last step began (not that step's cost)
         self._outside = 0.0
 
@@ -125,6 +128,7 @@ class DraftVerifyLoop:
     def idle(self) -> None:
         """Nothing runs until the next request: the time until the next step is no step's."""
         self._cycle = None
+        self._chosen = None
 
     def _start(self, seqs: list[Sequence]) -> None:
         scored = [s for s in seqs if s.params.prompt_logprobs is not None and s.prompt_logprobs is None]
@@ -192,8 +196,9 @@ class DraftVerifyLoop:
         B = len(seqs)
         t_start = time.perf_counter()
         self._observe_cycle(t_start)
+        dropped = self.ahead_dropped
         sampling = self._sampling(seqs)
-        k_step = min(self.length.choose(seqs), self.k) if self.k else 0
+        k_step = self._k_for(seqs)
         if k_step and self.trees:  # a tree is drafted whole or not at all (the node budget is fixed)
             k_step = self.k
         self.k_counts[k_step] += 1
@@ -219,6 +224,8 @@ class DraftVerifyLoop:
         # the host synchronisation of the step (greedy verification has synced already);
         # the copy is queued before a forward run ahead, so it does not wait for that one
         to_host = _to_host(verdict, bad)
+        if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
+            self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
         if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows, k_step):
             self._run_ahead(seqs, verdict.token_ids[:, :1])
         both = to_host()
@@ -263,9 +270,37 @@ class DraftVerifyLoop:
         observed = rows if rows or not self.wants_hidden else \
             [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)]
         self._observe(seqs, observed, accepted, new_lengths, hidden)
-        if self.overlap and ahead and k_step and not failed_rows and self._may_plan_ahead(seqs):
-            self._plan_ahead(seqs, k_step)  # the next step's drafts and forward, before the engine's work
-        self._cycle = (t_start, B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start)
+        if self.overlap and ahead and not failed_rows:
+            next_k = k_step
+            if self.length.varies and not any(s.finished for s in seqs):
+                next_k = self._chosen[1] if self._chosen is not None else self._choose_next(seqs)
+            if next_k and self._may_plan_ahead(seqs):
+                self._plan_ahead(seqs, next_k)  # the next step's drafts and forward, before the engine's work
+            elif not next_k and k and self._may_run_ahead(seqs, failed_rows, 0):
+                # a plain step follows this speculative one: its forward on each row's new last token
+                last = on_device([[s.token_ids[-1]] for s in seqs], self.target.device)
+                self._run_ahead(seqs, last)
+        # a step that dropped work launched ahead for it (a switch the policy did not foresee,
+        # a batch that changed) also paid for that work: its cycle is not what its kind costs
+        clean = self.ahead_dropped == dropped
+        self._cycle = (t_start, B, k_step, k + 1, draft_seconds, time.perf_counter() - t_start, clean)
+
+    def _k_for(self, seqs: list[Sequence]) -> int:
+        """This step's k: the one chosen when the last step ended if the batch is the same,
+        less rows that finished (the work launched ahead was made for it), else the length
+        policy's choice now."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and {s.seq_id for s in seqs} <= set(chosen[0]):
+            return chosen[1]
+        return min(self.length.choose(seqs), self.k) if self.k else 0
+
+    def _choose_next(self, seqs: list[Sequence]) -> int:
+        """Choose the next step's k now (a policy whose k varies), for the same batch: what
+        runs ahead is then drafted for the k that step will have, and a switch between
+        speculative and plain steps drops nothing launched ahead."""
+        k = min(self.length.choose(seqs), self.k) if self.k else 0
+        self._chosen = (tuple(s.seq_id for s in seqs), k)
+        return k
 
     #: a cycle longer than the step's own time by more than this is a pause (a collection,
     #: the engine waiting for work), not what the step costs
@@ -282,11 +317,11 @@ class DraftVerifyLoop:
         outside, self._outside = self._outside, 0.0
         if cycle is None:
             return
-        t0, B, k_step, q, draft_seconds, inside = cycle
+        t0, B, k_step, q, draft_seconds, inside, clean = cycle
         seconds = now - t0 - outside
         if seconds > inside + self.max_gap:
             seconds = inside
-        self.length.observe_step(B, k_step, q, draft_seconds, seconds)
+        self.length.observe_step(B, k_step, q, draft_seconds, seconds if clean else None)
 
     # -- overlap (see the module doc) -----------------------------------------------------
     def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict, k_step: int) -> bool:
@@ -294,13 +329,18 @@ class DraftVerifyLoop:
         no row will draft, no hidden states or logprobs are read from this step's outputs
         (the next forward overwrites them), no row failed.
 
-        Rows that may draft will not when a length policy that varies k (``"auto"``, a
-        batch-size schedule) chose none for this step: the same rows most likely get none
-        next step too. If they do get drafts, the forward run ahead is dropped
-        (:meth:`_take_ahead`): one wasted forward at a switch, against no overlap at all
-        while load keeps speculation off."""
-        may_draft = self.k and any(s.speculative and self._cap(s) for s in seqs) \
-            and not (k_step == 0 and self.length.varies)
+        Under a length policy that varies k (``"auto"``, a batch-size schedule) the next
+        step's k is chosen before this decision (:meth:`_choose_next`) when the batch stays
+        the same, so a switch to drafting drops nothing run ahead. Otherwise rows that may
+        draft are taken not to when the policy chose none for this step (the same rows most
+        likely get none next step too); if they do get drafts, the forward run ahead is
+        dropped (:meth:`_take_ahead`): one wasted forward at a switch, against no overlap at
+        all while load keeps speculation off."""
+        may_draft = self.k and any(s.speculative and self._cap(s) for s in seqs)
+        if self._chosen is not None:  # the next step's k is known
+            may_draft = may_draft and self._chosen[1] > 0
+        else:
+            may_draft = may_draft and not (k_step == 0 and self.length.varies)
         return (not failed_rows and not self.hidden_layers
                 and not any(s.params.logprobs is not None for s in seqs) and not may_draft)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from speculum import LLM, SamplingParams
+from speculum.spec_length import FixedLength
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -243,3 +244,74 @@ def test_a_full_batch_with_a_queue_runs_ahead(tiny_llama, spec):
     # each request's first step follows its prefill (nothing ran ahead for it) and its last
     # step runs nothing ahead; the rest do
     assert on.loop.ahead_used >= steps - 2 * len(prompts) - 2, (on.loop.ahead_used, steps)
+
+
+class _Scripted(FixedLength):
+    """A length policy whose k varies by a script (as "auto" switches between speculative
+    and plain steps); records the step times it is told."""
+
+    kind, times_drafting, varies = "scripted", False, True
+
+    def __init__(self, max_k: int, script: list[int]):
+        self.max_k, self.script, self.calls, self.timed = max_k, script, 0, []
+
+    def choose(self, seqs) -> int:
+        self.calls += 1
+        return self.script[(self.calls - 1) % len(self.script)]
+
+    def observe_acceptance(self, seq, asked, drafted, accepted) -> None:
+        pass
+
+    def observe_step(self, batch_size, k, q, draft_seconds, step_seconds) -> None:
+        self.timed.append(step_seconds)
+
+    def needs_timing(self, batch_size) -> bool:
+        return False
+
+
+def test_a_varying_policy_chooses_the_next_k_when_a_step_ends(tiny_llama):
+    """A policy that switches between drafting and plain steps every few steps: the next
+    step's k is chosen when a step ends, so a plain step after a speculative one runs ahead
+    and a speculative one after a plain one is drafted ahead, and nothing launched ahead is
+    dropped while the batch stays the same. Outputs equal a run without overlap."""
+    prompts = _repetitive(3, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    script = [3, 3, 0, 0, 2, 0, 3, 0, 0, 0, 1]
+    on = _llm(tiny_llama, True, speculative_config=NGRAM, max_num_seqs=3)
+    on.loop.length = policy = _Scripted(3, script)
+    got = _run(on, prompts, params)
+    off = _llm(tiny_llama, False, speculative_config=NGRAM, max_num_seqs=3)
+    off.loop.length = _Scripted(3, script)
+    assert got == _run(off, prompts, params)
+    assert got == _run(_llm(tiny_llama, False, max_num_seqs=3), prompts, params)
+    steps = sum(on.loop.k_counts)
+    assert on.loop.k_counts[0] > 5 and on.loop.k_counts[3] > 5
+    # one choice per step, made ahead or at the step (a plain last step chooses for a next
+    # step before it knows that its rows finish)
+    assert steps <= policy.calls <= steps + 1
+    assert on.loop.ahead_dropped == 0
+    # all but the first step, the last, and the steps in which a row finished (the batch
+    # changes, so nothing is drafted ahead)
+    assert on.loop.ahead_used >= steps - 2 - len(prompts)
+    # every step's cycle was timed (none paid for dropped work), but the last (no next step)
+    assert len(policy.timed) == steps - 1 and all(t is not None for t in policy.timed)
+
+
+def test_a_step_that_dropped_work_launched_ahead_is_not_timed(tiny_llama):
+    """A forward run ahead that a step cannot use (the batch changed: a row was aborted) is
+    paid for by that step; the policy is told its cycle is unmeasured (None), not that its
+    kind of step costs that much."""
+    prompts = _repetitive(3, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = _llm(tiny_llama, True, speculative_config=NGRAM, max_num_seqs=3)
+    llm.loop.length = policy = _Scripted(3, [3])
+    for i, p in enumerate(prompts):
+        llm.add_request(f"r{i}", p, params)
+    for _ in range(4):
+        llm.step()
+    assert llm.loop._ahead is not None
+    llm.abort_request("r1")
+    llm.step()
+    llm.step()  # its start times the step before
+    assert llm.loop.ahead_dropped == 1
+    assert policy.timed[-1] is None and all(t is not None for t in policy.timed[2:-1])
