@@ -24,7 +24,10 @@ request ``b``'s running acceptance, an exponential moving average of accepted dr
 per drafted position reached, and ``u_b`` the share of its steps that got any draft
 (:class:`Acceptance`; a new request starts from the engine-wide averages), so that
 ``E_b(k) = 1 + u_b ((1 - a_b^(k+1)) / (1 - a_b) - 1)`` (the formula above when the
-proposer always drafts). ``k = 0`` wins ties within a 2% margin, so the engine never
+proposer always drafts). ``T_other`` of a step with drafts is never taken below the
+plain step's per token emitted, ``T_other(B, 0) * E(k)``: that work (appends, stop
+checks, detokenising, streaming) grows with the tokens a step emits, so behind a
+host-bound server speculation pays only by the forwards it saves. ``k = 0`` wins ties within a 2% margin, so the engine never
 speculates on a predicted gain smaller than the model's error. When ``k = 0`` was chosen
 although a high acceptance (0.9) would make speculation pay, one step in 32 drafts a
 single token, so a request whose drafts became good is noticed again; while speculating,
@@ -388,12 +391,21 @@ class AutoLength(FixedLength):
         base = self.step_seconds(B, 0)
         out = [tokens / max(base, 1e-9)]
         verify = self._verify(B)
+        measured = self._other.get((_bucket(B), False))
+        plain_other = (measured.value or 0.0) if measured is not None else 0.0  # not the other kind's stand-in
         for k in range(1, K + 1):
             for i, c in enumerate(caps):
                 if c >= k:
                     tokens += powers[i]
                     powers[i] *= acceptance[i]
-            seconds = self.step_seconds(B, k) - (1.0 - wide) * (verify[k] - verify[0])
+            # the rest of a cycle is mostly work per token emitted (appends, stop checks,
+            # detokenising, streaming), so a step emitting more tokens is not priced below
+            # a plain step's rest per token: speculation then pays only by what it saves
+            # in forwards (behind a busy server a one-off plain step's cycle, which shares
+            # the host with the event loop streaming the speculative steps' tokens, does not
+            # tell the two apart)
+            other = max(self.other_seconds(B, k), plain_other * tokens / B)
+            seconds = verify[k] + self.draft_seconds(B, k) + other - (1.0 - wide) * (verify[k] - verify[0])
             out.append(tokens / max(seconds, 1e-9))
         return out
 

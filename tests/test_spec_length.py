@@ -524,3 +524,28 @@ def test_one_stalled_first_cycle_does_not_switch_speculation_off_for_good():
     assert ks[0] == 0  # priced out at first ...
     assert ks[-50:].count(4) >= 45, ks[-50:]  # ... back to drafting once probes measured the truth
     assert auto.other_seconds(1, 4) < 0.001
+
+
+def test_a_host_bound_step_does_not_speculate_on_host_work_it_cannot_save():
+    """Seen on the H200 behind the server, 64 requests at once: a plain cycle 11.5 ms of
+    which the forward 1.3 ms; the speculative cycles measured 8 ms of host work against
+    10 ms for the (rare, one-off) plain ones, so the policy drafted k = 4 and served 0.74x
+    of no speculation. The host's work grows with the tokens a step emits: a speculative
+    step's rest is priced at least at the plain one's per token, and drafting must then
+    pay for itself in forwards saved."""
+    auto = AutoLength(4, _cost(lambda b, q: 0.0013 + 0.00005 * (q - 1)))
+    auto.every = 1
+    seqs = [_Seq(0.66)] * 64
+    for _ in range(9):
+        auto.observe_step(64, 4, 5, 0.0015, 0.0015 + 0.0015 + 0.008)
+        auto.observe_step(64, 0, 1, None, 0.0013 + 0.010)
+    assert auto.choose(seqs) == 0
+    # priced with the speculative cycles' own rest (8 ms), k = 4 looked 2.6x faster
+    assert 64 * expected_tokens(0.66, 4) / (0.0015 + 0.0015 + 0.008) > 2.5 * 64 / (0.0013 + 0.010)
+    # the same in-step costs with little host work: the forwards saved pay for the drafts
+    light = AutoLength(4, _cost(lambda b, q: 0.0013 + 0.00005 * (q - 1)))
+    for _ in range(9):
+        light.observe_step(1, 4, 5, 0.0002, 0.0015 + 0.0002 + 0.0001)
+        light.observe_step(1, 0, 1, None, 0.0013 + 0.0001)
+    rates = light.rates([_Seq(0.66)])
+    assert max(range(5), key=rates.__getitem__) == 4 and rates[4] > 1.5 * rates[0]
