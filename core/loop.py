@@ -360,7 +360,9 @@ class DraftVerifyLoop:
     def _plan_ahead(self, seqs: list[Sequence], k_step: int) -> None:
         """Draft the next step now and launch its forward; :meth:`step` takes both if the
         same sequences come back unchanged (:meth:`_claim_planned`)."""
-        plan = self._plan(seqs, self._sampling(seqs), k_step, timing=False)
+        # timed like any step's drafting (a policy that reads drafting times learns the steady
+        # state from these, not only from the first steps after an admission or a switch)
+        plan = self._plan(seqs, self._sampling(seqs), k_step, timing=True)
         launched = None
         if not any(s.finished for s in seqs):  # else the proposer failed a row: the batch changes anyway
             launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens)

@@ -253,7 +253,7 @@ class _Scripted(FixedLength):
     kind, times_drafting, varies = "scripted", False, True
 
     def __init__(self, max_k: int, script: list[int]):
-        self.max_k, self.script, self.calls, self.timed = max_k, script, 0, []
+        self.max_k, self.script, self.calls, self.timed, self.drafting = max_k, script, 0, [], []
 
     def choose(self, seqs) -> int:
         self.calls += 1
@@ -264,6 +264,8 @@ class _Scripted(FixedLength):
 
     def observe_step(self, batch_size, k, q, draft_seconds, step_seconds) -> None:
         self.timed.append(step_seconds)
+        if k:
+            self.drafting.append(draft_seconds)
 
     def needs_timing(self, batch_size) -> bool:
         return False
@@ -295,6 +297,20 @@ def test_a_varying_policy_chooses_the_next_k_when_a_step_ends(tiny_llama):
     assert on.loop.ahead_used >= steps - 2 - len(prompts)
     # every step's cycle was timed (none paid for dropped work), but the last (no next step)
     assert len(policy.timed) == steps - 1 and all(t is not None for t in policy.timed)
+
+
+def test_drafting_made_ahead_is_timed_for_a_policy_that_reads_it(tiny_llama):
+    """A policy that reads drafting times ("auto") learns them from the steps drafted ahead
+    too, the steady state, not only from steps drafted at their own start (after an
+    admission or a changed batch)."""
+    prompts = _repetitive(2, seed=10)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = _llm(tiny_llama, True, speculative_config=NGRAM, max_num_seqs=2)
+    llm.loop.length = policy = _Scripted(3, [3])
+    policy.times_drafting = True  # on the CPU every drafting step is then timed
+    _run(llm, prompts, params)
+    assert llm.loop.ahead_used > 5 and len(policy.drafting) > 5
+    assert all(d is not None and d >= 0 for d in policy.drafting)
 
 
 def test_a_step_that_dropped_work_launched_ahead_is_not_timed(tiny_llama):
