@@ -15,10 +15,13 @@ from speculum.errors import ConfigError, ModelLoadError, PluginError, RequestErr
 
 
 #: what ``speculum generate --compare`` runs when no --speculative-config is given: the
-#: model-free method and the shipped head that do best on a plain CPU (docs/benchmarks.md)
+#: model-free method, the shipped head that does best on a plain CPU, and the two together
+#: (n-gram lookup where it finds a match, the head for the other steps: the most tokens per
+#: target forward at the cheapest steps on the CPU, docs/benchmarks.md)
 DEFAULT_COMPARE = (
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "eagle3", "num_speculative_tokens": 3},
+    {"method": "ngram+eagle3", "num_speculative_tokens": 3},
 )
 #: k on a CPU: fp32 GEMMs there cost about 1.1x a 1-token step up to 3 query tokens and
 #: 1.6-2.2x from 4 on (oneDNN/MKL change kernels at M = 4; docs/benchmarks.md), so k = 2
@@ -216,10 +219,11 @@ def _installed(configs: list[dict]) -> list[dict]:
     have = build_registry().methods
     out = []
     for c in configs:
-        if c["method"] in have:
+        missing = [m for m in c["method"].split("+") if m not in have]  # "a+b": a composite of both
+        if not missing:
             out.append(c)
         else:
-            print(f"(skipping {c['method']}: its plugin is not installed)", file=sys.stderr)
+            print(f"(skipping {c['method']}: the plugin of {', '.join(missing)} is not installed)", file=sys.stderr)
     return out
 
 

@@ -306,3 +306,23 @@ def test_a_differing_output_is_explained_by_the_engines_dtype():
     assert "please report" in _why_different([("torch.float32", "cpu")] * 3)
     bf16 = _why_different([("torch.bfloat16", "cpu")] * 3)
     assert "please report" not in bf16 and "near-ties" in bf16 and "--dtype float32" in bf16
+
+
+def test_the_main_command_compares_ngram_the_head_and_both(monkeypatch, capsys):
+    """`generate --compare` with no config: n-gram, the shipped EAGLE-3 head and the two
+    together (lookup where it matches, the head elsewhere), k = 2 on a CPU; a composite is
+    skipped, saying which plugin is missing, when one of its parts is not installed."""
+    import speculum.plugins as plugins
+    from speculum.cli import _installed, default_compare
+    cfgs = default_compare("cpu")
+    assert [c["method"] for c in cfgs] == ["ngram", "eagle3", "ngram+eagle3"]
+    assert all(c["num_speculative_tokens"] == 2 for c in cfgs)
+    assert _installed(cfgs) == cfgs  # every plugin of the project is installed here
+
+    class _Reg:
+        methods = {"ngram": object()}
+    monkeypatch.setattr(plugins, "build_registry", lambda: _Reg())
+    assert [c["method"] for c in _installed(cfgs)] == ["ngram"]
+    err = capsys.readouterr().err
+    assert "skipping eagle3: the plugin of eagle3 is not installed" in err
+    assert "skipping ngram+eagle3: the plugin of eagle3 is not installed" in err
