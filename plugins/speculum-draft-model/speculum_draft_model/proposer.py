@@ -2,6 +2,10 @@
 
 The draft must share the target's vocabulary (checked at construction). Its cache is
 rolled back by length after each verification, so rejected drafts cost no copies.
+A propose only appends to that cache, so taking one back (:meth:`DraftModelProposer.rewind`,
+for a step drafted ahead that never ran) is a truncation to the length before it: the
+proposer is a :class:`~speculum.interfaces.RewindableProposer`, and with overlap (CUDA)
+each step is drafted and launched at the end of the step before.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class DraftModelProposer:
     def __init__(self, runner, sample: bool = True):
         self.runner = runner
         self.sample = sample
+        #: per sequence drafted for by the last propose: its draft-cache length before it
+        self._before: dict[int, int] = {}
 
     @classmethod
     def from_context(cls, ctx) -> "DraftModelProposer":
@@ -53,10 +59,19 @@ class DraftModelProposer:
 
     def remove_request(self, seq_id: int) -> None:
         self.runner.remove(seq_id)
+        self._before.pop(seq_id, None)
 
     def propose(self, batch: ProposeBatch) -> Draft:
+        self._before = {s.seq_id: self.runner.length(s.seq_id) for s in batch.seqs}
         return draft_autoregressive(self.runner, batch.seqs, batch.num_speculative_tokens,
                                     batch.sampling, self.sample)
+
+    def rewind(self, seq_ids) -> None:
+        """Undo the last propose for ``seq_ids``: drop the draft-cache positions it appended."""
+        for sid in seq_ids:
+            before = self._before.pop(sid, None)
+            if before is not None and self.runner.length(sid) > before:
+                self.runner.truncate(sid, before)
 
     def observe(self, feedback: StepFeedback) -> None:
         rollback(self.runner, feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)

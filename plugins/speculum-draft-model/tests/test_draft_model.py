@@ -183,3 +183,33 @@ def test_draft_sample_method(target, method):
     drafts.clear()
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert drafts and all(d.probs is None for _, d in drafts)
+
+
+def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target):
+    """Overlapped steps with a draft model (forced on: a CPU engine does not overlap): each
+    step is drafted and launched at the end of the step before; an abort and a request
+    joining drop a step drafted ahead, and the proposer truncates its cache back. Outputs
+    equal plain decoding, and drafts and acceptance equal a run without overlap: the rewound
+    draft model drafts exactly as if nothing had been drafted ahead. One that does not
+    rewind (the wrong variant: its cache keeps the dropped drafts) drafts differently."""
+    from speculum.interfaces import RewindableProposer
+    from speculum.testing import run_with_an_abort_and_a_join
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def run(overlap: bool, rewind: bool = True):
+        llm = make_llm(target, self_draft(target), max_num_seqs=4)
+        llm.loop.overlap = overlap
+        if not rewind:
+            llm.proposer.rewind = lambda seq_ids: None
+        return (*run_with_an_abort_and_a_join(llm, prompts, params), llm.loop)
+
+    on, drafts_on, acc_on, loop = run(True)
+    assert isinstance(loop.proposer, RewindableProposer) and loop.rewindable
+    off, drafts_off, acc_off, _ = run(False)
+    plain = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(make_llm(target, None).generate(prompts, params))}
+    assert on == off == {r: plain[r] for r in ("r0", "r2", "r3")}
+    assert loop.ahead_used > 10 and loop.ahead_dropped >= 2
+    assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
+    _, drafts_bad, acc_bad, _ = run(True, rewind=False)
+    assert (drafts_bad, acc_bad) != (drafts_off, acc_off)
