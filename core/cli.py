@@ -216,10 +216,11 @@ def cmd_generate(args) -> int:
 def _installed(configs: list[dict]) -> list[dict]:
     """The default comparison's methods that are installed (a missing plugin is skipped, said once)."""
     from speculum.plugins import build_registry
+    from speculum.proposers.first_draft import split_method
     have = build_registry().methods
     out = []
     for c in configs:
-        missing = [m for m in c["method"].split("+") if m not in have]  # "a+b": a composite of both
+        missing = [m for m in split_method(c["method"]) if m not in have]  # "a+b": a composite of both
         if not missing:
             out.append(c)
         else:

@@ -95,7 +95,8 @@ class DraftVerifyLoop:
         #: forwards run ahead and then used, and run ahead and dropped
         self.ahead_used = self.ahead_dropped = 0
         #: the last step, for its cycle time (:meth:`_observe_cycle`): (start, batch size,
-        #: k chosen, tokens verified per row, drafting seconds or None, seconds inside it)
+        #: k chosen, tokens verified per row, drafting seconds or None, seconds inside it,
+        #: whether it dropped no work launched ahead for it)
         self._cycle: tuple | None = None
         #: the next step's k, chosen when this step ended (so that the work launched ahead is
         #: the work that runs): (the batch's sequence ids, k), or None
@@ -226,7 +227,7 @@ class DraftVerifyLoop:
         to_host = _to_host(verdict, bad)
         if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
             self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
-        if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows, k_step):
+        if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
             self._run_ahead(seqs, verdict.token_ids[:, :1])
         both = to_host()
         accepted = [r[0] for r in both]
@@ -276,7 +277,7 @@ class DraftVerifyLoop:
                 next_k = self._chosen[1] if self._chosen is not None else self._choose_next(seqs)
             if next_k and self._may_plan_ahead(seqs):
                 self._plan_ahead(seqs, next_k)  # the next step's drafts and forward, before the engine's work
-            elif not next_k and k and self._may_run_ahead(seqs, failed_rows, 0):
+            elif not next_k and k and self._may_run_ahead(seqs, failed_rows):
                 # a plain step follows this speculative one: its forward on each row's new last token
                 last = on_device([[s.token_ids[-1]] for s in seqs], self.target.device)
                 self._run_ahead(seqs, last)
@@ -292,15 +293,19 @@ class DraftVerifyLoop:
         chosen, self._chosen = self._chosen, None
         if chosen is not None and {s.seq_id for s in seqs} <= set(chosen[0]):
             return chosen[1]
-        return min(self.length.choose(seqs), self.k) if self.k else 0
+        return self._policy_k(seqs)
 
     def _choose_next(self, seqs: list[Sequence]) -> int:
         """Choose the next step's k now (a policy whose k varies), for the same batch: what
         runs ahead is then drafted for the k that step will have, and a switch between
         speculative and plain steps drops nothing launched ahead."""
-        k = min(self.length.choose(seqs), self.k) if self.k else 0
+        k = self._policy_k(seqs)
         self._chosen = (tuple(s.seq_id for s in seqs), k)
         return k
+
+    def _policy_k(self, seqs: list[Sequence]) -> int:
+        """The length policy's k for ``seqs``, within the engine's."""
+        return min(self.length.choose(seqs), self.k) if self.k else 0
 
     #: a cycle longer than the step's own time by more than this is a pause (a collection,
     #: the engine waiting for work), not what the step costs
@@ -324,23 +329,16 @@ class DraftVerifyLoop:
         self.length.observe_step(B, k_step, q, draft_seconds, seconds if clean else None)
 
     # -- overlap (see the module doc) -----------------------------------------------------
-    def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict, k_step: int) -> bool:
+    def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict) -> bool:
         """Whether the next step is a plain decode of these rows whose forward may start now:
         no row will draft, no hidden states or logprobs are read from this step's outputs
         (the next forward overwrites them), no row failed.
 
         Under a length policy that varies k (``"auto"``, a batch-size schedule) the next
-        step's k is chosen before this decision (:meth:`_choose_next`) when the batch stays
-        the same, so a switch to drafting drops nothing run ahead. Otherwise rows that may
-        draft are taken not to when the policy chose none for this step (the same rows most
-        likely get none next step too); if they do get drafts, the forward run ahead is
-        dropped (:meth:`_take_ahead`): one wasted forward at a switch, against no overlap at
-        all while load keeps speculation off."""
-        may_draft = self.k and any(s.speculative and self._cap(s) for s in seqs)
-        if self._chosen is not None:  # the next step's k is known
-            may_draft = may_draft and self._chosen[1] > 0
-        else:
-            may_draft = may_draft and not (k_step == 0 and self.length.varies)
+        step's k is chosen before this decision (:meth:`_choose_next`), so rows that may
+        draft will not when it is 0, and a switch to drafting drops nothing run ahead."""
+        may_draft = self.k and any(s.speculative and self._cap(s) for s in seqs) \
+            and (self._chosen is None or self._chosen[1] > 0)
         return (not failed_rows and not self.hidden_layers
                 and not any(s.params.logprobs is not None for s in seqs) and not may_draft)
 

@@ -27,8 +27,9 @@ per drafted position reached, and ``u_b`` the share of its steps that got any dr
 proposer always drafts). ``T_other`` of a step with drafts is never taken below the
 plain step's per token emitted, ``T_other(B, 0) * E(k)``: that work (appends, stop
 checks, detokenising, streaming) grows with the tokens a step emits, so behind a
-host-bound server speculation pays only by the forwards it saves. ``k = 0`` wins ties within a 2% margin, so the engine never
-speculates on a predicted gain smaller than the model's error. When ``k = 0`` was chosen
+host-bound server speculation pays only by the forwards it saves. ``k = 0`` wins ties
+within a 2% margin, so the engine never speculates on a predicted gain smaller than the
+model's error. When ``k = 0`` was chosen
 although a high acceptance (0.9) would make speculation pay, one step in 32 drafts a
 single token, so a request whose drafts became good is noticed again; while speculating,
 one step in 128 drafts nothing, so the plain step's cost at that batch size is measured

@@ -56,6 +56,7 @@ def _methods(args) -> dict[str, dict]:
     from speculum.cli import DEFAULT_COMPARE, _installed
     from speculum.config import SpeculativeConfig
     from speculum.errors import ConfigError
+    from speculum.proposers.first_draft import split_method
     if args.speculative_config:
         cfgs = []
         for v in args.speculative_config:  # k is tune's to choose: it may be left out
@@ -68,7 +69,7 @@ def _methods(args) -> dict[str, dict]:
             cfgs.append(raw.to_dict())
     elif args.model is None:
         # the single methods (a composite's acceptance is its parts' where each drafts)
-        cfgs = _installed([dict(c) for c in DEFAULT_COMPARE if "+" not in c["method"]])
+        cfgs = _installed([dict(c) for c in DEFAULT_COMPARE if len(split_method(c["method"])) == 1])
     else:
         cfgs = [{"method": "ngram", "num_speculative_tokens": 1}]
     out: dict[str, dict] = {}
