@@ -336,9 +336,14 @@ class DraftVerifyLoop:
 
         Under a length policy that varies k (``"auto"``, a batch-size schedule) the next
         step's k is chosen before this decision (:meth:`_choose_next`), so rows that may
-        draft will not when it is 0, and a switch to drafting drops nothing run ahead."""
-        may_draft = self.k and any(s.speculative and self._cap(s) for s in seqs) \
-            and (self._chosen is None or self._chosen[1] > 0)
+        draft will not when it is 0, and a switch to drafting drops nothing run ahead. A
+        policy whose k never varies (a schedule giving k = 0 at every batch size) is asked
+        now: its plain steps overlap like an engine without speculation."""
+        if self._chosen is not None:  # the next step's k, chosen already
+            next_k = self._chosen[1]
+        else:  # a policy whose k does not vary (a schedule giving every batch size one k: maybe 0)
+            next_k = self.k if self.length.varies else self._policy_k(seqs)
+        may_draft = next_k and any(s.speculative and self._cap(s) for s in seqs)
         return (not failed_rows and not self.hidden_layers
                 and not any(s.params.logprobs is not None for s in seqs) and not may_draft)
 

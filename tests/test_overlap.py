@@ -230,6 +230,23 @@ def test_steps_without_drafts_run_ahead_under_a_varying_length_policy(tiny_llama
     assert on.loop.ahead_used >= 0.55 * (zero + drafting)
 
 
+def test_a_schedule_of_k_0_everywhere_overlaps_like_no_speculation(tiny_llama):
+    """``num_speculative_tokens_per_batch_size`` giving k = 0 at every batch size (a vLLM
+    config that switches speculation off under load): its plain steps run ahead as an engine
+    without speculation does. Before, rows that could draft stopped every run-ahead when the
+    policy's k did not vary (a fixed schedule is never asked for the next step's k): on the
+    H200 that step synchronised with the GPU every time (0.8 ms per step at batch 64)."""
+    prompts = _prompts(6, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(6)]
+    plain = _llm(tiny_llama, True, max_num_seqs=4)
+    off = _llm(tiny_llama, True, speculative_config=dict(NGRAM, num_speculative_tokens_per_batch_size={"1-4096": 0}),
+               max_num_seqs=4)
+    assert not off.loop.length.varies
+    assert _run(off, prompts, params) == _run(plain, prompts, params)
+    assert off.loop.k_counts[0] == sum(off.loop.k_counts) > 10
+    assert off.loop.ahead_used == plain.loop.ahead_used > 10
+
+
 @pytest.mark.parametrize("spec", [None, NGRAM])
 def test_a_full_batch_with_a_queue_runs_ahead(tiny_llama, spec):
     """Batch 1 (max_num_seqs=1) with requests queued (an offline benchmark): the running
