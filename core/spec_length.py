@@ -33,7 +33,9 @@ model's error. When ``k = 0`` was chosen
 although a high acceptance (0.9) would make speculation pay, one step in 32 drafts a
 single token, so a request whose drafts became good is noticed again; while speculating,
 one step in 128 drafts nothing, so the plain step's cost at that batch size is measured
-and kept current.
+and kept current. Where no k pays even at that high acceptance (a loaded server: the
+verify cost grows with every token), the batch size stays off for ``off_for`` choices
+that weigh nothing, so the policy costs a loaded host almost no interpreter time.
 """
 
 from __future__ import annotations
@@ -293,6 +295,10 @@ class AutoLength(FixedLength):
         self._costs: dict[int, list[float]] = {}
         self._zero_steps = 0
         self._probe_gap = self.probe_every
+        #: batch buckets where speculation cannot pay even at a high acceptance: choices left
+        #: before it is weighed again (:meth:`_pick`); forgetting owed to rows meanwhile
+        self._off: dict[int, int] = {}
+        self._owed = 0
         self._since, self._last_batch, self._last_k = 0, -1, None
         #: the last choice's predicted tokens/s per k (for logs and tests)
         self.last_rates: list[float] = []
@@ -433,28 +439,45 @@ class AutoLength(FixedLength):
             return 0  # measure (again) what a plain step costs at this batch size
         return k
 
+    #: choices a batch bucket stays off once speculation could not pay there even at a high
+    #: acceptance: meanwhile a choice costs nothing (at batch 64 weighing every k takes a
+    #: few hundred microseconds of the interpreter, which a host-bound server shares)
+    off_for = 64
+
     def _pick(self, seqs) -> int:
         B = len(seqs)
+        key = _bucket(B)
+        if self._off.get(key, 0) > 0:
+            self._off[key] -= 1
+            self._owed += 1  # the rows' forgetting, paid at the next choice weighed
+            self.global_acceptance.forget(self.availability_decay)
+            return 0
         self._since += 1
-        if B != self._last_batch or self._since >= self.every or self._last_k is None:
+        fresh = B != self._last_batch or self._since >= self.every or self._last_k is None
+        if fresh:
             self._since, self._last_batch = 0, B
             self._last_k = self._choose(seqs)
         k = self._last_k
         if k == 0:
             # a request's estimates age while it drafts nothing: a run of misses (n-gram
             # lookup at the start of an answer) does not switch it off for good
+            factor = self.availability_decay ** (1 + self._owed)
+            self._owed = 0
             for s in seqs:
-                s.acceptance.forget(self.availability_decay)
+                s.acceptance.forget(factor)
             # ... and so does the engine-wide estimate new requests start from: else one
             # poor stretch (every answer's first steps, for n-gram lookup) makes it the
             # prior of every later request, and k = 0 is never left again
             self.global_acceptance.forget(self.availability_decay)
             self._zero_steps += 1
-            if self._zero_steps >= self._probe_gap and (self._could_pay(seqs) or
-                                                         (self._unsure(B) and self._could_pay(seqs, unsure=True))):
-                # probe; if the drafts stay poor, wait twice as long for the next one
-                self._zero_steps, self._probe_gap = 0, min(2 * self._probe_gap, 1024)
-                return 1
+            if fresh or self._zero_steps >= self._probe_gap:
+                pays = self._could_pay(seqs) or (self._unsure(B) and self._could_pay(seqs, unsure=True))
+                if fresh and not pays:  # nothing to weigh here for a while
+                    self._off[key], self._last_k = self.off_for, None
+                elif pays and self._zero_steps >= self._probe_gap:
+                    # probe; if the drafts stay poor, wait twice as long for the next one
+                    self._zero_steps, self._probe_gap = 0, min(2 * self._probe_gap, 1024)
+                    return 1
         else:
             self._zero_steps, self._probe_gap = 0, self.probe_every
         return k

@@ -158,6 +158,37 @@ def test_auto_probes_after_choosing_zero_only_when_speculation_could_pay():
     assert set(costly.choose([_Seq(0.0)]) for _ in range(64)) == {0}
 
 
+def test_a_batch_size_where_speculation_cannot_pay_is_not_weighed_every_step():
+    """At a batch size where no k pays even at a high acceptance (verifying costs per token:
+    a loaded server), the policy weighs the k once, then answers 0 for ``off_for`` choices
+    without weighing (at batch 64 a weighing costs a few hundred microseconds of a host
+    that a loaded server shares), then weighs again. Estimates age as if weighed every
+    step; another batch size is weighed as before."""
+    auto = AutoLength(4, _cost(lambda b, q: 0.01 * q if b >= 32 else 0.01))
+    weighed = []
+    inner = auto.rates
+    auto.rates = lambda seqs, acceptance=None: weighed.append(len(seqs)) or inner(seqs, acceptance)
+    rows = [_Seq(0.5) for _ in range(64)]
+    ks = [auto.choose(rows) for _ in range(1 + auto.off_for)]
+    assert set(ks) == {0}
+    first = len(weighed)
+    assert first >= 1 and weighed == [64] * first  # the first choice only
+    auto.choose(rows)
+    assert len(weighed) > first  # off_for choices later: weighed again
+    # ages as if forgotten every step: 2 + off_for forgettings of each row's evidence
+    assert rows[0].acceptance.trials == pytest.approx(1000.0 * auto.availability_decay ** (2 + auto.off_for))
+    assert auto.choose([_Seq(0.9)]) > 0  # batch 1: verifying is free there, speculation pays
+    # the wrong variant (no bucket ever off) weighs at every fresh choice: every 4th step
+    on = AutoLength(4, _cost(lambda b, q: 0.01 * q if b >= 32 else 0.01))
+    on.off_for = 0
+    calls = []
+    inner_on = on._choose
+    on._choose = lambda seqs: calls.append(1) or inner_on(seqs)
+    for _ in range(1 + auto.off_for):
+        on.choose(rows)
+    assert len(calls) >= (1 + auto.off_for) // on.every
+
+
 def test_measured_drafting_cost_lowers_k():
     auto = AutoLength(4, _cost(lambda b, q: 0.01 * (1 + 0.05 * (q - 1))))
     auto.every = 1  # choose afresh every step
