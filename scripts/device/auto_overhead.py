@@ -9,11 +9,12 @@ import time
 
 import speculum.spec_length as sl
 from speculum import LLM, SamplingParams
-from speculum.testing import mt_bench_chat_prompts
+from speculum.testing import mt_bench_prompts
 
 model = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 384
-prompts = (mt_bench_chat_prompts(80) * 8)[:n]
+chats = [[{"role": "user", "content": r["turns"][0]}] for r in mt_bench_prompts()]  # 80 questions
+prompts = (chats * (n // len(chats) + 1))[:n]
 params = SamplingParams(max_tokens=128, temperature=0)
 AUTO = {"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": "auto"}
 configs = {"none": None, "auto": AUTO, "sched0": {**AUTO, "num_speculative_tokens_per_batch_size": {"1-4096": 0}}}
