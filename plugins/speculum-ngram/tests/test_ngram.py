@@ -11,7 +11,7 @@ from speculum.config import SpeculativeConfig
 from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.sampling import SamplingBatch, SamplingParams
 from speculum_ngram import NgramOptions, NgramProposer, find_ngram_draft
-from speculum_ngram.proposer import DEFAULT_MAX, DEFAULT_MIN
+from speculum_ngram.proposer import DEFAULT_MAX, DEFAULT_MIN, SuffixIndex
 
 
 def draft(tokens, n_min=1, n_max=5, k=3):
@@ -195,6 +195,34 @@ def test_the_proposer_index_drafts_what_the_search_drafts(vocab, n_min, n_max, w
             else:
                 s.token_ids.extend(torch.randint(0, vocab, (grow,), generator=g).tolist())
     assert checked > 40  # of 360 row-steps, those with a draft (the fewest: a window of 20, n >= 2, vocabulary 50)
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 50])
+@pytest.mark.parametrize("n_min,n_max", [(1, 5), (2, 5), (3, 3)])
+def test_indexing_many_windows_at_once_drafts_what_the_search_drafts(vocab, n_min, n_max):
+    """A first draft over a long prompt, and gaps of up to 60 tokens between drafts, index
+    many windows at once (the path that zips n-grams from shifted slices, taken above 16
+    windows); the drafts still equal find_ngram_draft over the whole context. The test
+    above grows by at most 12 tokens from short prompts, so it never takes that path."""
+    g = torch.Generator().manual_seed(7 * vocab + n_min + n_max)
+    checked = bulk = 0
+    for trial in range(40):
+        tokens = torch.randint(0, vocab, (int(torch.randint(17, 200, (1,), generator=g)),), generator=g).tolist()
+        ix = SuffixIndex(tokens, n_min, n_max)
+        for step in range(12):
+            k = 1 + step % 4
+            before = ix.done
+            want = find_ngram_draft(tokens, n_min, n_max, k)
+            assert ix.draft(k) == want, (trial, step)
+            bulk += ix.done - before > 16
+            checked += bool(want)
+            grow = int(torch.randint(0, 60, (1,), generator=g))
+            if step % 2:
+                at = int(torch.randint(0, len(tokens), (1,), generator=g))
+                tokens.extend(tokens[at: at + grow])
+            else:
+                tokens.extend(torch.randint(0, vocab, (grow,), generator=g).tolist())
+    assert bulk > 100 and checked > 100
 
 
 def test_an_index_is_never_used_for_another_sequence():
