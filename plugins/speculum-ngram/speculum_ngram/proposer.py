@@ -90,7 +90,12 @@ class SuffixIndex:
     def draft(self, k: int, window: int = 0) -> list[int]:
         t, last, n_min, n_max = self.tokens, self.last, self.n_min, self.n_max
         L = len(t)
-        self._index(self.done, L - 1)  # windows end before the suffix's last token
+        if L - 1 - self.done > 16:  # a first draft: a whole context at once
+            self._index_many(self.done, L - 1)
+        else:  # a step's few new tokens: a tuple each is cheaper than slicing
+            for e in range(self.done, L - 1):  # windows end before the suffix's last token
+                for n in range(n_min, min(n_max, e + 1) + 1):
+                    last[tuple(t[e - n + 1: e + 1])] = e
         self.done = max(self.done, L - 1)
         hi = min(n_max, (min(L, window) if window else L) - 1)
         for n in range(hi, n_min - 1, -1):
@@ -99,17 +104,12 @@ class SuffixIndex:
                 return t[e + 1: e + 1 + k]
         return []
 
-    def _index(self, start: int, stop: int) -> None:
+    def _index_many(self, start: int, stop: int) -> None:
         """Index the windows ending at ``start .. stop - 1``: per n, the n-grams are zipped
         from n shifted slices in C (a first draft indexes a whole prompt: hundreds of
         windows; faster than a tuple per window in Python), each key keeping its latest
         end (ends ascend within an n; later calls only index later ends)."""
         t, last = self.tokens, self.last
-        if stop - start <= 16:  # a step's few new tokens: a tuple each is cheaper than slicing
-            for e in range(start, stop):
-                for n in range(self.n_min, min(self.n_max, e + 1) + 1):
-                    last[tuple(t[e - n + 1: e + 1])] = e
-            return
         for n in range(self.n_min, self.n_max + 1):
             lo = max(start, n - 1)
             if lo >= stop:
