@@ -1,3 +1,8 @@
+# device: rate inf only (384 prompts, 64 concurrent, 128 tokens, 2 repeats pooled): no speculation
+# against "auto" and against a schedule of k = 0 at every batch size (the speculative server with a
+# policy that never weighs), to tell the policy's own cost from the server's spread (docs/benchmarks.md,
+# eighth session). After setup.sh; carry .gguf_b. JSON and server logs in $OUT.
+set -e
 . scripts/device/common.sh
 A='{"method":"ngram","num_speculative_tokens":4,"num_speculative_tokens_per_batch_size":"auto"}'
 Z='{"method":"ngram","num_speculative_tokens":4,"num_speculative_tokens_per_batch_size":{"1-4096":0}}'
