@@ -59,3 +59,22 @@ def test_silu_mul_matches_torch(dtype):
     assert out.shape == ref.shape == (5, 3, 1536)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_fused_kernels_step_aside_where_a_gradient_is_wanted():
+    """The kernels have no backward: with a gradient wanted they fall back to torch, so a
+    head trained on the GPU trains every weight (the fifth and sixth sessions' EAGLE-3 runs
+    left the head's MLP gate/up at their initial values through the fused ``silu_mul``)."""
+    from speculum.backends.torch.heads import RMSNorm, arch_from_config
+    from speculum.backends.torch.native.model import MLP
+    from speculum.testing import tiny_config
+
+    arch = arch_from_config(tiny_config().to_dict())
+    mlp, norm = MLP(arch).cuda(), RMSNorm(arch.hidden_size, 1e-5).cuda()
+    x = torch.randn(2, 3, arch.hidden_size, device="cuda")
+    mlp(norm(x)).square().sum().backward()  # x itself wants no gradient: the weights do
+    for name, p in [*mlp.named_parameters(), *norm.named_parameters()]:
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+    with torch.no_grad():
+        assert kernels.use_triton(x, norm.weight)  # drafting: the fused kernels
+    assert not kernels.use_triton(x, norm.weight)

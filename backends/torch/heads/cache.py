@@ -17,6 +17,7 @@ import torch
 
 from speculum.backends.torch.native.attention import (causal_mask, paged_decode_attention, sdpa_attention,
                                                       use_decode_kernel)
+from speculum.backends.torch.native.kernels import rope_write_kv
 from speculum.kv import PagedKVAllocator, blocks_for
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,14 @@ class PagedContext:
         self.read_slots = read_slots    # [B, Lc]
         self.mask = mask                # [B, 1, q, Lc]
 
-    def attend(self, index: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, index: int, qkv, heads, cos, sin, scale: float) -> torch.Tensor:
+        """Rotate fused ``qkv`` (``heads``: Hq, Hkv, D), write its K/V at ``write_slots``
+        (one kernel on a GPU), attend over ``read_slots`` under ``mask``."""
         k_pool, v_pool = self.pools[index]
-        B, t, nkv, d = k.shape
-        k_pool.index_copy_(0, self.write_slots.reshape(-1), k.reshape(B * t, nkv, d).to(k_pool.dtype))
-        v_pool.index_copy_(0, self.write_slots.reshape(-1), v.reshape(B * t, nkv, d).to(v_pool.dtype))
+        nq, nkv, d = heads
+        t = qkv.shape[1]
+        q = rope_write_kv(qkv.to(k_pool.dtype), nq, nkv, d, cos.to(k_pool.dtype), sin.to(k_pool.dtype),
+                          self.write_slots, k_pool, v_pool)
         if use_decode_kernel(q, t, d):  # draft steps on a GPU: no gathered context
             return paged_decode_attention(q, k_pool, v_pool, self.read_slots, None, scale, self.mask)
         return sdpa_attention(q, k_pool, v_pool, self.read_slots, self.mask, scale)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculum.backends.torch.native.arch import LlamaArch
-from speculum.backends.torch.native.kernels import rmsnorm_torch, rotate_half
+from speculum.backends.torch.native.kernels import add_rmsnorm, rotate_half
 from speculum.backends.torch.native.model import MLP, rope_inv_freq
 from speculum.errors import ConfigError
 
@@ -61,7 +61,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in plain torch (differentiable everywhere, unlike the fused CUDA kernel)."""
+    """RMSNorm: the fused kernel when drafting on a GPU, plain torch (differentiable) in
+    training and on the CPU (:func:`~speculum.backends.torch.native.kernels.use_triton`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -69,18 +70,34 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm_torch(x, self.weight, self.eps)
+        return add_rmsnorm(x, None, self.weight, self.eps)[0]
 
 
 class Rope(nn.Module):
-    """Rotary tables of a head (its own theta and scaling, usually the target's)."""
+    """Rotary tables of a head (its own theta and scaling, usually the target's).
+
+    Drafting (no gradient) reads cos and sin from a table of every position up to twice
+    ``max_position_embeddings``, made once per device and dtype by the same float32
+    arithmetic as :func:`rope_cos_sin` (two gathers instead of seven kernels a head
+    forward); training computes them."""
 
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        self.table_len = 2 * max(arch.max_position_embeddings, 1)
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(positions, self.inv_freq, dtype)
+        if torch.is_grad_enabled():
+            return rope_cos_sin(positions, self.inv_freq, dtype)
+        key = (self.inv_freq.device, dtype)
+        table = self._tables.get(key)
+        if table is None:
+            pos = torch.arange(self.table_len, device=self.inv_freq.device)
+            cos, sin = rope_cos_sin(pos.view(1, -1), self.inv_freq, dtype)  # [1, L, 1, D]
+            table = self._tables[key] = (cos[0, :, 0].clone(), sin[0, :, 0].clone())
+        idx = positions.clamp(0, self.table_len - 1)
+        return table[0][idx].unsqueeze(-2), table[1][idx].unsqueeze(-2)
 
 
 class HeadAttention(nn.Module):
@@ -95,13 +112,18 @@ class HeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, index: int) -> torch.Tensor:
         B, q, _ = x.shape
-        qh, kh, vh = self.qkv(x).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        qh = qh.reshape(B, q, self.nq, self.d)
-        kh = kh.reshape(B, q, self.nkv, self.d)
-        qh = qh * cos + rotate_half(qh) * sin
-        kh = kh * cos + rotate_half(kh) * sin
-        out = ctx.attend(index, qh, kh, vh.reshape(B, q, self.nkv, self.d), self.scale)  # [B, q, Hq, D]
+        out = ctx.attend(index, self.qkv(x), (self.nq, self.nkv, self.d), cos, sin, self.scale)  # [B, q, Hq, D]
         return self.o(out.reshape(B, q, self.nq * self.d))
+
+
+def rope_qkv(qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor):
+    """Fused ``qkv`` [B, q, (Hq + 2 Hkv) D] -> rotated q [B, q, Hq, D], rotated k and v
+    [B, q, Hkv, D] (plain torch: training's path)."""
+    nq, nkv, d = heads
+    B, q, _ = qkv.shape
+    qh, kh, vh = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+    qh, kh = qh.reshape(B, q, nq, d), kh.reshape(B, q, nkv, d)
+    return qh * cos + rotate_half(qh) * sin, kh * cos + rotate_half(kh) * sin, vh.reshape(B, q, nkv, d)
 
 
 class HeadDecoderLayer(nn.Module):
@@ -149,7 +171,9 @@ class TrainContext:
         self.step += 1
         return self.step
 
-    def attend(self, index: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, index: int, qkv, heads, cos, sin, scale: float) -> torch.Tensor:
+        """Attention of fused ``qkv`` (``heads``: Hq, Hkv, D) with rotary ``cos``/``sin``."""
+        q, k, v = rope_qkv(qkv, heads, cos, sin)
         # [B, T, H, D] -> [B, H, T, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         rep = q.shape[1] // k.shape[1]

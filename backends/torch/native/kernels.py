@@ -112,13 +112,18 @@ if triton is not None:
         tl.store(out_ptr + row * N + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
+def use_triton(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """The fused kernel for ``t`` (and the other inputs ``others``): on CUDA, and only where
+    no gradient is wanted (the kernels have no backward: a head trained through one would
+    silently freeze the weights before it)."""
+    if triton is None or not t.is_cuda:
+        return False
+    return not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (t, *others)))
 
 
 def add_rmsnorm(x, residual, weight, eps):
     """(norm(x + residual), x + residual), fused on CUDA."""
-    if not use_triton(x):
+    if not use_triton(x, residual, weight):
         return add_rmsnorm_torch(x, residual, weight, eps)
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
@@ -146,7 +151,7 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
 def rope_write_kv(qkv, nq, nkv, d, cos, sin, write_slots, k_pool, v_pool):
     """Split fused ``qkv`` [B, t, (Hq+2Hkv)*D], rope q and k, write k/v; returns q [B, t, Hq, D]."""
     B, t, _ = qkv.shape
-    if not use_triton(qkv):
+    if not use_triton(qkv, cos, sin):
         qh, kh, vh = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
         return rope_write_kv_torch(qh.view(B, t, nq, d), kh.view(B, t, nkv, d), vh.view(B, t, nkv, d),
                                    cos, sin, write_slots, k_pool, v_pool)
