@@ -10,6 +10,9 @@
 #   PART=b16    all 80 questions, batch 16: every config above, with the step profile
 # (if the sweep of all four methods would not fit one call: METHODS="eagle eagle3" TAG=_a, then
 # METHODS="mtp medusa" TAG=_b; the best trees accumulate in /tmp/trees_best.json)
+# TREES="4 4 16;8 5 32" (top-k, depth, verified tokens; ';' between trees): b1a, b1b and b16 run
+# these trees for every method instead of the sweep's best (Medusa: depth capped at its 4 heads).
+# HEAD_KERNELS=torch: the heads draft on plain torch kernels (the "before" of 72e1646).
 # Every part but tests prints its table and writes JSON to $OUT; b1a, b1b and b16 also the step
 # profile (--profile) of every config.
 # Report and figure: python scripts/trees_report.py <the JSON files> (on the lead's machine).
@@ -40,7 +43,17 @@ except (OSError, KeyError):
 print(json.dumps(best))
 EOF
 }
+B="python3 scripts/device/head_kernels.py ${B#speculum }"
 run() { $B "$@" 2>&1 | grep -v -E "Loading|Writing|it/s|INFO|WARNING"; }
+# the trees of a method: TREES, else the sweep's best
+trees() {
+  if [ -z "$TREES" ]; then best "$1"; return; fi
+  echo "$TREES" | tr ';' '\n' | while read -r k d n; do
+    [ "$1" = medusa ] && [ "$d" -gt 4 ] && d=4
+    tree "$1" "$k" "$d" "$n"
+  done
+}
+tm() { trees "$1" | while IFS= read -r c; do printf -- '--method\n%s\n' "$c"; done; }
 case $PART in
 sweep)
   ARGS=(--method "{\"method\":\"ngram\",$K}")
@@ -71,19 +84,22 @@ print("best trees:", json.dumps(out))
 EOF
   ;;
 b1a)
+  mapfile -t TE < <(tm eagle); mapfile -t TE3 < <(tm eagle3)
   run --batch-size 1 --prompts-per-category ${PPC:-10} --profile --method "{\"method\":\"ngram\",$K}" \
-    --method "$(chain eagle)" --method "$(best eagle)" --method "$(chain eagle3)" --method "$(best eagle3)" \
-    --json $OUT/trees_b1a.json ;;
+    --method "$(chain eagle)" "${TE[@]}" --method "$(chain eagle3)" "${TE3[@]}" \
+    --json $OUT/trees_b1a${TAG}.json ;;
 b1b)
+  mapfile -t TM < <(tm mtp); mapfile -t TMD < <(tm medusa)
   run --batch-size 1 --prompts-per-category ${PPC:-10} --profile \
-    --method "$(chain mtp)" --method "$(best mtp)" --method "$(chain medusa)" --method "$(best medusa)" \
-    --json $OUT/trees_b1b.json ;;
+    --method "$(chain mtp)" "${TM[@]}" --method "$(chain medusa)" "${TMD[@]}" \
+    --json $OUT/trees_b1b${TAG}.json ;;
 b16)
   # each tree also with "auto": the tree or nothing per step, from its measured gain and cost
   auto() { python3 -c "import json,sys; c=json.loads(sys.argv[1]); c['num_speculative_tokens_per_batch_size']='auto'; print(json.dumps(c))" "$1"; }
   ARGS=(--method "{\"method\":\"ngram\",$K}")
   for m in ${METHODS:-eagle eagle3 mtp medusa}; do
-    ARGS+=(--method "$(chain $m)" --method "$(best $m)" --method "$(auto "$(best $m)")"); done
+    b=$(trees $m | head -1)
+    ARGS+=(--method "$(chain $m)" --method "$b" --method "$(auto "$b")"); done
   run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${ARGS[@]}" --json $OUT/trees_b16.json ;;
 *) echo "unknown PART=$PART (tests, sweep, b1a, b1b, b16)"; exit 2 ;;
 esac
