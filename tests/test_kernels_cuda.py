@@ -30,14 +30,18 @@ def test_add_rmsnorm_matches_torch(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_matches_torch(dtype):
+@pytest.mark.parametrize("strided_slots", [False, True])
+def test_rope_write_kv_matches_torch(dtype, strided_slots):
     g = torch.Generator(device="cuda").manual_seed(1)
     B, t, nq, nkv, d, slots = 3, 4, 9, 3, 64, 64
+    if strided_slots:  # one column of a wider slot table (a head's draft step): a strided view
+        t = 1
     qkv = torch.randn(B, t, (nq + 2 * nkv) * d, device="cuda", generator=g).to(dtype)
     ang = torch.randn(B, t, 1, d // 2, device="cuda", generator=g)
     ang = torch.cat([ang, ang], -1)
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-    wsl = torch.randperm(slots, device="cuda", generator=g)[: B * t].view(B, t)
+    wsl = torch.randperm(slots, device="cuda", generator=g)[: B * 4].view(B, 4)
+    wsl = wsl[:, 1:2] if strided_slots else wsl
     k1, v1 = (torch.zeros(slots, nkv, d, device="cuda", dtype=dtype) for _ in range(2))
     k2, v2 = (torch.zeros(slots, nkv, d, device="cuda", dtype=dtype) for _ in range(2))
     q1 = kernels.rope_write_kv(qkv, nq, nkv, d, cos, sin, wsl, k1, v1)

@@ -157,6 +157,6 @@ def rope_write_kv(qkv, nq, nkv, d, cos, sin, write_slots, k_pool, v_pool):
                                    cos, sin, write_slots, k_pool, v_pool)
     q = torch.empty(B, t, nq, d, dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(B * t, nq + 2 * nkv)](qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                           write_slots.reshape(-1), k_pool, v_pool, q,
+                                           write_slots.reshape(-1).contiguous(), k_pool, v_pool, q,
                                            NQ=nq, NKV=nkv, D=d, HALF=d // 2)
     return q
