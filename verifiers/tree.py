@@ -58,28 +58,36 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
     """Accept the deepest node whose path matches the target's argmax; all tensor ops.
 
     ``target_logits``: [B, N+1, V] (root, then nodes); ``token_ids``: [B, N], -1 = no node.
+    About 25 small kernels a step (it runs eagerly after the graphed verify forward, so
+    each one is host time): no scalars turned into device tensors, and the verdict's
+    tokens read straight from the argmax along the path (a matched node's token is the
+    argmax at its parent).
     """
     B, N = token_ids.shape
     am = target_logits.argmax(dim=-1)  # [B, N+1]
     if N == 0:
         return Verdict(token_ids=am[:, :1], num_accepted=torch.zeros(B, dtype=torch.int64, device=am.device),
                        path=am.new_zeros(B, 0))
-    token_ids = token_ids.to(am.device)
-    parents = tree.parents.to(am.device)
-    match = (token_ids >= 0) & (token_ids == am.gather(1, parents + 1))  # [B, N]
-    anc = tree.ancestors.to(am.device)
-    ok = ~(anc & ~match.unsqueeze(1)).any(-1)  # every node on the path matches
-    depth = tree.depth.to(am.device)
-    idx = torch.arange(N, device=am.device).view(1, N)
-    score = torch.where(ok, depth * (N + 1) + (N - 1 - idx), -1)
+    dev = am.device
+    token_ids = token_ids.to(dev)
+    parents, anc, depth = tree.parents.to(dev), tree.ancestors.to(dev), tree.depth.to(dev)
+    match = token_ids == am.gather(1, parents + 1)  # [B, N]; a missing node (-1) never matches
+    ok = (anc & match.unsqueeze(1)).sum(-1) == depth  # every node on its path matches
+    idx = torch.arange(N, device=dev)
+    score = (depth * (N + 1) - idx) * ok  # deepest first, then the earliest; 0 = not a candidate
     best_score, best = score.max(dim=-1)
-    found = best_score >= 0
-    num_accepted = torch.where(found, depth.gather(1, best.view(B, 1)).squeeze(1), 0)
-    on_path = anc.gather(1, best.view(B, 1, 1).expand(B, 1, N)).squeeze(1) & found.view(B, 1)
-    slots = torch.full((B, N + 1), -1, dtype=torch.int64, device=am.device)
-    slots.scatter_(1, torch.where(on_path, depth - 1, N), idx.expand(B, N))
-    last = am.gather(1, torch.where(found, best + 1, 0).view(B, 1)).squeeze(1)
-    return path_verdict(token_ids, slots[:, :N], num_accepted, last)
+    found = best_score > 0
+    best = best.view(B, 1)
+    num_accepted = depth.gather(1, best).squeeze(1) * found  # [B]
+    on_path = anc.gather(1, best.unsqueeze(-1).expand(B, 1, N)).squeeze(1) & found.view(B, 1)
+    slots = torch.full((B, N + 1), -1, dtype=torch.int64, device=dev)
+    slots.scatter_(1, (depth - 1).masked_fill(~on_path, N), idx.expand(B, N))
+    path = slots[:, :N]  # [B, N] the accepted nodes, root first, -1 padded
+    # emitted: the argmax at the root, then after each accepted node (the last one is the
+    # target's own token after the accepted path)
+    cols = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # [B, N+1]; padding reads column 0
+    out = am.gather(1, cols).masked_fill(torch.arange(N + 1, device=dev) > num_accepted.view(B, 1), -1)
+    return Verdict(token_ids=out, num_accepted=num_accepted, path=path)
 
 
 def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: torch.Tensor, tree: TokenTree,
