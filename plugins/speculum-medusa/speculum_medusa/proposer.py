@@ -20,31 +20,16 @@ from pathlib import Path
 import torch
 
 from speculum.backends.torch.heads import TargetParts, head_checkpoint_path, pick_tokens
+from speculum.devices import on_device
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
-from speculum.proposers.tree import StaticPlan, draft_tree, topk_logprobs
-from speculum.tree import TokenTree, TreeSpec, tree_ancestors
+from speculum.tree import TokenTree, TreeSpec
 from speculum_medusa.formats import load_medusa
+from speculum_medusa.graph import MedusaGraphs
 
 log = logging.getLogger(__name__)
 
 HEADS = Path(__file__).resolve().parent / "heads"
-
-
-class MedusaExpander:
-    """Medusa heads as a :class:`speculum.proposers.tree.Expander`: a node's children do
-    not depend on its token, only on its depth (head ``level`` gives depth ``level + 1``)."""
-
-    def __init__(self, heads, x: torch.Tensor):
-        self.heads, self.x, self.device = heads, x, x.device  # x: [R, H] target states
-
-    def root(self, width: int):
-        return topk_logprobs(self.heads.logits(0, self.x), width)
-
-    def expand(self, level, parent, tokens, vis, slots, width):
-        lp, ids = topk_logprobs(self.heads.logits(level, self.x), width)  # [R, width]
-        F = tokens.shape[1]
-        return lp.unsqueeze(1).expand(-1, F, -1), ids.unsqueeze(1).expand(-1, F, -1)
 
 
 class MedusaProposer:
@@ -52,7 +37,8 @@ class MedusaProposer:
     supports_trees = True
     kv_lookahead = 0  # no KV cache of its own
 
-    def __init__(self, heads, sample: bool = True, tree: TreeSpec | None = None):
+    def __init__(self, heads, sample: bool = True, tree: TreeSpec | None = None, k: int | None = None,
+                 cuda_graphs: bool = False):
         self.heads = heads
         self.sample = sample
         p = next(heads.parameters())
@@ -60,7 +46,10 @@ class MedusaProposer:
         self.last: dict[int, torch.Tensor | None] = {}
         #: the tree drafted each step (None: chains of k tokens)
         self.tree = tree
-        self.plan = StaticPlan(tree, self.device) if tree is not None and tree.is_static else None
+        #: greedy drafting as one static function (a CUDA graph per batch bucket on a GPU;
+        #: eager elsewhere): trees always, chains of the config's k for greedy requests
+        self.graphs = MedusaGraphs(heads, min(k or heads.num_heads, heads.num_heads), tree, self.device,
+                                   use_graphs=cuda_graphs)
 
     @classmethod
     def from_context(cls, ctx) -> "MedusaProposer":
@@ -78,7 +67,8 @@ class MedusaProposer:
         heads = heads.to(device=target.embed.device, dtype=target.embed.dtype).eval().requires_grad_(False)
         log.info("Medusa heads %s: %d heads x %d layers%s", path, heads.num_heads, heads.num_layers,
                  " (shared LM head)" if heads.heads is None else "")
-        return cls(heads, sample=ctx.config.draft_sample_method == "sample", tree=tree)
+        return cls(heads, sample=ctx.config.draft_sample_method == "sample", tree=tree, k=k,
+                   cuda_graphs=bool(getattr(ctx.target, "cuda_graphs", False)))
 
     def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
         h = hidden_states[-1]  # [len - 1, H]
@@ -103,6 +93,12 @@ class MedusaProposer:
         if self.tree is not None:
             return self._propose_tree(B, rows, x)
         sample = self.sample and not batch.sampling.all_greedy
+        if not sample and not batch.sampling.needs_processing and k <= self.graphs.k:
+            drafts = self.graphs.run(x)[:, :k]  # a shorter step keeps a prefix of the heads' drafts
+            if len(rows) == B:
+                return Draft(token_ids=drafts, lengths=[k] * B)
+            token_ids[on_device(rows, self.device)] = drafts
+            return Draft(token_ids=token_ids, lengths=[k if b in set(rows) else 0 for b in range(B)])
         drafts, probs = [], []
         with torch.inference_mode():
             for i in range(k):
@@ -122,19 +118,19 @@ class MedusaProposer:
     def _propose_tree(self, B: int, rows: list[int], x: torch.Tensor) -> Draft:
         spec, dev = self.tree, self.device
         N = spec.num_nodes
-        with torch.inference_mode():
-            tokens, parents = draft_tree(MedusaExpander(self.heads, x), spec, self.plan)
-        token_ids = torch.full((B, N), -1, dtype=torch.int64, device=dev)
-        all_parents = torch.full((B, N), -1, dtype=torch.int64, device=dev)
-        idx = torch.tensor(rows, device=dev)
-        token_ids[idx], all_parents[idx] = tokens, parents
-        lengths = [0] * B
-        for b in rows:
-            lengths[b] = N
-        anc = tree_ancestors(all_parents)
-        tree = TokenTree(all_parents, depth=anc.sum(-1), ancestors=anc, max_depth=spec.depth,
-                         max_children=spec.max_children)
-        return Draft(token_ids=token_ids, lengths=lengths, tree=tree)
+        tokens, parents, depth, anc = self.graphs.unpack(self.graphs.run(x))
+        if len(rows) < B:  # rows without a state yet: no nodes (parents -1, depth 1, only themselves)
+            idx = on_device(rows, dev)
+            full = (torch.full((B, N), -1, dtype=torch.int64, device=dev),
+                    torch.full((B, N), -1, dtype=torch.int64, device=dev),
+                    torch.ones(B, N, dtype=torch.int64, device=dev),
+                    torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone())
+            for t, part in zip(full, (tokens, parents, depth, anc)):
+                t[idx] = part
+            tokens, parents, depth, anc = full
+        lengths = [N if b in set(rows) else 0 for b in range(B)]
+        tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
+        return Draft(token_ids=tokens, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:
         h = feedback.hidden_states[-1]  # [B, k+1, H]

@@ -1,0 +1,89 @@
+"""Greedy Medusa drafting as one static-shape function (a CUDA graph per batch bucket).
+
+Eagerly, a greedy chain of four drafts is four heads' residual blocks, LM heads and
+argmaxes plus the glue around them, launched one kernel at a time from Python: about
+1.5 ms a step on the H200 at batch 1, as much as the target's verify forward
+(docs/benchmarks.md, ninth session). Here the whole draft of a batch is one function of
+a static buffer of target states ``x`` [Bb, H]:
+
+- chains: the argmax of each head, ``[Bb, k]``;
+- trees: the tree's tokens, parents, depths and ancestor matrix, ``[Bb, 3N + N*N]``
+  (Medusa's own tree decoding, :class:`MedusaExpander`), so no
+  tree bookkeeping is left to the host.
+
+It is captured once per batch bucket and replayed after one device copy of the states.
+With ``use_graphs=False`` (CPU, tests) the same function runs eagerly, so the CPU tests
+check what the graph computes. Sampled drafts and logits processors stay on the eager
+path of the proposer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculum.backends.torch.graphs import GraphPool, StaticGraph
+from speculum.backends.torch.heads.graph import BATCH_BUCKETS
+from speculum.proposers.tree import StaticPlan, draft_tree, topk_logprobs
+from speculum.tree import TreeSpec, tree_ancestors
+
+
+class MedusaExpander:
+    """Medusa heads as a :class:`speculum.proposers.tree.Expander`: a node's children do
+    not depend on its token, only on its depth (head ``level`` gives depth ``level + 1``)."""
+
+    def __init__(self, heads, x: torch.Tensor):
+        self.heads, self.x, self.device = heads, x, x.device  # x: [R, H] target states
+
+    def root(self, width: int):
+        return topk_logprobs(self.heads.logits(0, self.x), width)
+
+    def expand(self, level, parent, tokens, vis, slots, width):
+        lp, ids = topk_logprobs(self.heads.logits(level, self.x), width)  # [R, width]
+        F = tokens.shape[1]
+        return lp.unsqueeze(1).expand(-1, F, -1), ids.unsqueeze(1).expand(-1, F, -1)
+
+
+class MedusaGraphs:
+    """Static-shape greedy drafting for :class:`~speculum_medusa.proposer.MedusaProposer`."""
+
+    def __init__(self, heads, k: int, tree: TreeSpec | None, device: torch.device, use_graphs: bool):
+        self.heads, self.k, self.tree = heads, k, tree
+        self.device = torch.device(device)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.plan = StaticPlan(tree, self.device) if tree is not None and tree.is_static else None
+        #: batch bucket -> (graph, its input buffer of target states [Bb, H])
+        self._graphs: dict[int, tuple[StaticGraph, torch.Tensor]] = {}
+        self._pool = GraphPool()
+
+    def _draft(self, x: torch.Tensor) -> torch.Tensor:
+        """The static function: target states [Bb, H] -> drafts (see the module doc)."""
+        if self.tree is None:
+            return torch.stack([self.heads.logits(i, x).argmax(dim=-1) for i in range(self.k)], dim=1)
+        tokens, parents = draft_tree(MedusaExpander(self.heads, x), self.tree, self.plan)
+        anc = tree_ancestors(parents)
+        N = self.tree.num_nodes
+        return torch.cat([tokens, parents, anc.sum(-1), anc.reshape(-1, N * N).to(torch.int64)], dim=1)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """Drafts of the rows of ``x`` [R, H] (graph outputs: valid until the next run)."""
+        with torch.inference_mode():
+            if not self.use_graphs:
+                return self._draft(x)
+            R = x.shape[0]
+            Bb = next((b for b in BATCH_BUCKETS if R <= b), R)
+            graph, buf = self._graphs.get(Bb) or self._capture(Bb, x.shape[-1], x.dtype)
+            buf[:R].copy_(x)
+            return graph.replay()[:R]
+
+    def unpack(self, out: torch.Tensor):
+        """Tree output [R, 3N + N*N] -> tokens, parents, depths [R, N], ancestors [R, N, N] (bool)."""
+        N = self.tree.num_nodes
+        tokens, parents, depth, anc = out.split([N, N, N, N * N], dim=1)
+        return tokens, parents, depth, anc.reshape(-1, N, N).bool()
+
+    def _capture(self, Bb: int, H: int, dtype: torch.dtype) -> tuple[StaticGraph, torch.Tensor]:
+        buf = torch.zeros(Bb, H, dtype=dtype, device=self.device)
+        meta = torch.zeros(1, dtype=torch.int64, device=self.device)  # no metadata: the states are the input
+        entry = (self._pool.capture(lambda: self._draft(buf), meta), buf)
+        self._graphs[Bb] = entry
+        return entry
