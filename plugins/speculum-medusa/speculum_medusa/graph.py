@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from speculum.backends.torch.graphs import GraphPool, StaticGraph
-from speculum.backends.torch.heads.graph import BATCH_BUCKETS
+from speculum.backends.torch.heads import BATCH_BUCKETS, GraphPool, StaticGraph
 from speculum.proposers.tree import StaticPlan, draft_tree, topk_logprobs
 from speculum.tree import TreeSpec, tree_ancestors
 

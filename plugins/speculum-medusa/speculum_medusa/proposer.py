@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from speculum.backends.torch.heads import TargetParts, head_checkpoint_path, pick_tokens
-from speculum.devices import on_device
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
 from speculum.tree import TokenTree, TreeSpec
@@ -97,7 +96,7 @@ class MedusaProposer:
             drafts = self.graphs.run(x)[:, :k]  # a shorter step keeps a prefix of the heads' drafts
             if len(rows) == B:
                 return Draft(token_ids=drafts, lengths=[k] * B)
-            token_ids[on_device(rows, self.device)] = drafts
+            token_ids[torch.tensor(rows, device=self.device)] = drafts
             return Draft(token_ids=token_ids, lengths=[k if b in set(rows) else 0 for b in range(B)])
         drafts, probs = [], []
         with torch.inference_mode():
@@ -120,7 +119,7 @@ class MedusaProposer:
         N = spec.num_nodes
         tokens, parents, depth, anc = self.graphs.unpack(self.graphs.run(x))
         if len(rows) < B:  # rows without a state yet: no nodes (parents -1, depth 1, only themselves)
-            idx = on_device(rows, dev)
+            idx = torch.tensor(rows, device=dev)
             full = (torch.full((B, N), -1, dtype=torch.int64, device=dev),
                     torch.full((B, N), -1, dtype=torch.int64, device=dev),
                     torch.ones(B, N, dtype=torch.int64, device=dev),
