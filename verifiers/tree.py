@@ -24,11 +24,15 @@ is deterministic, with ``probs=None``).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from speculum.interfaces import Verdict
 from speculum.tree import TokenTree
 from speculum.verifiers.noise import Generators, RowNoise, as_noise, race
+
+log = logging.getLogger(__name__)
 
 
 def sibling_ranks(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -58,10 +62,9 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
     """Accept the deepest node whose path matches the target's argmax; all tensor ops.
 
     ``target_logits``: [B, N+1, V] (root, then nodes); ``token_ids``: [B, N], -1 = no node.
-    About 25 small kernels a step (it runs eagerly after the graphed verify forward, so
-    each one is host time): no scalars turned into device tensors, and the verdict's
-    tokens read straight from the argmax along the path (a matched node's token is the
-    argmax at its parent).
+    It runs after the graphed verify forward, so each of its ~25 small kernels would be
+    host time: on CUDA everything after the argmax replays as one graph per batch bucket
+    (:class:`GreedyTreeGraphs`), elsewhere it runs eagerly (:func:`greedy_path`).
     """
     B, N = token_ids.shape
     am = target_logits.argmax(dim=-1)  # [B, N+1]
@@ -69,8 +72,19 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
         return Verdict(token_ids=am[:, :1], num_accepted=torch.zeros(B, dtype=torch.int64, device=am.device),
                        path=am.new_zeros(B, 0))
     dev = am.device
-    token_ids = token_ids.to(dev)
-    parents, anc, depth = tree.parents.to(dev), tree.ancestors.to(dev), tree.depth.to(dev)
+    args = (am, token_ids.to(dev), tree.parents.to(dev), tree.ancestors.to(dev), tree.depth.to(dev))
+    out, num_accepted, path = (GRAPHS(*args) if dev.type == "cuda" and GRAPHS.enabled else None) or greedy_path(*args)
+    return Verdict(token_ids=out, num_accepted=num_accepted, path=path)
+
+
+def greedy_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
+                depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tree_greedy_verify` from the argmax ``am`` [B, N+1] and the tree (parents,
+    depths [B, N], ancestors [B, N, N]): (tokens emitted [B, N+1], accepted count [B],
+    accepted nodes [B, N] root first, -1 padded). Static shapes, no device reads, no
+    scalars made device tensors: capturable as a CUDA graph."""
+    B, N = token_ids.shape
+    dev = am.device
     match = token_ids == am.gather(1, parents + 1)  # [B, N]; a missing node (-1) never matches
     ok = (anc & match.unsqueeze(1)).sum(-1) == depth  # every node on its path matches
     idx = torch.arange(N, device=dev)
@@ -82,12 +96,71 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
     on_path = anc.gather(1, best.unsqueeze(-1).expand(B, 1, N)).squeeze(1) & found.view(B, 1)
     slots = torch.full((B, N + 1), -1, dtype=torch.int64, device=dev)
     slots.scatter_(1, (depth - 1).masked_fill(~on_path, N), idx.expand(B, N))
-    path = slots[:, :N]  # [B, N] the accepted nodes, root first, -1 padded
-    # emitted: the argmax at the root, then after each accepted node (the last one is the
-    # target's own token after the accepted path)
+    path = slots[:, :N]
+    # emitted: the argmax at the root, then after each accepted node (a matched node's
+    # token is the argmax at its parent; the last is the target's own token after the path)
     cols = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # [B, N+1]; padding reads column 0
     out = am.gather(1, cols).masked_fill(torch.arange(N + 1, device=dev) > num_accepted.view(B, 1), -1)
-    return Verdict(token_ids=out, num_accepted=num_accepted, path=path)
+    return out, num_accepted, path
+
+
+class GreedyTreeGraphs:
+    """:func:`greedy_path` as a CUDA graph per (batch bucket, node count, device): the
+    inputs are copied into static buffers, the graph replays, the outputs are cloned
+    (a verdict outlives the next step's verification). A capture that fails turns this
+    off for the process, with a warning: verification then stays eager."""
+
+    BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def __init__(self):
+        self.enabled = True
+        self._graphs: dict[tuple, tuple] = {}
+
+    def __call__(self, am, token_ids, parents, anc, depth):
+        B, N = token_ids.shape
+        Bb = next((b for b in self.BUCKETS if B <= b), B)
+        key = (Bb, N, am.device)
+        with torch.inference_mode():
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._capture(Bb, N, am.device)
+                if entry is None:
+                    return None
+            graph, bufs, outs = entry
+            for buf, x in zip(bufs, (am, token_ids, parents, anc, depth)):
+                buf[:B].copy_(x)
+            graph.replay()
+            return tuple(o[:B].clone() for o in outs)
+
+    def _capture(self, Bb: int, N: int, dev: torch.device):
+        # padding rows: a valid chain tree whose nodes never match (-1 tokens)
+        ar = torch.arange(N, device=dev)
+        bufs = (torch.zeros(Bb, N + 1, dtype=torch.int64, device=dev),
+                torch.full((Bb, N), -1, dtype=torch.int64, device=dev),
+                (ar - 1).expand(Bb, N).contiguous(),
+                (ar.view(-1, 1) >= ar.view(1, -1)).expand(Bb, N, N).contiguous(),
+                (ar + 1).expand(Bb, N).contiguous())
+        try:
+            s = torch.cuda.Stream(dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                for _ in range(2):  # kernels and allocator, outside the graph
+                    greedy_path(*bufs)
+            torch.cuda.current_stream(dev).wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = greedy_path(*bufs)
+        except Exception as exc:  # pragma: no cover - GPU only
+            self.enabled = False
+            log.warning("greedy tree verification stays eager: its CUDA graph capture failed (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
+        self._graphs[(Bb, N, dev)] = (graph, bufs, outs)
+        return self._graphs[(Bb, N, dev)]
+
+
+#: the process's graphs of greedy tree verification (CUDA only)
+GRAPHS = GreedyTreeGraphs()
 
 
 def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: torch.Tensor, tree: TokenTree,
