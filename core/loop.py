@@ -480,15 +480,17 @@ class DraftVerifyLoop:
         k = draft.token_ids.shape[1]
         ids = draft.token_ids
         if k:
-            keep = torch.arange(k, device=ids.device).view(1, k) < on_device(drafted, ids.device).view(B, 1)
-            if tree is not None and min(depths) < tree.depth_bound:
-                keep &= tree.depth.to(ids.device) <= on_device(depths, ids.device).view(B, 1)
             # token ids outside the vocabulary would crash the embedding: such drafts are dropped
             in_vocab = (ids >= 0) & (ids < self.target.vocab_size)
+            keep = in_vocab  # and, where a row keeps fewer drafts than it has, its first ones
+            if min(drafted) < k:  # (the usual step keeps all: no mask to build and ship)
+                cap = on_device(drafted, ids.device).view(B, 1)
+                keep = keep & (torch.arange(k, device=ids.device).view(1, k) < cap)
+            if tree is not None and min(depths) < tree.depth_bound:
+                keep = keep & (tree.depth.to(ids.device) <= on_device(depths, ids.device).view(B, 1))
             if ids.device.type == "cpu" and bool((~in_vocab & (ids != -1)).any()):  # free to say on the host
                 self._once("draft", f"proposer {type(self.proposer).__name__} drafted token ids outside the "
                                     f"vocabulary (0..{self.target.vocab_size - 1}); those drafts are dropped")
-            keep &= in_vocab
             if draft.probs is not None:  # drafts whose distribution is not one cannot be verified losslessly
                 q = draft.probs
                 ok = (torch.isfinite(q).all(-1) & (q >= 0).all(-1)).all(-1, keepdim=True)
