@@ -85,6 +85,37 @@ def test_tree_mask():
     _check(q, k_pool, v_pool, slots, positions, mask)
 
 
+def test_tree_mask_in_a_long_context_reads_no_key_past_the_tree():
+    """A verify tree near the start of a long block bucket: the kernel stops reading at
+    the deepest query's position + T (positions given with the mask) and still matches
+    the reference; the keys past that hold NaN, so reading one would show (without the
+    bound the kernel reads the whole bucket)."""
+    B, T, Lc = 1, 9, 1024
+    q, k_pool, v_pool, slots, _ = _case(B, T, Lc)
+    root = torch.tensor([200], device=DEV)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]  # 8 nodes
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    anc = torch.zeros(8, 8, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        anc[i, i] = True
+        while p >= 0:
+            anc[i, p] = True
+            p = parents[p]
+    vis = torch.zeros(B, T, T, dtype=torch.bool)
+    vis[:, :, 0] = True
+    vis[:, 1:, 1:] = anc
+    positions = root.view(B, 1) + torch.tensor([0, *depth], device=DEV).view(1, T)
+    mask = tree_attention_mask(Lc, root, vis.to(DEV))
+    scale = q.shape[-1] ** -0.5
+    ref = attention.sdpa_attention(q.float(), k_pool.float(), v_pool.float(), slots, mask, scale)
+    past = slots[0, int(positions.max()) + T:]
+    k_pool[past], v_pool[past] = float("nan"), float("nan")
+    out = attention.paged_decode_attention(q, k_pool, v_pool, slots, positions, scale, mask)
+    assert (out.float() - ref).abs().max().item() < 2e-5
+
+
 @pytest.mark.skipif(INTERPRET, reason="bf16 dot products need a GPU")
 def test_bf16_close_to_fp32_reference():
     _check(*_case(2, 5, 300, dtype=torch.bfloat16), tol=2e-2)

@@ -101,7 +101,8 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
                        T, Lc, chunk, scale, NSPLIT,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
-                       BN: tl.constexpr, HAS_MASK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr):
+                       BN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, DIRECT: tl.constexpr,
+                       PREC: tl.constexpr):
         G: tl.constexpr = HQ // HKV
         bk = tl.program_id(0)  # b * HKV + kv head
         split = tl.program_id(1)
@@ -120,6 +121,8 @@ if triton is not None:
         hi = tl.minimum(lo + chunk, Lc)
         if not HAS_MASK:  # no key past the last query's position (tree nodes sit past theirs)
             hi = tl.minimum(hi, tl.max(pos, axis=0) + 1)
+        elif HAS_POS:  # a verify forward's tree: its T keys follow the root, and every
+            hi = tl.minimum(hi, tl.max(pos, axis=0) + T)  # query's position is >= the root's
         m = tl.full((BR,), -1.0e30, tl.float32)
         l = tl.zeros((BR,), tl.float32)
         acc = tl.zeros((BR, D), tl.float32)
@@ -180,7 +183,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path of the module doc: ``q`` [B, T, Hq, D] at ``positions`` [B, T];
     ``mask`` [B, 1, T, Lc] (a token tree's, a draft head's) replaces the causal rule, and
-    then ``positions`` may be None. Returns [B, T, Hq, D]."""
+    then ``positions`` may be None. With both (a verify forward's tree: its ``T`` keys
+    follow the root, every query's position is the root's or past it) no key past
+    ``max(positions) + T`` is read. Returns [B, T, Hq, D]."""
     B, T, Hq, D = q.shape
     Lc, Hkv = slots.shape[1], k_pool.shape[1]
     G = Hq // Hkv
@@ -201,10 +206,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if not has_mask and positions is None:
         raise ValueError("paged_decode_attention needs positions or a mask")
     mk = mask.reshape(B, T, Lc).contiguous().view(torch.uint8) if has_mask else slots
-    positions = slots if positions is None else positions.contiguous()  # unread with a mask
+    has_pos = positions is not None
+    positions = slots if positions is None else positions.contiguous()  # unread without positions
     _decode_kernel[(B * Hkv, nsplit, tiles)](
         q, k_pool, v_pool, slots.contiguous(), positions, mk, out, m, l, acc, T, Lc, chunk,
-        float(scale), nsplit, HQ=Hq, HKV=Hkv, D=D, BR=br, BN=BLOCK_N, HAS_MASK=has_mask, DIRECT=direct,
+        float(scale), nsplit, HQ=Hq, HKV=Hkv, D=D, BR=br, BN=BLOCK_N, HAS_MASK=has_mask, HAS_POS=has_pos, DIRECT=direct,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     if not direct:
         _combine_kernel[(B * Hkv, rows)](out, m, l, acc, T, nsplit, HQ=Hq, HKV=Hkv, D=D,
