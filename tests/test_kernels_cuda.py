@@ -1,27 +1,45 @@
 """The fused Triton kernels agree with their torch twins (runs only where CUDA exists).
 
 CI has no GPU: there the torch twins are what the native model runs, and every other
-test exercises them. This file is run on the GPU machine.
+test exercises them. This file is run on the GPU machine; on a CPU with a triton install
+the fp32 cases run through Triton's interpreter
+(``TRITON_INTERPRET=1 SPECULUM_TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from speculum.backends.torch.native import kernels
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None,
-                                reason="needs CUDA and Triton")
+INTERPRET = os.environ.get("SPECULUM_TRITON_INTERPRET") == "1" and kernels.triton is not None
+DEV = torch.device("cpu" if INTERPRET else "cuda")
+pytestmark = pytest.mark.skipif(not INTERPRET and (not torch.cuda.is_available() or kernels.triton is None),
+                                reason="needs CUDA and Triton (or SPECULUM_TRITON_INTERPRET=1 with triton)")
+DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if INTERPRET:  # the kernels on CPU tensors, with the same rule about gradients
+        monkeypatch.setattr(kernels, "use_triton", lambda t, *others: not (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (t, *others))))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rmsnorm_matches_torch(dtype, with_residual):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(7, 3, 576, device="cuda", generator=g).to(dtype)
-    r = torch.randn(7, 3, 576, device="cuda", generator=g).to(dtype) if with_residual else None
-    w = torch.randn(576, device="cuda", generator=g).to(dtype)
+    g = _gen(0)
+    x = torch.randn(7, 3, 576, generator=g).to(DEV).to(dtype)
+    r = torch.randn(7, 3, 576, generator=g).to(DEV).to(dtype) if with_residual else None
+    w = torch.randn(576, generator=g).to(DEV).to(dtype)
     out, h = kernels.add_rmsnorm(x, r, w, 1e-5)
     ref_out, ref_h = kernels.add_rmsnorm_torch(x, r, w, 1e-5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -29,21 +47,21 @@ def test_add_rmsnorm_matches_torch(dtype, with_residual):
     assert torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("strided_slots", [False, True])
 def test_rope_write_kv_matches_torch(dtype, strided_slots):
-    g = torch.Generator(device="cuda").manual_seed(1)
+    g = _gen(1)
     B, t, nq, nkv, d, slots = 3, 4, 9, 3, 64, 64
     if strided_slots:  # one column of a wider slot table (a head's draft step): a strided view
         t = 1
-    qkv = torch.randn(B, t, (nq + 2 * nkv) * d, device="cuda", generator=g).to(dtype)
-    ang = torch.randn(B, t, 1, d // 2, device="cuda", generator=g)
+    qkv = torch.randn(B, t, (nq + 2 * nkv) * d, generator=g).to(DEV).to(dtype)
+    ang = torch.randn(B, t, 1, d // 2, generator=g).to(DEV)
     ang = torch.cat([ang, ang], -1)
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-    wsl = torch.randperm(slots, device="cuda", generator=g)[: B * 4].view(B, 4)
+    wsl = torch.randperm(slots, generator=g).to(DEV)[: B * 4].view(B, 4)
     wsl = wsl[:, 1:2] if strided_slots else wsl
-    k1, v1 = (torch.zeros(slots, nkv, d, device="cuda", dtype=dtype) for _ in range(2))
-    k2, v2 = (torch.zeros(slots, nkv, d, device="cuda", dtype=dtype) for _ in range(2))
+    k1, v1 = (torch.zeros(slots, nkv, d, device=DEV, dtype=dtype) for _ in range(2))
+    k2, v2 = (torch.zeros(slots, nkv, d, device=DEV, dtype=dtype) for _ in range(2))
     q1 = kernels.rope_write_kv(qkv, nq, nkv, d, cos, sin, wsl, k1, v1)
     qh, kh, vh = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
     q2 = kernels.rope_write_kv_torch(qh.reshape(B, t, nq, d), kh.reshape(B, t, nkv, d), vh.reshape(B, t, nkv, d),
@@ -54,10 +72,10 @@ def test_rope_write_kv_matches_torch(dtype, strided_slots):
     assert torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(dtype):
-    g = torch.Generator(device="cuda").manual_seed(2)
-    gu = (torch.randn(5, 3, 2 * 1536, device="cuda", generator=g) * 3).to(dtype)
+    g = _gen(2)
+    gu = (torch.randn(5, 3, 2 * 1536, generator=g).to(DEV) * 3).to(dtype)
     out = kernels.silu_mul(gu, 1536)
     ref = kernels.silu_mul_torch(gu, 1536)
     assert out.shape == ref.shape == (5, 3, 1536)
@@ -74,8 +92,8 @@ def test_fused_kernels_step_aside_where_a_gradient_is_wanted():
     from speculum.testing import tiny_config
 
     arch = arch_from_config(tiny_config().to_dict())
-    mlp, norm = MLP(arch).cuda(), RMSNorm(arch.hidden_size, 1e-5).cuda()
-    x = torch.randn(2, 3, arch.hidden_size, device="cuda")
+    mlp, norm = MLP(arch).to(DEV), RMSNorm(arch.hidden_size, 1e-5).to(DEV)
+    x = torch.randn(2, 3, arch.hidden_size, device=DEV)
     mlp(norm(x)).square().sum().backward()  # x itself wants no gradient: the weights do
     for name, p in [*mlp.named_parameters(), *norm.named_parameters()]:
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
