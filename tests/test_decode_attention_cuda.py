@@ -64,24 +64,29 @@ def test_split_and_direct_paths_agree(monkeypatch):
     _check(*case)
 
 
+def _tree(parents: list[int], root: torch.Tensor, Lc: int):
+    """(positions [B, T], mask) of a verify forward over ``[root, nodes...]`` whose nodes
+    have ``parents`` (-1 = the root), for each row's ``root`` position."""
+    B, T = root.shape[0], len(parents) + 1
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    vis = torch.zeros(B, T, T, dtype=torch.bool)
+    vis[:, :, 0] = True
+    for i, p in enumerate(parents):
+        vis[:, i + 1, i + 1] = True
+        while p >= 0:
+            vis[:, i + 1, p + 1] = True
+            p = parents[p]
+    positions = root.view(B, 1) + torch.tensor([0, *depth], device=DEV).view(1, T)
+    return positions, tree_attention_mask(Lc, root, vis.to(DEV))
+
+
 def test_tree_mask():
     B, T, Lc = 2, 6, 96
     q, k_pool, v_pool, slots, _ = _case(B, T, Lc)
-    root = torch.tensor([50, 70], device=DEV)
     # root, then nodes: 0 <- 1, 0 <- 2 (siblings), 1 <- 3, 2 <- 4
-    parents = [-1, 0, 0, 1, 2]
-    depth = torch.tensor([1, 2, 2, 3, 3])
-    anc = torch.zeros(5, 5, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        anc[i, i] = True
-        while p >= 0:
-            anc[i, p] = True
-            p = parents[p]
-    vis = torch.ones(B, T, T, dtype=torch.bool)
-    vis[:, 1:, 1:] = anc
-    vis[:, 0, 1:] = False
-    positions = root.view(B, 1) + torch.cat([torch.zeros(1), depth]).long().to(DEV).view(1, T)
-    mask = tree_attention_mask(Lc, root, vis.to(DEV))
+    positions, mask = _tree([-1, 0, 0, 1, 2], torch.tensor([50, 70], device=DEV), Lc)
     _check(q, k_pool, v_pool, slots, positions, mask)
 
 
@@ -92,22 +97,7 @@ def test_tree_mask_in_a_long_context_reads_no_key_past_the_tree():
     bound the kernel reads the whole bucket)."""
     B, T, Lc = 1, 9, 1024
     q, k_pool, v_pool, slots, _ = _case(B, T, Lc)
-    root = torch.tensor([200], device=DEV)
-    parents = [-1, 0, 0, 1, 1, 2, 3, 6]  # 8 nodes
-    depth = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    anc = torch.zeros(8, 8, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        anc[i, i] = True
-        while p >= 0:
-            anc[i, p] = True
-            p = parents[p]
-    vis = torch.zeros(B, T, T, dtype=torch.bool)
-    vis[:, :, 0] = True
-    vis[:, 1:, 1:] = anc
-    positions = root.view(B, 1) + torch.tensor([0, *depth], device=DEV).view(1, T)
-    mask = tree_attention_mask(Lc, root, vis.to(DEV))
+    positions, mask = _tree([-1, 0, 0, 1, 1, 2, 3, 6], torch.tensor([200], device=DEV), Lc)
     scale = q.shape[-1] ** -0.5
     ref = attention.sdpa_attention(q.float(), k_pool.float(), v_pool.float(), slots, mask, scale)
     past = slots[0, int(positions.max()) + T:]
