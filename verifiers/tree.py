@@ -105,20 +105,21 @@ def greedy_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor
 
 
 class GreedyTreeGraphs:
-    """:func:`greedy_path` as a CUDA graph per (batch bucket, node count, device): the
-    inputs are copied into static buffers, the graph replays, the outputs are cloned
-    (a verdict outlives the next step's verification). A capture that fails turns this
-    off for the process, with a warning: verification then stays eager."""
-
-    BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    """:func:`greedy_path` as a CUDA graph per (batch bucket, node count, device), captured
+    with the torch backend's graph pool: the inputs are copied into static buffers, the
+    graph replays, the outputs are cloned (a verdict outlives the next step's
+    verification). A capture that fails turns this off for the process, with a warning:
+    verification then stays eager."""
 
     def __init__(self):
         self.enabled = True
         self._graphs: dict[tuple, tuple] = {}
+        self._pool = None
 
     def __call__(self, am, token_ids, parents, anc, depth):
+        from speculum.backends.torch import bucket
         B, N = token_ids.shape
-        Bb = next((b for b in self.BUCKETS if B <= b), B)
+        Bb = bucket(B)
         key = (Bb, N, am.device)
         with torch.inference_mode():
             entry = self._graphs.get(key)
@@ -126,11 +127,10 @@ class GreedyTreeGraphs:
                 entry = self._capture(Bb, N, am.device)
                 if entry is None:
                     return None
-            graph, bufs, outs = entry
+            graph, bufs = entry
             for buf, x in zip(bufs, (am, token_ids, parents, anc, depth)):
                 buf[:B].copy_(x)
-            graph.replay()
-            return tuple(o[:B].clone() for o in outs)
+            return tuple(o[:B].clone() for o in graph.replay())
 
     def _capture(self, Bb: int, N: int, dev: torch.device):
         # padding rows: a valid chain tree whose nodes never match (-1 tokens)
@@ -140,22 +140,17 @@ class GreedyTreeGraphs:
                 (ar - 1).expand(Bb, N).contiguous(),
                 (ar.view(-1, 1) >= ar.view(1, -1)).expand(Bb, N, N).contiguous(),
                 (ar + 1).expand(Bb, N).contiguous())
+        from speculum.backends.torch import GraphPool
+        self._pool = self._pool or GraphPool()
         try:
-            s = torch.cuda.Stream(dev)
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(s):
-                for _ in range(2):  # kernels and allocator, outside the graph
-                    greedy_path(*bufs)
-            torch.cuda.current_stream(dev).wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = greedy_path(*bufs)
+            with torch.cuda.device(dev):
+                graph = self._pool.capture(lambda: greedy_path(*bufs))
         except Exception as exc:  # pragma: no cover - GPU only
             self.enabled = False
             log.warning("greedy tree verification stays eager: its CUDA graph capture failed (%s: %s)",
                         type(exc).__name__, exc)
             return None
-        self._graphs[(Bb, N, dev)] = (graph, bufs, outs)
+        self._graphs[(Bb, N, dev)] = (graph, bufs)
         return self._graphs[(Bb, N, dev)]
 
 

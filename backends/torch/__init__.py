@@ -7,7 +7,8 @@ checkpoint's tensors), and the native Llama runner's ``NativeRunner``, ``LlamaAr
 benchmarks). The draft-head building blocks are the public module
 :mod:`speculum.backends.torch.heads` (for plugins); what core's trainer needs of them is
 re-exported here: ``TargetParts``, ``TrainContext``, ``arch_from_config`` and
-``load_layer``. Everything else under this package (``native/``, ``graphs``...) is internal.
+``load_layer``; and what a verifier needs to replay its own work as a CUDA graph:
+``GraphPool`` and ``bucket``. Everything else under this package (``native/``, ``graphs``...) is internal.
 """
 
 from speculum.backends.torch.backend import TorchBackend, resolve_device, resolve_dtype
@@ -15,7 +16,8 @@ from speculum.backends.torch.hf_runner import HFRunner
 from speculum.hooks import hookimpl
 
 __all__ = ["TorchBackend", "HFRunner", "resolve_device", "resolve_dtype", "read_state_dict", "NativeRunner",
-           "LlamaArch", "random_native", "TargetParts", "TrainContext", "arch_from_config", "load_layer"]
+           "LlamaArch", "random_native", "TargetParts", "TrainContext", "arch_from_config", "load_layer",
+           "GraphPool", "bucket"]
 
 _LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
          "random_native": "speculum.backends.torch.native.weights",
@@ -24,7 +26,9 @@ _LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
          "TargetParts": "speculum.backends.torch.heads",
          "TrainContext": "speculum.backends.torch.heads",
          "arch_from_config": "speculum.backends.torch.heads",
-         "load_layer": "speculum.backends.torch.heads"}
+         "load_layer": "speculum.backends.torch.heads",
+         "GraphPool": "speculum.backends.torch.graphs",
+         "bucket": "speculum.backends.torch.graphs"}
 
 
 def __getattr__(name):  # the native model (and Triton on CUDA) load only when asked for

@@ -19,28 +19,41 @@ Outputs are the graph's own buffers: valid until its next replay.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 T = TypeVar("T")
 
+#: batch sizes a drafting or verification graph is captured for
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
+    """The smallest of ``buckets`` that holds ``n`` (``n`` itself past the largest)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return n
+
 
 class StaticGraph(Generic[T]):
     """A captured graph, its outputs and its metadata input with pinned staging buffers."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, out: T, meta: torch.Tensor, staging: int = 1):
+    def __init__(self, graph: torch.cuda.CUDAGraph, out: T, meta: torch.Tensor | None, staging: int = 1):
         self.graph = graph
         #: the outputs the function returned at capture (rewritten by each replay)
         self.out = out
-        #: the metadata vector the function reads (a static device buffer)
+        #: the metadata vector the function reads (a static device buffer), or None for a
+        #: function whose owner fills its input buffers itself
         self.meta = meta
+        staging = staging if meta is not None else 0
         self._host = [torch.zeros(meta.numel(), dtype=meta.dtype).pin_memory() for _ in range(staging)]
         self._done: list[torch.cuda.Event | None] = [None] * staging
         self._turn = 0
         #: the stream replays run on (looked up once: a lookup costs ~20 us of host time)
-        self._stream = torch.cuda.current_stream(meta.device) if meta.is_cuda else None
+        self._stream = torch.cuda.current_stream(meta.device) if meta is not None and meta.is_cuda else None
 
     def host(self) -> np.ndarray:
         """The next pinned staging buffer (a numpy view) to fill with a step's metadata;
@@ -71,11 +84,13 @@ class GraphPool:
     def __init__(self) -> None:
         self._pool = None
 
-    def capture(self, fn: Callable[[], T], meta: torch.Tensor, staging: int = 1, warmup: int = 2) -> StaticGraph[T]:
+    def capture(self, fn: Callable[[], T], meta: torch.Tensor | None = None, staging: int = 1,
+                warmup: int = 2) -> StaticGraph[T]:
         """Warm ``fn`` up ``warmup`` times on a side stream, then capture it (inference mode).
 
         ``fn`` reads its inputs from static buffers, among them ``meta``; the graph gets
         ``staging`` pinned host buffers for ``meta`` (more let the host run further ahead).
+        Without ``meta`` the caller copies into the buffers itself before each replay.
         """
         with torch.inference_mode():
             s = torch.cuda.Stream()

@@ -19,18 +19,18 @@ Drafting (:mod:`~speculum.backends.torch.heads.proposer`, :mod:`~speculum.backen
     and :class:`HeadTreeGraphs` are the static-shape (CUDA-graphed) greedy chain and tree
     drafting, :class:`HeadExpander` a head as a tree :class:`~speculum.proposers.tree.Expander`,
     :func:`head_topk` / :func:`greedy_tokens` a head's best tokens. :class:`GraphPool`,
-    :class:`StaticGraph` and :data:`BATCH_BUCKETS` capture a plugin's own static drafting
-    function the same way (Medusa's).
+    :class:`StaticGraph` and :func:`bucket` (the batch buckets of :data:`BATCH_BUCKETS`)
+    capture a plugin's own static drafting function the same way (Medusa's).
 
 Backend-neutral pieces stay in :mod:`speculum.proposers`: checkpoints
 (:mod:`speculum.proposers.head_checkpoint`) and tree builders (:mod:`speculum.proposers.tree`).
 The submodules are this package's layout, not its API: import from here.
 """
 
-from speculum.backends.torch.graphs import GraphPool, StaticGraph
+from speculum.backends.torch.graphs import BATCH_BUCKETS, GraphPool, StaticGraph, bucket
 from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
-from speculum.backends.torch.heads.graph import (BATCH_BUCKETS, HeadDraftGraphs, HeadExpander, HeadTreeGraphs,
-                                                 greedy_tokens, head_topk)
+from speculum.backends.torch.heads.graph import (HeadDraftGraphs, HeadExpander, HeadTreeGraphs, greedy_tokens,
+                                                 head_topk)
 from speculum.backends.torch.heads.layers import (HeadAttention, HeadDecoderLayer, RMSNorm, Rope, TrainContext,
                                                   arch_from_config, copy_weight, init_layer, layer_state, load_layer,
                                                   rope_cos_sin)
@@ -47,5 +47,5 @@ __all__ = [
     # drafting
     "ChainHead", "ChainHeadProposer", "TargetParts", "head_checkpoint_path", "pick_tokens", "target_weights",
     "HeadDraftGraphs", "HeadExpander", "HeadTreeGraphs", "greedy_tokens", "head_topk",
-    "BATCH_BUCKETS", "GraphPool", "StaticGraph",
+    "BATCH_BUCKETS", "GraphPool", "StaticGraph", "bucket",
 ]

@@ -34,21 +34,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from speculum.backends.torch.graphs import GraphPool, StaticGraph
+from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.kv import blocks_for
 from speculum.proposers.tree import StaticPlan, draft_tree, region_size, topk_logprobs
 from speculum.tree import TreeSpec, tree_ancestors, tree_attention_mask
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    return n
-
 
 def greedy_tokens(head, out: torch.Tensor) -> torch.Tensor:
     """The head's argmax token (target ids) for outputs [..., H]."""
@@ -144,7 +134,7 @@ class HeadDraftGraphs:
         R = len(seq_ids)
         for sid, n in zip(seq_ids, counts):
             alloc.allocate(sid, int(n) + self.extra)
-        Bb = _bucket(R, BATCH_BUCKETS)
+        Bb = bucket(R)
         need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
         nb = 1 << max(0, need - 1).bit_length()  # power-of-two block buckets
         meta_np = self._meta(seq_ids, tokens, counts, Bb, nb)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from speculum.backends.torch.graphs import GraphPool, StaticGraph
+from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.native.model import NativeLlama
 from speculum.interfaces import ForwardOutput
 from speculum.kv import PagedKVAllocator, blocks_for
@@ -28,14 +28,8 @@ from speculum.tree import TokenTree, columns_of, tree_attention_mask
 
 log = logging.getLogger(__name__)
 
+#: the target's batch buckets (finer than the drafting graphs': a verify graph is the big one)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    return n
 
 
 class NativeRunner:
@@ -180,7 +174,7 @@ class NativeRunner:
         B, q = token_ids.shape
         token_ids = token_ids.to(self.device)
         need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
-        nb = _bucket(max(need, 1), self._block_buckets)
+        nb = bucket(max(need, 1), self._block_buckets)
         pos, wsl, blk = (t.to(self.device, non_blocking=True) for t in self._host_meta(seq_ids, num_tokens, q, B, nb))
         read = self._read_slots(blk)
         mask = None
@@ -193,9 +187,9 @@ class NativeRunner:
 
     def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers, cols=None) -> ForwardOutput:
         B, q = token_ids.shape
-        Bb = _bucket(B, BATCH_BUCKETS)
+        Bb = bucket(B, BATCH_BUCKETS)
         need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
-        nb = _bucket(max(need, 1), self._block_buckets)
+        nb = bucket(max(need, 1), self._block_buckets)
         key = (Bb, q, nb, hidden_layers, cols is not None)
         graph, tree_bufs = self._graphs.get(key) or self._capture(key)
         # one pinned host buffer [ids | positions | write slots | block tables] per step,
@@ -257,7 +251,7 @@ class NativeRunner:
         for B in batch_sizes:
             for q, tree in shapes:
                 for nb in self._block_buckets[:max_block_buckets]:
-                    key = (_bucket(B, BATCH_BUCKETS), q, nb, tuple(hidden_layers), tree)
+                    key = (bucket(B, BATCH_BUCKETS), q, nb, tuple(hidden_layers), tree)
                     if key not in self._graphs:
                         self._capture(key)
                         n += 1

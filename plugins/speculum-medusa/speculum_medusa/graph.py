@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from speculum.backends.torch.heads import BATCH_BUCKETS, GraphPool, StaticGraph
+from speculum.backends.torch.heads import GraphPool, StaticGraph, bucket
 from speculum.proposers.tree import StaticPlan, draft_tree, topk_logprobs
 from speculum.tree import TreeSpec, tree_ancestors
 
@@ -69,7 +69,7 @@ class MedusaGraphs:
             if not self.use_graphs:
                 return self._draft(x)
             R = x.shape[0]
-            Bb = next((b for b in BATCH_BUCKETS if R <= b), R)
+            Bb = bucket(R)
             graph, buf = self._graphs.get(Bb) or self._capture(Bb, x.shape[-1], x.dtype)
             buf[:R].copy_(x)
             return graph.replay()[:R]
@@ -81,8 +81,7 @@ class MedusaGraphs:
         return tokens, parents, depth, anc.reshape(-1, N, N).bool()
 
     def _capture(self, Bb: int, H: int, dtype: torch.dtype) -> tuple[StaticGraph, torch.Tensor]:
-        buf = torch.zeros(Bb, H, dtype=dtype, device=self.device)
-        meta = torch.zeros(1, dtype=torch.int64, device=self.device)  # no metadata: the states are the input
-        entry = (self._pool.capture(lambda: self._draft(buf), meta), buf)
+        buf = torch.zeros(Bb, H, dtype=dtype, device=self.device)  # the input: filled before each replay
+        entry = (self._pool.capture(lambda: self._draft(buf)), buf)
         self._graphs[Bb] = entry
         return entry
