@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from speculum.tree import TreeSpec
+from speculum.tree import TreeSpec, tree_ancestors
 
 
 class Expander(Protocol):
@@ -171,3 +171,38 @@ def ex_device(ex) -> torch.device:
 def topk_logprobs(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, ids) of the ``width`` best tokens of logits [..., V]."""
     return logits.float().log_softmax(dim=-1).topk(width, dim=-1)
+
+
+def packed_tree(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """A drafted tree as one int64 tensor [R, 3N + N*N]: tokens, parents, depths and the
+    ancestor matrix (the output of a graphed drafting function: no tree bookkeeping is
+    left for the host). :func:`unpack_tree` reads it back."""
+    R, N = tokens.shape
+    anc = tree_ancestors(parents)
+    return torch.cat([tokens, parents, anc.sum(-1), anc.reshape(R, N * N).to(torch.int64)], dim=1)
+
+
+def unpack_tree(out: torch.Tensor, N: int):
+    """:func:`packed_tree`'s [R, 3N + N*N] -> tokens, parents, depths [R, N] and
+    ancestors [R, N, N] (bool)."""
+    tokens, parents, depth, anc = out.split([N, N, N, N * N], dim=1)
+    return tokens, parents, depth, anc.reshape(-1, N, N).bool()
+
+
+def tree_rows(B: int, N: int, rows: list[int], parts, device) -> tuple[torch.Tensor, ...]:
+    """(tokens, parents, depths, ancestors) of a batch of ``B`` rows of ``N`` nodes from
+    those of the drafting ``rows`` (``parts``, as :func:`unpack_tree` gives them; None
+    without rows); the other rows get no nodes (tokens -1, parents -1, depth 1, each node
+    its own only ancestor)."""
+    if len(rows) == B:  # every row drafted (the usual case): no scatter
+        return tuple(parts)
+    dev = device
+    full = (torch.full((B, N), -1, dtype=torch.int64, device=dev),
+            torch.full((B, N), -1, dtype=torch.int64, device=dev),
+            torch.ones(B, N, dtype=torch.int64, device=dev),
+            torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone())
+    if rows:
+        idx = torch.tensor(rows, device=dev)
+        for t, part in zip(full, parts):
+            t[idx] = part
+    return full

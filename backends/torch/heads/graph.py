@@ -37,8 +37,8 @@ import torch
 from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.kv import blocks_for
-from speculum.proposers.tree import StaticPlan, draft_tree, region_size, topk_logprobs
-from speculum.tree import TreeSpec, tree_ancestors, tree_attention_mask
+from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size, topk_logprobs
+from speculum.tree import TreeSpec, tree_attention_mask
 
 def greedy_tokens(head, out: torch.Tensor) -> torch.Tensor:
     """The head's argmax token (target ids) for outputs [..., H]."""
@@ -210,7 +210,7 @@ class HeadTreeGraphs(HeadDraftGraphs):
     """Static-shape tree drafting (see the module doc); same capture and replay as chains.
 
     ``run`` returns [R, 3N + N*N] int64: tokens, parents, depths and the ancestor matrix
-    of each row's tree (:meth:`unpack`)."""
+    of each row's tree (:func:`speculum.proposers.tree.unpack_tree`)."""
 
     def __init__(self, head, cache: HeadKVCache, tree: TreeSpec, dtype: torch.dtype, device: torch.device,
                  use_graphs: bool):
@@ -221,15 +221,6 @@ class HeadTreeGraphs(HeadDraftGraphs):
         self.plan = StaticPlan(tree, self.device) if tree.is_static else None
 
     def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
-        N = self.tree.num_nodes
         h, pos, rpos, rwsl, read, _ = self._catch_up(x, meta, Bb, nb, max(self.extra, 1))
         ex = HeadExpander(self.head, self.cache.pools, read, h, pos, rpos[:, 0], rwsl)
-        tokens, parents = draft_tree(ex, self.tree, self.plan)
-        anc = tree_ancestors(parents)
-        return torch.cat([tokens, parents, anc.sum(-1), anc.reshape(Bb, N * N).to(torch.int64)], dim=1)
-
-    def unpack(self, out: torch.Tensor):
-        """[R, 3N + N*N] -> tokens, parents, depths [R, N] and ancestors [R, N, N] (bool)."""
-        N = self.tree.num_nodes
-        tokens, parents, depth, anc = out.split([N, N, N, N * N], dim=1)
-        return tokens, parents, depth, anc.reshape(-1, N, N).bool()
+        return packed_tree(*draft_tree(ex, self.tree, self.plan))

@@ -43,7 +43,7 @@ from speculum.devices import on_device
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.head_checkpoint import find_shipped_head, read_config, shipped_names, target_fingerprint
-from speculum.proposers.tree import region_size
+from speculum.proposers.tree import region_size, tree_rows, unpack_tree
 from speculum.sampling import SamplingBatch, processed_probs, sample_rows
 from speculum.tree import TokenTree, TreeSpec
 
@@ -330,12 +330,7 @@ class ChainHeadProposer:
             self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
                 and self.pending[s.seq_id].shape[0] > 0]
-        lengths = [0] * B
-        if len(rows) < B:  # rows without a tree: no nodes
-            token_ids = torch.full((B, N), -1, dtype=torch.int64, device=dev)
-            parents = torch.full((B, N), -1, dtype=torch.int64, device=dev)
-            depth = torch.ones(B, N, dtype=torch.int64, device=dev)
-            anc = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
+        lengths, out = [0] * B, None
         if rows:
             sids = [seqs[b].seq_id for b in rows]
             feats = [self.pending[s] for s in sids]
@@ -354,16 +349,12 @@ class ChainHeadProposer:
                     self._run([sids[i] for i in over], x, t.to(dev), pre)
                 for i, n in zip(over, pre):
                     feats[i], toks[i], counts[i] = feats[i][n:], toks[i][n:], graphs.Q
-            out = graphs.unpack(graphs.run(sids, feats, toks, counts))
-            if len(rows) == B:  # every row drafted (the usual case): no scatter
-                token_ids, parents, depth, anc = out
-            else:
-                idx = on_device(rows, dev)
-                token_ids[idx], parents[idx], depth[idx], anc[idx] = out
+            out = unpack_tree(graphs.run(sids, feats, toks, counts), N)
             for s in sids:
                 self.pending[s] = None  # consumed: the cache now holds them
             for b in rows:
                 lengths[b] = N
+        token_ids, parents, depth, anc = tree_rows(B, N, rows, out, dev)
         tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
         return Draft(token_ids=token_ids, lengths=lengths, tree=tree)
 

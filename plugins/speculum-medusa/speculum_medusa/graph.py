@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from speculum.backends.torch.heads import GraphPool, StaticGraph, bucket
-from speculum.proposers.tree import StaticPlan, draft_tree, topk_logprobs
-from speculum.tree import TreeSpec, tree_ancestors
+from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, topk_logprobs
+from speculum.tree import TreeSpec
 
 
 class MedusaExpander:
@@ -58,10 +58,7 @@ class MedusaGraphs:
         """The static function: target states [Bb, H] -> drafts (see the module doc)."""
         if self.tree is None:
             return torch.stack([self.heads.logits(i, x).argmax(dim=-1) for i in range(self.k)], dim=1)
-        tokens, parents = draft_tree(MedusaExpander(self.heads, x), self.tree, self.plan)
-        anc = tree_ancestors(parents)
-        N = self.tree.num_nodes
-        return torch.cat([tokens, parents, anc.sum(-1), anc.reshape(-1, N * N).to(torch.int64)], dim=1)
+        return packed_tree(*draft_tree(MedusaExpander(self.heads, x), self.tree, self.plan))
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """Drafts of the rows of ``x`` [R, H] (graph outputs: valid until the next run)."""
@@ -73,12 +70,6 @@ class MedusaGraphs:
             graph, buf = self._graphs.get(Bb) or self._capture(Bb, x.shape[-1], x.dtype)
             buf[:R].copy_(x)
             return graph.replay()[:R]
-
-    def unpack(self, out: torch.Tensor):
-        """Tree output [R, 3N + N*N] -> tokens, parents, depths [R, N], ancestors [R, N, N] (bool)."""
-        N = self.tree.num_nodes
-        tokens, parents, depth, anc = out.split([N, N, N, N * N], dim=1)
-        return tokens, parents, depth, anc.reshape(-1, N, N).bool()
 
     def _capture(self, Bb: int, H: int, dtype: torch.dtype) -> tuple[StaticGraph, torch.Tensor]:
         buf = torch.zeros(Bb, H, dtype=dtype, device=self.device)  # the input: filled before each replay

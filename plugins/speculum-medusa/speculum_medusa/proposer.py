@@ -22,6 +22,7 @@ import torch
 from speculum.backends.torch.heads import TargetParts, head_checkpoint_path, pick_tokens
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
+from speculum.proposers.tree import tree_rows, unpack_tree
 from speculum.tree import TokenTree, TreeSpec
 from speculum_medusa.formats import load_medusa
 from speculum_medusa.graph import MedusaGraphs
@@ -92,42 +93,36 @@ class MedusaProposer:
         if self.tree is not None:
             return self._propose_tree(B, rows, x)
         sample = self.sample and not batch.sampling.all_greedy
+        probs = None
         if not sample and not batch.sampling.needs_processing and k <= self.graphs.k:
             drafts = self.graphs.run(x)[:, :k]  # a shorter step keeps a prefix of the heads' drafts
-            if len(rows) == B:
-                return Draft(token_ids=drafts, lengths=[k] * B)
-            token_ids[torch.tensor(rows, device=self.device)] = drafts
-            return Draft(token_ids=token_ids, lengths=[k if b in set(rows) else 0 for b in range(B)])
-        drafts, probs = [], []
-        with torch.inference_mode():
-            for i in range(k):
-                tok, p = pick_tokens(self.heads.logits(i, x), rows, batch.sampling, sample,
-                                     torch.stack(drafts, dim=1) if drafts else None)
-                drafts.append(tok)
-                probs.append(p)
+        else:
+            drafts, probs = [], []
+            with torch.inference_mode():
+                for i in range(k):
+                    tok, p = pick_tokens(self.heads.logits(i, x), rows, batch.sampling, sample,
+                                         torch.stack(drafts, dim=1) if drafts else None)
+                    drafts.append(tok)
+                    probs.append(p)
+            drafts, probs = torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if sample else None
+        in_rows = set(rows)
+        lengths = [k if b in in_rows else 0 for b in range(B)]
+        if len(rows) == B and probs is None:  # every row drafted (the usual case): no scatter
+            return Draft(token_ids=drafts, lengths=lengths)
         idx = torch.tensor(rows, device=self.device)
-        token_ids[idx] = torch.stack(drafts, dim=1)
+        token_ids[idx] = drafts
         q = None
-        if sample:
-            q = torch.zeros(B, k, probs[0].shape[-1], dtype=probs[0].dtype, device=self.device)
-            q[idx] = torch.stack(probs, dim=1)
-        lengths = [k if b in set(rows) else 0 for b in range(B)]
+        if probs is not None:
+            q = torch.zeros(B, k, probs.shape[-1], dtype=probs.dtype, device=self.device)
+            q[idx] = probs
         return Draft(token_ids=token_ids, probs=q, lengths=lengths)
 
     def _propose_tree(self, B: int, rows: list[int], x: torch.Tensor) -> Draft:
-        spec, dev = self.tree, self.device
+        spec = self.tree
         N = spec.num_nodes
-        tokens, parents, depth, anc = self.graphs.unpack(self.graphs.run(x))
-        if len(rows) < B:  # rows without a state yet: no nodes (parents -1, depth 1, only themselves)
-            idx = torch.tensor(rows, device=dev)
-            full = (torch.full((B, N), -1, dtype=torch.int64, device=dev),
-                    torch.full((B, N), -1, dtype=torch.int64, device=dev),
-                    torch.ones(B, N, dtype=torch.int64, device=dev),
-                    torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone())
-            for t, part in zip(full, (tokens, parents, depth, anc)):
-                t[idx] = part
-            tokens, parents, depth, anc = full
-        lengths = [N if b in set(rows) else 0 for b in range(B)]
+        tokens, parents, depth, anc = tree_rows(B, N, rows, unpack_tree(self.graphs.run(x), N), self.device)
+        in_rows = set(rows)
+        lengths = [N if b in in_rows else 0 for b in range(B)]
         tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
         return Draft(token_ids=tokens, lengths=lengths, tree=tree)
 
