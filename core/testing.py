@@ -217,6 +217,26 @@ def assert_static_draft_matches_eager(make_llm, spec: dict, prompts, params) -> 
         assert torch.equal(ids_a, ids_b)
 
 
+def graphed_vs_eager_drafts(target: Path, spec: dict, prompts, params, device: str = "cuda"):
+    """The same speculative engine with and without CUDA graphs (fp32, 4 sequences): both
+    outputs must equal plain decoding and the graphed engine must have captured a draft
+    graph. Returns ({False: eager engine, True: graphed engine}, per draft step whether the
+    two drafted the same tokens)."""
+    import torch
+
+    from speculum.engine import LLM
+    ref = LLM(str(target), device=device, dtype="float32", max_num_seqs=4).generate(prompts, params)
+    llms, runs = {}, {}
+    for graphs in (False, True):
+        llm = llms[graphs] = LLM(str(target), spec, device=device, dtype="float32", max_num_seqs=4,
+                                 cuda_graphs=graphs)
+        runs[graphs] = record_drafts(llm)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [r.token_ids for r in ref]
+    assert llms[True].proposer.graphs._graphs, "no draft graph was captured"
+    assert len(runs[False]) == len(runs[True])
+    return llms, [torch.equal(a[1].cpu(), b[1].cpu()) for a, b in zip(runs[False], runs[True])]
+
+
 # ------------------------------------------------------------------------- token trees
 #: tree configs for tests: dynamic (EAGLE-2), static, and a dynamic tree that is a chain
 TREE_CONFIGS = {

@@ -12,8 +12,8 @@ import importlib.util
 import pytest
 import torch
 
-from speculum import LLM, SamplingParams
-from speculum.testing import record_drafts, tiny_model_dir, train_tiny
+from speculum import SamplingParams
+from speculum.testing import graphed_vs_eager_drafts, tiny_model_dir, train_tiny
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -39,20 +39,9 @@ def heads(target, tmp_path_factory):
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_graphed_drafting_is_lossless_and_matches_eager(target, heads, method):
     spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
-    ref = LLM(str(target), device="cuda", dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
-    runs = {}
-    for graphs in (False, True):
-        llm = LLM(str(target), spec, device="cuda", dtype="float32", max_num_seqs=4, cuda_graphs=graphs)
-        assert (llm.proposer.graphs is not None) == graphs
-        seen = record_drafts(llm)
-        outs = llm.generate(PROMPTS, GREEDY)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-        runs[graphs] = seen
-        if graphs:
-            assert llm.proposer.graphs._graphs, "no draft graph was captured"
-    assert len(runs[False]) == len(runs[True])
-    same = sum(torch.equal(a[1].cpu(), b[1].cpu()) for a, b in zip(runs[False], runs[True]))
-    assert same >= 0.95 * len(runs[True])  # fp32 on GPU: padded shapes may flip a rare near-tie
+    llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
+    assert all((llms[g].proposer.graphs is not None) == g for g in (False, True))
+    assert sum(same) >= 0.95 * len(same)  # fp32 on GPU: padded shapes may flip a rare near-tie
 
 
 @pytest.mark.skipif(importlib.util.find_spec("speculum_medusa") is None, reason="needs speculum-medusa")
@@ -63,17 +52,6 @@ def test_graphed_medusa_drafting_is_lossless_and_matches_eager(target, tmp_path_
     from speculum.testing import TREE_CONFIGS
     head = train_tiny("medusa", target, tmp_path_factory.mktemp("medusa"), extra=("--num-heads", "3"))
     spec = {"method": "medusa", "model": str(head), **(TREE_CONFIGS[tree] if tree else {"num_speculative_tokens": 3})}
-    ref = LLM(str(target), device="cuda", dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
-    runs = {}
-    for graphs in (False, True):
-        llm = LLM(str(target), spec, device="cuda", dtype="float32", max_num_seqs=4, cuda_graphs=graphs)
-        assert llm.proposer.graphs.use_graphs == graphs
-        seen = record_drafts(llm)
-        outs = llm.generate(PROMPTS, GREEDY)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-        if graphs:
-            assert llm.proposer.graphs._graphs, "no draft graph was captured"
-        runs[graphs] = seen
-    assert len(runs[False]) == len(runs[True])
-    same = sum(torch.equal(a[1].cpu(), b[1].cpu()) for a, b in zip(runs[False], runs[True]))
-    assert same >= 0.95 * len(runs[True])
+    llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
+    assert all(llms[g].proposer.graphs.use_graphs == g for g in (False, True))
+    assert sum(same) >= 0.95 * len(same)

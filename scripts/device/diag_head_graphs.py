@@ -4,11 +4,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from speculum import LLM, SamplingParams  # noqa: E402
-from speculum.testing import record_drafts, tiny_model_dir, train_tiny  # noqa: E402
+from speculum import SamplingParams  # noqa: E402
+from speculum.testing import graphed_vs_eager_drafts, tiny_model_dir, train_tiny  # noqa: E402
 
 PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -19,13 +17,8 @@ head = train_tiny("eagle3", target, work / "w", extra=("--draft-vocab", "384"))
 
 def flags():
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
-    runs = {}
-    for graphs in (False, True):
-        llm = LLM(str(target), spec, device="cuda", dtype="float32", max_num_seqs=4, cuda_graphs=graphs)
-        seen = record_drafts(llm)
-        llm.generate(PROMPTS, GREEDY)
-        runs[graphs] = seen
-    return "".join("=" if torch.equal(a[1].cpu(), b[1].cpu()) else "x" for a, b in zip(runs[False], runs[True]))
+    _, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
+    return "".join("=" if s else "x" for s in same)
 
 
 print("fused:", flags(), flush=True)
