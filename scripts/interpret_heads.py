@@ -26,9 +26,7 @@ ref = LLM(str(target), device="cpu", dtype="float32", max_num_seqs=4).generate(P
 
 def run(spec, fused):
     if fused:
-        rule = lambda t, *o: not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (t, *o)))
-        kernels.use_triton = rule
-        attention.use_triton = rule
+        kernels.use_triton = attention.use_triton = lambda t, *others: not kernels.wants_grad(t, *others)
     llm = LLM(str(target), spec, device="cpu", dtype="float32", max_num_seqs=4)
     seen = record_drafts(llm)
     outs = llm.generate(PROMPTS, GREEDY)

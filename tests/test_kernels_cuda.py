@@ -25,8 +25,7 @@ DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     if INTERPRET:  # the kernels on CPU tensors, with the same rule about gradients
-        monkeypatch.setattr(kernels, "use_triton", lambda t, *others: not (
-            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (t, *others))))
+        monkeypatch.setattr(kernels, "use_triton", lambda t, *others: not kernels.wants_grad(t, *others))
 
 
 def _gen(seed: int) -> torch.Generator:

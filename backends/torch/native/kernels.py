@@ -112,13 +112,16 @@ if triton is not None:
         tl.store(out_ptr + row * N + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
 
 
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on ``tensors`` (None entries ignored)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
 def use_triton(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """The fused kernel for ``t`` (and the other inputs ``others``): on CUDA, and only where
     no gradient is wanted (the kernels have no backward: a head trained through one would
     silently freeze the weights before it)."""
-    if triton is None or not t.is_cuda:
-        return False
-    return not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (t, *others)))
+    return triton is not None and t.is_cuda and not wants_grad(t, *others)
 
 
 def add_rmsnorm(x, residual, weight, eps):
