@@ -58,26 +58,23 @@ def main() -> int:
     chats = [[{"role": "user", "content": r["prompt"]}] for r in rows[: args.num_prompts]]
     outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=args.max_tokens))
     runner = llm.target  # teacher-forced states from the engine's own target (idle between calls)
-
-    def prefill(tokens):
-        out = runner.add(10**9 + len(counts), tokens, hidden_layers=(-1,))
-        runner.remove(10**9 + len(counts))
-        return out
     counts: Counter = Counter()
     positions = 0
-    for o in outs:
+    for n, o in enumerate(outs):
         toks = list(o.prompt_token_ids) + list(o.token_ids)
         P = len(o.prompt_token_ids)
-        h = prefill(toks)[-1]  # [len, H]: h[t] produced toks[t + 1]
-        with torch.inference_mode():
-            logits = torch.stack([heads.logits(i, h) for i in range(D)])  # [D, len, V]
+        sid = 10**9 + n  # ids past the engine's own requests
+        h = runner.add(sid, toks, hidden_layers=(-1,))[-1]  # [len, H]: h[t] produced toks[t + 1]
+        runner.remove(sid)
+        with torch.inference_mode():  # the heads on the answer's states only: [D, len - P + 1, V]
+            logits = torch.stack([heads.logits(i, h[P - 1:]) for i in range(D)])
         for t in range(P - 1, len(toks) - 2):  # states inside the answer with a token 2 ahead
             ranks = []
             for i in range(D):
                 j = t + i + 2
                 if j >= len(toks):
                     break
-                row = logits[i, t]
+                row = logits[i, t - P + 1]
                 r = int((row > row[toks[j]]).sum())
                 if r >= args.max_rank:
                     break
