@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculum.backends.torch.native.arch import LlamaArch
-from speculum.backends.torch.native.kernels import add_rmsnorm, rotate_half
+from speculum.backends.torch.native.kernels import add_rmsnorm, apply_rope
 from speculum.backends.torch.native.model import MLP, rope_inv_freq
 from speculum.errors import ConfigError
 
@@ -123,7 +123,7 @@ def rope_qkv(qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor, 
     B, q, _ = qkv.shape
     qh, kh, vh = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
     qh, kh = qh.reshape(B, q, nq, d), kh.reshape(B, q, nkv, d)
-    return qh * cos + rotate_half(qh) * sin, kh * cos + rotate_half(kh) * sin, vh.reshape(B, q, nkv, d)
+    return apply_rope(qh, cos, sin), apply_rope(kh, cos, sin), vh.reshape(B, q, nkv, d)
 
 
 class HeadDecoderLayer(nn.Module):

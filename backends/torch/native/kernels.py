@@ -27,6 +27,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [..., D] (``cos``/``sin`` broadcast to it)."""
+    return x * cos + rotate_half(x) * sin
+
+
 def rmsnorm_torch(x, weight, eps):
     dtype = x.dtype
     x32 = x.float()
@@ -43,8 +48,7 @@ def add_rmsnorm_torch(x, residual, weight, eps):
 def rope_write_kv_torch(q, k, v, cos, sin, write_slots, k_pool, v_pool):
     """q: [B, t, Hq, D], k/v: [B, t, Hkv, D], cos/sin: [B, t, 1, D]; returns roped q."""
     B, t, nkv, d = k.shape
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pool.index_copy_(0, write_slots.reshape(-1), k.reshape(B * t, nkv, d))
     v_pool.index_copy_(0, write_slots.reshape(-1), v.reshape(B * t, nkv, d))
     return q
