@@ -25,20 +25,21 @@ fi
 . scripts/device/common.sh
 B="speculum bench offline --model $M --dtype bfloat16 --max-tokens 256"
 K='"num_speculative_tokens":4'
-# the shipped heads, or with HEADS=/tmp/tr those train_heads.sh just trained
-mdl() { [ -n "$HEADS" ] && echo ",\"model\":\"$HEADS/$1\""; }
+# the shipped heads, or with HEADS=/tmp/tr those train_heads.sh just trained (a method with no
+# folder there, e.g. after METHODS=eagle3, keeps its shipped head)
+mdl() { [ -n "$HEADS" ] && [ -d "$HEADS/$1" ] && echo ",\"model\":\"$HEADS/$1\""; }
 chain() { echo "{\"method\":\"$1\"$(mdl $1),$K}"; }
 tree() { echo "{\"method\":\"$1\"$(mdl $1),\"tree_topk\":$2,\"tree_depth\":$3,\"num_draft_tokens\":$4}"; }
 # the best tree of a method from the sweep (fallback: top-8, depth 6 (medusa: 4), 32 tokens)
 best() {
   python3 - "$1" "$HEADS" <<'EOF'
-import json, sys
+import json, os, sys
 m, heads = sys.argv[1], sys.argv[2]
 try:
     best = json.load(open("/tmp/trees_best.json"))[m]
 except (OSError, KeyError):
     best = {"method": m, "tree_topk": 8, "tree_depth": 4 if m == "medusa" else 6, "num_draft_tokens": 32}
-    if heads:
+    if heads and os.path.isdir(f"{heads}/{m}"):
         best["model"] = f"{heads}/{m}"
 print(json.dumps(best))
 EOF
