@@ -12,6 +12,7 @@ cat "$PARTS"/heads.tar.part_* | tar x -C "$DST"
 N=smollm2-135m-instruct
 install() {  # method dir plugin-folder files...
   local src="$DST/$1" dst="plugins/$2/heads/$1-$N"
+  [ -d "$src" ] || { echo "$1: not in this run (METHODS=...): the shipped head stays"; return 0; }
   mkdir -p "$dst"
   rm -f "$dst"/*
   cp "$src"/config.json "$dst"/
