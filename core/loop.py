@@ -23,7 +23,9 @@ detokenisation, the engine's outputs and scheduling, the next sampling batch) th
 while the GPU computes the next forward. The next step uses that forward when it runs the
 same sequences (less any that finished) without drafts; otherwise (a request joined, was
 aborted or preempted, or drafts resume) the forward is dropped and its KV position
-truncated, and the step runs its own. While requests wait for admission the engine asks
+truncated, and the step runs its own. A head's plain steps (a policy that switched drafting
+off) run ahead too: the hidden states it still reads are copied before the next forward
+overwrites the runner's output buffers. While requests wait for admission the engine asks
 for nothing to run ahead (the next batch would likely differ). Sampling is untouched (it
 happens in step order on the host's call), so outputs are identical with and without
 overlap. A speculative step at a fixed k with greedy rows drafts the next step and
@@ -228,6 +230,7 @@ class DraftVerifyLoop:
         if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
             self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
         if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
+            out = _keep_states(out)
             self._run_ahead(seqs, verdict.token_ids[:, :1])
         both = to_host()
         accepted = [r[0] for r in both]
@@ -331,8 +334,10 @@ class DraftVerifyLoop:
     # -- overlap (see the module doc) -----------------------------------------------------
     def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict) -> bool:
         """Whether the next step is a plain decode of these rows whose forward may start now:
-        no row will draft, no hidden states or logprobs are read from this step's outputs
-        (the next forward overwrites them), no row failed.
+        no row will draft, no logprobs are read from this step's logits (the next forward
+        overwrites them), no row failed. Hidden states a head still reads are copied first
+        (:func:`_keep_states`): a head's plain steps (``"auto"`` or a schedule switching
+        drafting off under load) overlap as decoding without speculation does.
 
         Under a length policy that varies k (``"auto"``, a batch-size schedule) the next
         step's k is chosen before this decision (:meth:`_choose_next`), so rows that may
@@ -344,8 +349,8 @@ class DraftVerifyLoop:
         else:  # a policy whose k does not vary (a schedule giving every batch size one k: maybe 0)
             next_k = self.k if self.length.varies else self._policy_k(seqs)
         may_draft = next_k and any(s.speculative and self._cap(s) for s in seqs)
-        return (not failed_rows and not self.hidden_layers
-                and not any(s.params.logprobs is not None for s in seqs) and not may_draft)
+        return (not failed_rows and not any(s.params.logprobs is not None for s in seqs)
+                and not may_draft)
 
     def _may_plan_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step's drafts may be made now, before the engine's bookkeeping:
@@ -630,6 +635,16 @@ class _Ahead:
     out: ForwardOutput
     plan: _Plan | None = None
     k_step: int = 0
+
+
+def _keep_states(out: ForwardOutput) -> ForwardOutput:
+    """``out`` with its hidden states copied: a runner replaying CUDA graphs returns views of
+    its static output buffers, which the next forward (launched ahead, before the head reads
+    them in :meth:`DraftVerifyLoop._observe`) overwrites. The copies are queued first on the same
+    stream, so they read this step's values. [B, 1, H] per layer: a few kernels."""
+    if not out.hidden_states:
+        return out
+    return ForwardOutput(logits=out.logits, hidden_states={l: h.clone() for l, h in out.hidden_states.items()})
 
 
 def _to_host(verdict: Verdict, bad: torch.Tensor):

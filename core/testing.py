@@ -107,6 +107,24 @@ def record_drafts(llm) -> list:
     return seen
 
 
+def static_output_buffers(runner) -> None:
+    """Make ``runner.forward`` return its hidden states in buffers it reuses, one per shape
+    (as a runner replaying CUDA graphs does): on a CPU, what a caller reads after the next
+    forward then shows whether it copied them first."""
+    from speculum.interfaces import ForwardOutput
+    inner, buffers = runner.forward, {}
+
+    def forward(seq_ids, inputs, num_tokens, hidden_layers=(), **kw):
+        out = inner(seq_ids, inputs, num_tokens, hidden_layers, **kw)
+        states = {}
+        for layer, h in out.hidden_states.items():
+            buf = buffers.setdefault((layer, tuple(h.shape)), torch.empty_like(h))
+            states[layer] = buf.copy_(h)
+        return ForwardOutput(logits=out.logits, hidden_states=states)
+
+    runner.forward = forward
+
+
 class PrefillHidden:
     """Target hidden states of whole sequences from a fresh prefill (for rollback tests)."""
 

@@ -262,6 +262,11 @@ def test_bench_labels_step_profile_and_report(tiny_llama, tmp_path, capsys):
         "eagle(tree4x5/16)"
     assert method_name({"method": "medusa", "speculative_token_tree": [[0], [1], [0, 0]]}) == "medusa(static3)"
     assert method_name({"method": "eagle", "num_speculative_tokens": 4}) == "eagle(k=4)"
+    # a tree and the same tree under "auto" (the batch-16 benchmark runs both): two names
+    assert method_name({"method": "eagle", "tree_topk": 8, "tree_depth": 4, "num_draft_tokens": 32,
+                        "num_speculative_tokens_per_batch_size": "auto"}) == "eagle(tree8x4/32,auto)"
+    assert method_name({"method": "ngram", "num_speculative_tokens": 4,
+                        "num_speculative_tokens_per_batch_size": {"1-8": 4}}) == "ngram(k=4,by batch)"
     llm = LLM(str(tiny_llama), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
               device="cpu", dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
     prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5]}, {"prompt_token_ids": [9, 10]}]

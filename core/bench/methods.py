@@ -90,9 +90,11 @@ def method_name(config: dict | None, resolved_method: str | None = None) -> str:
     from speculum.tree import tree_from_config
     tree = tree_from_config(config.get("speculative_token_tree"), config.get("tree_topk"), config.get("tree_depth"),
                             config.get("num_draft_tokens"))
+    sched = config.get("num_speculative_tokens_per_batch_size")
+    how = "" if sched is None else ",auto" if sched == "auto" else ",by batch"  # two columns never share a name
     if tree is not None:
-        return f"{method}({tree.label()})"
-    return f"{method}(k={config.get('num_speculative_tokens')})"
+        return f"{method}({tree.label()}{how})"
+    return f"{method}(k={config.get('num_speculative_tokens')}{how})"
 
 
 def _sync(device) -> None:

@@ -20,7 +20,7 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
                               assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_drafts, record_trees,
-                              run_with_an_abort_and_a_join, tiny_model_dir, train_tiny, assert_training_starts_from)
+                              run_with_an_abort_and_a_join, static_output_buffers, tiny_model_dir, train_tiny, assert_training_starts_from)
 from speculum_eagle.formats import (default_aux_ids, detect, eagle1_state, eagle3_state, load_eagle1, load_eagle3,
                                     save_eagle1, save_eagle3)
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -201,13 +201,19 @@ def test_rolled_back_head_cache_drafts_like_a_fresh_prefill(target, trained, met
     drafts = record_drafts(llm)
     llm.generate(PROMPTS, GREEDY)
     assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+    assert not fresh_mismatches(llm, target, drafts)
+
+
+def fresh_mismatches(llm, target, drafts) -> list:
+    """The recorded drafts (``record_drafts``) that differ from a fresh head's, given each
+    sequence's tokens at once (target states by prefill): its steps' drafts, indices."""
     proposer = llm.proposer
     prefill = PrefillHidden(target, proposer.hidden_layers)
     fresh = ChainHeadProposer(proposer.head, proposer.hidden_layers, type(proposer.cache)(
         "fresh", proposer.head.num_layers, proposer.head.num_kv_heads, proposer.head.head_dim, torch.float32,
         "cpu", 256))
-    sid = 10_000
-    for rows, live in drafts:
+    sid, bad = 10_000, []
+    for i, (rows, live) in enumerate(drafts):
         views = []
         for toks in rows:
             sid += 1
@@ -215,9 +221,11 @@ def test_rolled_back_head_cache_drafts_like_a_fresh_prefill(target, trained, met
             fresh.add_request(views[-1], hidden_states=prefill(toks[:-1]))
         sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
         d = fresh.propose(ProposeBatch(views, 3, sampling))
-        assert d.token_ids.tolist() == live.tolist()
+        if d.token_ids.tolist() != live.tolist():
+            bad.append(i)
         for v in views:
             fresh.remove_request(v.seq_id)
+    return bad
 
 
 def test_cache_is_truncated_to_the_accepted_positions(target, trained):
@@ -357,6 +365,78 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
     assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
     _, drafts_bad, acc_bad, _ = run(True, rewind=False)
     assert (drafts_bad, acc_bad) != (drafts_off, acc_off)
+
+
+def record_observed_states(llm) -> list:
+    """Wrap the proposer's ``observe``; returns the list it appends (sequence tokens then,
+    first position the states stand for, {layer: [n, H]}) to, per observed row."""
+    seen, inner = [], llm.proposer.observe
+
+    def observe(fb):
+        running = {s.seq_id: s for s in llm.scheduler.running}
+        for b, (sid, a, n) in enumerate(zip(fb.seq_ids, fb.num_accepted, fb.new_lengths)):
+            # the states of the step's inputs: the old last token (position n - a - 2) and the accepted drafts
+            seen.append((list(running[sid].token_ids), n - a - 2,
+                         {l: h[b, : a + 1].clone() for l, h in fb.hidden_states.items()}))
+        inner(fb)
+
+    llm.proposer.observe = observe
+    return seen
+
+
+def wrong_states(target, layers, seen) -> list:
+    """Indices of the ``record_observed_states`` rows whose states are not the target's at
+    those positions (a fresh prefill of the sequence's tokens)."""
+    prefill, bad = PrefillHidden(target, layers), []
+    for i, (tokens, first, states) in enumerate(seen):
+        truth = prefill(tokens[:-1])
+        for layer, h in states.items():
+            if not torch.allclose(h, truth[layer][first: first + h.shape[0]], atol=1e-4, rtol=1e-4):
+                bad.append(i)
+                break
+    return bad
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_plain_steps_of_a_head_run_ahead_and_the_head_keeps_up(target, trained, method):
+    """A schedule that switches drafting off at 3-4 rows (as "auto" does under load): those
+    plain steps run the next forward ahead like decoding without speculation, although the
+    head still reads each step's hidden states (they join its backlog). The runner reuses
+    its output buffers, as CUDA graphs do, so a state read after the forward run ahead would
+    be the next step's. Outputs equal plain decoding and a run without overlap; most plain
+    steps ran ahead; every state the head observed is the target's at its position (a fresh
+    prefill); every step's drafts are a fresh head's given each sequence's tokens at once.
+    The wrong variant (the states not copied before the forward run ahead) hands the head
+    the next step's states."""
+    import speculum.loop as loop_mod
+    spec = {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": {"1-2": 3, "3-64": 0}}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
+
+    def run(overlap: bool):
+        llm = make_llm(target, spec, max_num_seqs=4)
+        llm.loop.overlap = overlap
+        static_output_buffers(llm.loop.target)
+        drafts, states = record_drafts(llm), record_observed_states(llm)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return outs, drafts, states, llm
+
+    on, drafts, states, llm = run(True)
+    assert on == run(False)[0] == [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params)]
+    loop, layers = llm.loop, llm.proposer.hidden_layers
+    assert loop.k_counts[0] > 10 and loop.ahead_used >= 0.8 * loop.k_counts[0], (loop.k_counts, loop.ahead_used)
+    assert len(drafts) > 10 and llm.stats.num_accepted_tokens > 0
+    assert len(states) > 50 and not wrong_states(target, layers, states)
+    assert not fresh_mismatches(llm, target, drafts)
+    keep = loop_mod._keep_states
+    loop_mod._keep_states = lambda out: out
+    try:
+        bad, _, bad_states, _ = run(True)
+    finally:
+        loop_mod._keep_states = keep
+    assert bad == on  # lossless still (the target verifies), but the head was misled
+    assert len(wrong_states(target, layers, bad_states)) > 20
 
 
 # ------------------------------------------------------------------ "ngram+<head>"
