@@ -31,6 +31,11 @@ def is_tree(row: dict) -> bool:
     return "tree_topk" in c or "speculative_token_tree" in c
 
 
+def scheduled(row: dict) -> bool:
+    """A config whose k follows a schedule or "auto" (the batch-16 part runs each tree that way too)."""
+    return "num_speculative_tokens_per_batch_size" in (row.get("config") or {})
+
+
 def budget(row: dict) -> int:
     """Tokens the target verifies per step (SGLang's num_draft_tokens; chain: k + 1)."""
     c = row.get("config") or {}
@@ -91,11 +96,15 @@ def category_table(rep: dict) -> str:
 def verdicts(rep: dict) -> str:
     """Per method: best tree vs chain, against the targets."""
     rows = rep["results"]
-    out = ["| method | chain MAL | tree | tree MAL | MAL gain | chain tok/s | tree tok/s | tree/chain | targets |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ar = rows[0]["total"]["tokens_per_s"]
+    autos = any(scheduled(r) for r in rows)
+    out = ["| method | chain MAL | tree | tree MAL | MAL gain | chain tok/s | tree tok/s | tree/chain | targets |"
+           + (" tree, auto: tok/s (x AR) |" if autos else ""),
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if autos else "")]
     for m in dict.fromkeys(method_of(r) for r in rows[1:]):
-        chains = [r for r in rows if method_of(r) == m and not is_tree(r)]
-        trees = [r for r in rows if method_of(r) == m and is_tree(r)]
+        chains = [r for r in rows if method_of(r) == m and not is_tree(r) and not scheduled(r)]
+        trees = [r for r in rows if method_of(r) == m and is_tree(r) and not scheduled(r)]
+        auto = [r for r in rows if method_of(r) == m and scheduled(r)]
         if not chains or not trees:
             continue
         c = chains[0]["total"]
@@ -105,7 +114,9 @@ def verdicts(rep: dict) -> str:
         speed = t["tokens_per_s"] / c["tokens_per_s"]
         ok = "met" if gain >= 0.5 and speed > 1 else "NOT met"
         out.append(f"| {m} | {f(c['mean_acceptance_length'])} | {best['method']} | {f(t['mean_acceptance_length'])} | "
-                   f"{gain:+.2f} | {c['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | {speed:.2f} | {ok} |")
+                   f"{gain:+.2f} | {c['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | {speed:.2f} | {ok} |"
+                   + (f" {auto[0]['total']['tokens_per_s']:.0f} ({auto[0]['total']['tokens_per_s'] / ar:.2f}x) |"
+                      if auto else " - |" if autos else ""))
     return "\n".join(out)
 
 
@@ -128,8 +139,8 @@ def figure(rep: dict, path: str) -> None:
     ar = rows[0]["total"]["tokens_per_s"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, m in enumerate(dict.fromkeys(method_of(r) for r in rows[1:])):
-        trees = sorted((r for r in rows if method_of(r) == m and is_tree(r)), key=budget)
-        chains = [r for r in rows if method_of(r) == m and not is_tree(r)]
+        trees = sorted((r for r in rows if method_of(r) == m and is_tree(r) and not scheduled(r)), key=budget)
+        chains = [r for r in rows if method_of(r) == m and not is_tree(r) and not scheduled(r)]
         color = f"C{i}"
         if trees:
             xs = [budget(r) for r in trees]
