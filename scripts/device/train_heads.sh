@@ -6,10 +6,10 @@
 #     (INIT_FROM_SHIPPED=1: each head starts from the one shipped for it, --init-from, so that
 #     sessions add up; carry the heads' folders)
 #     (the draft's shape from /tmp/draft_shapes.json when draft_shapes.sh ran in this warm session);
-#     (DATA_ONLY=1: stop after step 1, the answers into $OUT as answers.tar: a data call, whose
+#     (DATA_ONLY=1: stop after step 1, the answers into $OUT as answers.tar.part_* (15 MiB parts): a data call, whose
 #     answers a training call carries back in as ANSWERS, so training gets the whole call)
 #  3. heads, reports, logs and training curves into $OUT as tar parts of 15 MiB (the draft's
-#     weights left out when they do not fit), and the answers alone (answers.tar: token ids, no
+#     weights left out when they do not fit), and the answers alone (answers.tar.part_*: token ids, no
 #     hidden states) for a later call to carry back in as ANSWERS=<folder> (states recomputed
 #     by prefill, generation continuing where the answers stop).
 . scripts/device/common.sh
@@ -39,7 +39,7 @@ export_answers() {  # the answers alone (token ids, no hidden states: megabytes)
   tar cf /tmp/answers.tar -C /tmp answers
 }
 if [ "${DATA_ONLY:-0}" = 1 ]; then  # a data call: the answers come back, training is another call's
-  export_answers && mv /tmp/answers.tar $OUT/ && cp $TR/data.log $OUT/ && ls -la $OUT
+  export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/ && ls -la $OUT
   exit 0
 fi
 TL=$(( BUDGET - ($(date +%s) - T0) - RESERVE ))
@@ -80,7 +80,7 @@ if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
     $METHODS *.log *.json
 fi
 if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tar) )) -le $LIMIT ]; then
-  mv /tmp/answers.tar $OUT/
+  split -b 15M /tmp/answers.tar $OUT/answers.tar.part_  # a file coming back from a call may hold 16 MiB
 else
   echo "the answers ($(stat -c %s /tmp/answers.tar) bytes) do not fit beside the heads: left in /tmp/answers.tar"
 fi
