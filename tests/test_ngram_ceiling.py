@@ -43,3 +43,20 @@ def test_the_command_replays_saved_answers(tmp_path, capsys):
     rows = json.loads(out.read_text())["replay"]
     assert [(r["n_min"], r["n_max"], r["k"]) for r in rows] == [(2, 5, 2), (1, 5, 2), (3, 5, 2), (2, 8, 2)]
     assert "tokens/forward" in capsys.readouterr().out
+
+
+def test_tree_replay_takes_the_longest_path_of_several_continuations(tmp_path):
+    mod = _module()
+    # "1 2" occurred twice, followed by 3 then by 4: the chain drafts the latest (4 ...), the
+    # answer goes on with 3 7: a tree of both continuations accepts [3, 7]
+    data = [{"category": "x", "prompt": [1, 2, 3, 7, 0, 1, 2, 4, 5, 0, 1, 2], "output": [3, 7, 9]}]
+    assert mod.continuations(data[0]["prompt"], 2, 5, 2, 4) == [(4, 5), (3, 7)]
+    chain = mod.replay(data, 2, 5, 2)
+    assert (chain["steps"], chain["tokens"]) == (2, 3)  # [4, 5] rejected; then "2 3" drafts [7, 0]: 7, 9
+    tree = mod.replay_tree(data, 2, 5, 2, 4, 32)
+    assert (tree["steps"], tree["tokens"]) == (1, 3) and tree["mean_nodes"] == 4
+    # one candidate and the chain agree; a budget of 3 nodes keeps only the first path
+    one = mod.replay_tree(data, 2, 5, 2, 1, 32)
+    assert (one["steps"], one["tokens"]) == (chain["steps"], chain["tokens"])
+    assert mod.replay_tree(data, 2, 5, 2, 4, 3)["steps"] == 2
+    assert mod.trie_nodes([(1, 2), (1, 3), (4,)]) == 4
