@@ -267,6 +267,8 @@ def test_bench_labels_step_profile_and_report(tiny_llama, tmp_path, capsys):
                         "num_speculative_tokens_per_batch_size": "auto"}) == "eagle(tree8x4/32,auto)"
     assert method_name({"method": "ngram", "num_speculative_tokens": 4,
                         "num_speculative_tokens_per_batch_size": {"1-8": 4}}) == "ngram(k=4,by batch)"
+    assert method_name({"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1,
+                        "prompt_lookup_max": 5}) == "ngram(k=6,n=1-5)"
     llm = LLM(str(tiny_llama), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
               device="cpu", dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
     prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5]}, {"prompt_token_ids": [9, 10]}]

@@ -92,6 +92,9 @@ def method_name(config: dict | None, resolved_method: str | None = None) -> str:
                             config.get("num_draft_tokens"))
     sched = config.get("num_speculative_tokens_per_batch_size")
     how = "" if sched is None else ",auto" if sched == "auto" else ",by batch"  # two columns never share a name
+    lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+    if lo is not None or hi is not None:
+        how = f",n={lo if lo is not None else ''}-{hi if hi is not None else ''}{how}"
     if tree is not None:
         return f"{method}({tree.label()}{how})"
     return f"{method}(k={config.get('num_speculative_tokens')}{how})"
