@@ -435,3 +435,42 @@ def assert_trees_follow_reference(seen: list, spec, topk_for, every: int = 3) ->
             assert tree_token_paths(tokens[b], parents[b]) == want, f"tree after {len(toks)} tokens"
             n += 1
     return n
+
+
+def truth_table(prompts: list[dict], outputs: list[list[int]]) -> dict:
+    """{(prompt ids, output so far): the rest of the output + 4 zeros}: what an oracle drafts from."""
+    truth = {}
+    for p, r in zip(prompts, outputs):
+        for i in range(len(r) + 1):
+            truth[(tuple(p["prompt_token_ids"]), tuple(r[:i]))] = list(r[i:]) + [0] * 4
+    return truth
+
+
+class TreeOracle:
+    """A tree proposer for tests (register it through a plugin): a static tree of six nodes
+    (:attr:`PATHS`, for ``speculative_token_tree``) whose branch through node 0 (odd calls:
+    nodes 0, 2, 5) or node 1 (even calls: nodes 1, 4) holds the reference output's next
+    tokens (:func:`truth_table`), its other nodes wrong tokens."""
+
+    PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    PARENTS = [-1, -1, 0, 0, 1, 2]
+    supports_trees = True
+    kv_lookahead = 0
+
+    def __init__(self, truth: dict, vocab_size: int = 512):
+        self.truth, self.vocab, self.i = truth, vocab_size, 0
+
+    def propose(self, batch):
+        from speculum.interfaces import Draft
+        from speculum.tree import TokenTree
+        rows = []
+        for s in batch.seqs:
+            self.i += 1
+            f = self.truth[(tuple(s.token_ids[:s.num_prompt_tokens]), tuple(s.token_ids[s.num_prompt_tokens:]))]
+            w = [(t + 1) % self.vocab for t in f]
+            rows.append([f[0], w[0], f[1], w[1], w[1], f[2]] if self.i % 2 else [w[0], f[0], w[1], w[1], f[1], w[2]])
+        parents = torch.tensor([self.PARENTS] * len(rows), dtype=torch.int64)
+        return Draft(token_ids=torch.tensor(rows, dtype=torch.int64), tree=TokenTree(parents, max_depth=3, max_children=2))
+
+    def observe(self, feedback) -> None:
+        pass

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from speculum import LLM, Draft, SamplingParams, hookimpl
+from speculum.testing import TreeOracle, truth_table
 from speculum.backends.torch.native.invariant import linear_torch, paged_attention_torch
 from speculum.errors import ConfigError
 from speculum.verifiers import exact_match_sample, keyed_exponentials
@@ -49,7 +50,7 @@ def test_greedy_identical_with_every_method_and_batch(tiny_llama, tiny_llama_dra
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     base = LLM(str(tiny_llama), device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=1)
     assert base.target.model.batch_invariant
-    assert not base.target.supports_trees and "batch-invariant" in base.target.tree_fix  # chains only
+    assert base.target.supports_trees  # a tree query reads its own slot table (no mask)
     ref = [o.token_ids for o in base.generate(PROMPTS, params)]
     plain = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=1)
     assert [o.token_ids for o in plain.generate(PROMPTS, params)] == ref  # fp32: the modes agree too
@@ -89,11 +90,7 @@ def test_seeded_sampling_same_tokens_with_and_without_speculation(tiny_llama):
     base = LLM(str(tiny_llama), device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=1)
     assert type(base.verifier).__name__ == "ExactMatchVerifier"
     ref = [o.token_ids for o in base.generate(PROMPTS, params)]
-    truth = {}
-    for p, r in zip(PROMPTS, ref):
-        for i in range(len(r) + 1):
-            truth[(tuple(p["prompt_token_ids"]), tuple(r[:i]))] = r[i:] + [0] * 4
-    oracle = Oracle(truth)
+    oracle = Oracle(truth_table(PROMPTS, ref))
 
     class Plugin:
         @hookimpl
@@ -105,6 +102,51 @@ def test_seeded_sampling_same_tokens_with_and_without_speculation(tiny_llama):
     out = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert out == ref
     assert llm.stats.num_accepted_tokens > 20  # drafts were accepted, not just rejected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_trees_give_the_tokens_of_plain_decoding(tiny_llama, temperature, monkeypatch):
+    """Batch-invariant mode with token trees (each tree query reads its own slot table; the
+    verifier keys each node's sample by its depth): greedy and seeded sampled outputs equal
+    plain batch-invariant decoding, with drafts accepted along either branch. The wrong
+    variant (noise keyed by the node's column, as a chain's would be) changes tokens."""
+    import speculum.verifiers.exact as exact
+    params = SamplingParams(temperature=temperature, max_tokens=32, ignore_eos=True, seed=11)
+    base = LLM(str(tiny_llama), device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=1)
+    ref = [o.token_ids for o in base.generate(PROMPTS, params)]
+    oracle = TreeOracle(truth_table(PROMPTS, ref))
+
+    class Plugin:
+        @hookimpl
+        def speculum_register_proposers(self, register):
+            register("tree_oracle", lambda ctx: oracle)
+
+    def run():
+        llm = LLM(str(tiny_llama), {"method": "tree_oracle", "speculative_token_tree": TreeOracle.PATHS,
+                                    "acceptance_method": "exact_match"},
+                  device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=3, plugins=[Plugin()])
+        return [o.token_ids for o in llm.generate(PROMPTS, params)], llm
+
+    out, llm = run()
+    assert out == ref
+    assert type(llm.verifier).__name__ == "ExactMatchVerifier"
+    assert llm.stats.num_accepted_tokens > 30  # both branches: up to 3 and 2 accepted per step
+    if temperature:
+        monkeypatch.setattr(exact, "exact_match_tree", _by_column)
+        bad, _ = run()
+        assert bad != ref
+
+
+def _by_column(p, token_ids, tree, e):
+    """The wrong variant of ``exact_match_tree``: node ``i`` samples with the noise of
+    column ``i + 1`` (as if the tree were a chain), not of its depth."""
+    from speculum.verifiers.tree import greedy_path
+    from speculum.interfaces import Verdict
+    B, N1, V = p.shape
+    cols = torch.arange(N1).clamp_max(e.shape[1] - 1)
+    samples = (p / e[:, cols]).argmax(dim=-1)
+    out, num, path = greedy_path(samples, token_ids, tree.parents, tree.ancestors, tree.depth)
+    return Verdict(token_ids=out, num_accepted=num, path=path)
 
 
 def test_keyed_noise_depends_on_seed_and_position_only():

@@ -9,7 +9,7 @@ for token trees :func:`verify_tree_sampled` (the same for a tree rule),
 
 from speculum.hooks import hookimpl
 from speculum.verifiers.block import BlockVerifier, block_verify, block_weights
-from speculum.verifiers.exact import ExactMatchVerifier, exact_match_sample
+from speculum.verifiers.exact import ExactMatchVerifier, exact_match_sample, exact_match_tree
 from speculum.verifiers.greedy import GreedyVerifier, greedy_verify
 from speculum.verifiers.noise import RowNoise, keyed_exponentials, race
 from speculum.verifiers.rejection import RejectionSampler, rejection_sample
@@ -17,7 +17,7 @@ from speculum.verifiers.sampled import verify_sampled
 from speculum.verifiers.tree import path_verdict, tree_greedy_verify, tree_rejection_sample, verify_tree_sampled
 
 __all__ = ["BlockVerifier", "ExactMatchVerifier", "GreedyVerifier", "RejectionSampler", "RowNoise", "block_verify",
-           "block_weights", "exact_match_sample", "greedy_verify", "keyed_exponentials", "path_verdict", "race", "rejection_sample", "tree_greedy_verify", "tree_rejection_sample",
+           "block_weights", "exact_match_sample", "exact_match_tree", "greedy_verify", "keyed_exponentials", "path_verdict", "race", "rejection_sample", "tree_greedy_verify", "tree_rejection_sample",
            "verify_sampled", "verify_tree_sampled"]
 
 

@@ -14,7 +14,9 @@ weights' shapes alone:
   reads the sequence's own keys through its slots, ``BLOCK_L`` at a time, in
   ascending logical position, stopping at the query's position, with an online softmax.
   The loop never depends on the batch, the number of query tokens or the context bucket;
-  lanes past the query's position contribute exact zeros.
+  lanes past the query's position contribute exact zeros. A token tree's query reads
+  through a slot table of its own (``slots`` [B, T, Lc]): its ancestors in place of the
+  other nodes, so it sums the keys a decode step at its position would, in their order.
 - RMSNorm and RoPE are already row-local Triton kernels (:mod:`.kernels`); the LM head
   is :func:`linear`; argmax and the elementwise ops are exact.
 
@@ -72,10 +74,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "Lc"])
     def _attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, o_ptr, T, Lc, scale,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BL: tl.constexpr):
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+                          PER_QUERY: tl.constexpr):
         tok = tl.program_id(0)  # b * T + t
         h = tl.program_id(1)
         b = tok // T
+        row = tok if PER_QUERY else b  # the slot table this query reads
         kvh = h // (HQ // HKV)
         offs_d = tl.arange(0, D)
         offs_l = tl.arange(0, BL)
@@ -87,7 +91,7 @@ if triton is not None:
         for start in range(0, pos + 1, BL):
             j = start + offs_l
             valid = (j <= pos) & (j < Lc)
-            slot = tl.load(slots_ptr + b * Lc + j, mask=valid, other=0)
+            slot = tl.load(slots_ptr + row * Lc + j, mask=valid, other=0)
             kv_off = (slot[:, None] * HKV + kvh) * D + offs_d[None, :]
             k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
             s = tl.sum(k * q[None, :], axis=1)
@@ -135,11 +139,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def paged_attention_torch(q, k_pool, v_pool, slots, positions, scale):
     """The CPU twin of the kernel: ``q`` [B, T, Hq, D], pools [slots, Hkv, D], ``slots``
-    [B, Lc] the slot of each logical position, ``positions`` [B, T]; returns [B, T, Hq, D]."""
+    [B, Lc] the slot of each logical position (or [B, T, Lc], a table per query),
+    ``positions`` [B, T]; returns [B, T, Hq, D]."""
     B, T, Hq, D = q.shape
     Hkv = k_pool.shape[1]
     g = Hq // Hkv
     qf = q.float() * scale
+    per_query = slots.dim() == 3  # then each (b, t) gathers its own keys
     m = torch.full((B, T, Hq), float("-inf"), device=q.device)
     l = torch.zeros(B, T, Hq, device=q.device)
     acc = torch.zeros(B, T, Hq, D, device=q.device)
@@ -147,16 +153,16 @@ def paged_attention_torch(q, k_pool, v_pool, slots, positions, scale):
     for start in range(0, top, BLOCK_L):
         j = torch.arange(start, start + BLOCK_L, device=q.device)  # [L]
         valid = j.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, L]
-        slot = slots[:, j.clamp_max(slots.shape[1] - 1)]  # [B, L]
-        k = k_pool[slot].float().repeat_interleave(g, dim=2)  # [B, L, Hq, D]
-        v = v_pool[slot].float().repeat_interleave(g, dim=2)
-        s = torch.einsum("bthd,blhd->bthl", qf, k)
+        slot = slots[..., j.clamp_max(slots.shape[-1] - 1)]  # [B, L] or [B, T, L]
+        k = k_pool[slot].float().repeat_interleave(g, dim=-2)  # [B, (T,) L, Hq, D]
+        v = v_pool[slot].float().repeat_interleave(g, dim=-2)
+        s = torch.einsum("bthd,btlhd->bthl" if per_query else "bthd,blhd->bthl", qf, k)
         s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new).nan_to_num(0.0)  # rows with no key yet: -inf - -inf
         p = torch.exp(s - m_new.unsqueeze(-1)).nan_to_num(0.0)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bthl,blhd->bthd", p, v)
+        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bthl,btlhd->bthd" if per_query else "bthl,blhd->bthd", p, v)
         m = m_new
     return (acc / l.clamp_min(1e-30).unsqueeze(-1)).to(q.dtype)
 
@@ -164,8 +170,9 @@ def paged_attention_torch(q, k_pool, v_pool, slots, positions, scale):
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``q`` [B, T, Hq, D] at ``positions`` [B, T] over the paged
-    context (the keys at logical positions 0..position, in pool slots ``slots`` [B, Lc]);
-    every query's output is independent of the other queries in the call."""
+    context (the keys at logical positions 0..position, in pool slots ``slots`` [B, Lc],
+    or [B, T, Lc] with a table per query); every query's output is independent of the
+    other queries in the call."""
     if not use_triton(q):
         return paged_attention_torch(q, k_pool, v_pool, slots, positions, scale)
     B, T, Hq, D = q.shape
@@ -173,8 +180,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q = q.contiguous()
     out = torch.empty_like(q)
     _attention_kernel[(B * T, Hq)](q, k_pool, v_pool, slots.contiguous(), positions.contiguous(), out, T,
-                                   slots.shape[1], float(scale), HQ=Hq, HKV=k_pool.shape[1], D=D, BL=BLOCK_L,
-                                   num_warps=4)
+                                   slots.shape[-1], float(scale), HQ=Hq, HKV=k_pool.shape[1], D=D, BL=BLOCK_L,
+                                   PER_QUERY=slots.dim() == 3, num_warps=4)
     return out
 
 

@@ -170,9 +170,10 @@ class NativeLlama(nn.Module):
         """
         h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
-        Lc = read_slots.shape[1]
+        Lc = read_slots.shape[-1]  # [B, Lc], or [B, q, Lc] per query (a batch-invariant tree)
         if self.batch_invariant and mask is not None:
-            raise ValueError("batch-invariant attention is causal by position; token trees are not supported")
+            raise ValueError("batch-invariant attention is causal by position and takes no mask; a token tree "
+                             "comes as per-query read slots (NativeRunner)")
         fresh = fresh and mask is None and not self.batch_invariant
         if mask is None and not fresh and not self.batch_invariant and not use_decode_kernel(
                 h, input_ids.shape[1], self.arch.head_dim):

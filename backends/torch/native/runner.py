@@ -11,6 +11,9 @@ the sequence's next logical slot as usual, but gets the position ``root + depth`
 attends to the context, the root and its own ancestors only. After verification
 :meth:`NativeRunner.move_kv` copies the accepted nodes' K/V into consecutive slots and
 ``truncate`` drops the rest. Tree forwards are graphed like chains (their own graphs).
+In batch-invariant mode a tree query reads no mask but its own table of key slots
+(:func:`_tree_invariant_inputs`): the keys a decode step at its position would read once
+its path is compacted, in the same order, so an accepted node's logits are those bits.
 """
 
 from __future__ import annotations
@@ -55,9 +58,6 @@ class NativeRunner:
         self._graphs: dict[tuple, tuple[StaticGraph, tuple | None]] = {}
         self._pool = GraphPool()
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
-        if model.batch_invariant:  # its attention is causal by position: no tree masks
-            self.supports_trees = False
-            self.tree_fix = "batch-invariant mode verifies chains only; drop the tree keys or batch_invariant"
 
     @property
     def weight_bytes(self) -> int:
@@ -179,7 +179,7 @@ class NativeRunner:
         read = self._read_slots(blk)
         mask = None
         if cols is not None:
-            pos, mask = _tree_inputs(pos, read.shape[1], *cols)
+            pos, read, mask = self._tree(pos, read, cols)
         with torch.inference_mode():
             logits, hidden = self.model(token_ids, pos, wsl, read, self.pools, hidden_layers, compute_logits, mask,
                                         fresh)
@@ -231,13 +231,22 @@ class NativeRunner:
             read = self._read_slots(blk)
             mask = None
             if tree_bufs is not None:
-                pos, mask = _tree_inputs(pos, read.shape[1], *tree_bufs)
+                pos, read, mask = self._tree(pos, read, tree_bufs)
             return self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask)
 
         entry = (self._pool.capture(run, meta, staging=8), tree_bufs)
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
         return entry
+
+    def _tree(self, pos: torch.Tensor, read: torch.Tensor, cols) -> tuple:
+        """(positions, read slots, mask) of a tree forward: the ancestors-only mask, or in
+        batch-invariant mode per-query read slots and no mask."""
+        if self.model.batch_invariant:
+            pos, read = _tree_invariant_inputs(pos, read, *cols)
+            return pos, read, None
+        pos, mask = _tree_inputs(pos, read.shape[1], *cols)
+        return pos, read, mask
 
     def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
                 max_block_buckets: int | None = None, hidden_layers: Sequence[int] = (),
@@ -286,3 +295,24 @@ def _tree_inputs(pos: torch.Tensor, num_keys: int, depth: torch.Tensor, ancestor
     cdepth, vis = columns_of(depth, ancestors, pos.shape[1])
     base = pos[:, :1]
     return base + cdepth, tree_attention_mask(num_keys, base[:, 0], vis)
+
+
+def _tree_invariant_inputs(pos: torch.Tensor, read: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor):
+    """Chain positions [B, q], read slots [B, Lc] and the tree -> (tree positions [B, q],
+    per-query read slots [B, q, Lc]). Query ``i`` at depth ``d`` (root + d) reads the
+    context and root slots at positions ``0 .. root`` and, at ``root + e`` (1 <= e <= d),
+    the slot of its ancestor at depth ``e`` (itself at ``d``): the keys, in the order, of a
+    decode step at its position after the path is compacted (static shapes: graph-safe)."""
+    B, q = pos.shape
+    Lc = read.shape[1]
+    cdepth, vis = columns_of(depth, ancestors, q)  # [B, q], [B, q, q]
+    base = pos[:, :1]
+    ar = torch.arange(q, device=pos.device)
+    # column of query i's ancestor at depth e: [B, q (i), q (e)] (0 where none: the root)
+    at = vis.unsqueeze(2) & (cdepth.view(B, 1, 1, q) == ar.view(1, 1, q, 1))  # [B, i, e, c]
+    col = (at.to(torch.int64) * ar.view(1, 1, 1, q)).sum(-1)
+    rel = torch.arange(Lc, device=pos.device).view(1, Lc) - base  # [B, Lc]
+    e = rel.clamp(0, q - 1).unsqueeze(1).expand(B, q, Lc)
+    idx = torch.where(rel.unsqueeze(1) > 0, base.unsqueeze(-1) + col.gather(2, e), torch.arange(Lc, device=pos.device))
+    return base + cdepth, read.gather(1, idx.clamp(0, Lc - 1).reshape(B, q * Lc)).view(B, q, Lc)
+

@@ -439,6 +439,23 @@ def test_plain_steps_of_a_head_run_ahead_and_the_head_keeps_up(target, trained, 
     assert len(wrong_states(target, layers, bad_states)) > 20
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=3)],
+                         ids=["greedy", "seeded"])
+def test_batch_invariant_trees_give_plain_decodings_tokens(target, trained, params):
+    """EAGLE-3's dynamic tree in batch-invariant mode with exact-match verification: the
+    tokens of plain batch-invariant decoding, greedy and seeded (fp32 here; bf16 on the GPU
+    in tests/test_batch_invariant_cuda.py), in a batch of 3 with mixed prompt lengths."""
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i)} for i in range(5)]
+    base = make_llm(target, batch_invariant=True, max_num_seqs=1)
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    llm = make_llm(target, {"method": "eagle3", "model": str(trained["eagle3"]), "tree_topk": 4, "tree_depth": 3,
+                            "num_draft_tokens": 10, "acceptance_method": "exact_match"},
+                   batch_invariant=True, max_num_seqs=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+    assert llm.stats.num_accepted_tokens > 5
+
+
 # ------------------------------------------------------------------ "ngram+<head>"
 def _lookup_then_head(method, trained):
     return {"method": f"ngram+{method}", "model": str(trained[method]), "num_speculative_tokens": 3,
