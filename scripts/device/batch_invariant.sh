@@ -6,7 +6,8 @@
 #                                                  # (the target's first DRAFT_LAYERS layers); then bench scaling of
 #                                                  # both modes (64 requests, batch 1 and 64): identity and cost
 #   bash scripts/device/batch_invariant.sh eagle3  # carry the eagle3 head's folder (the model joined by `bench`
-#                                                  # stays in /tmp while the machine is warm): the same for eagle3
+#                                                  # stays in /tmp while the machine is warm): the same for eagle3,
+#                                                  # its chain and its tree 8x4/32 (trees: since 2026-12-02)
 # Results in $OUT: bi_step_{default,invariant}.json, bi_offline.json, bi_scaling.json, bi_eagle3.json.
 set -e
 PART=${1:-bench}
@@ -34,6 +35,7 @@ case $PART in
     . scripts/device/common.sh
     speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category $PPC --max-tokens $TOK \
       --batch-invariant --method '{"method":"eagle3","num_speculative_tokens":4}' \
+      --method '{"method":"eagle3","tree_topk":8,"tree_depth":4,"num_draft_tokens":32}' \
       --json $OUT/bi_eagle3.json 2>&1 | quiet | tail -16 ;;
   *) echo "usage: batch_invariant.sh tests|bench|eagle3" >&2; exit 2 ;;
 esac
