@@ -474,3 +474,17 @@ class TreeOracle:
 
     def observe(self, feedback) -> None:
         pass
+
+
+def proposer_plugin(name: str, proposer):
+    """A plugin object registering ``proposer`` (one instance, for every engine) as method
+    ``name``: ``LLM(..., plugins=[proposer_plugin("oracle", oracle)])``."""
+    from speculum import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def speculum_register_proposers(self, register):
+            register(name, lambda ctx: proposer)
+
+    return Plugin()
+

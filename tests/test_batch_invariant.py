@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speculum import LLM, Draft, SamplingParams, hookimpl
-from speculum.testing import TreeOracle, truth_table
+from speculum import LLM, Draft, SamplingParams
+from speculum.testing import TreeOracle, proposer_plugin, truth_table
 from speculum.backends.torch.native.invariant import linear_torch, paged_attention_torch
 from speculum.errors import ConfigError
 from speculum.verifiers import exact_match_sample, keyed_exponentials
@@ -90,15 +90,9 @@ def test_seeded_sampling_same_tokens_with_and_without_speculation(tiny_llama):
     base = LLM(str(tiny_llama), device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=1)
     assert type(base.verifier).__name__ == "ExactMatchVerifier"
     ref = [o.token_ids for o in base.generate(PROMPTS, params)]
-    oracle = Oracle(truth_table(PROMPTS, ref))
-
-    class Plugin:
-        @hookimpl
-        def speculum_register_proposers(self, register):
-            register("oracle", lambda ctx: oracle)
-
+    plugin = proposer_plugin("oracle", Oracle(truth_table(PROMPTS, ref)))
     llm = LLM(str(tiny_llama), {"method": "oracle", "num_speculative_tokens": 3, "acceptance_method": "exact_match"},
-              device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=3, plugins=[Plugin()])
+              device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=3, plugins=[plugin])
     out = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert out == ref
     assert llm.stats.num_accepted_tokens > 20  # drafts were accepted, not just rejected
@@ -114,17 +108,12 @@ def test_trees_give_the_tokens_of_plain_decoding(tiny_llama, temperature, monkey
     params = SamplingParams(temperature=temperature, max_tokens=32, ignore_eos=True, seed=11)
     base = LLM(str(tiny_llama), device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=1)
     ref = [o.token_ids for o in base.generate(PROMPTS, params)]
-    oracle = TreeOracle(truth_table(PROMPTS, ref))
-
-    class Plugin:
-        @hookimpl
-        def speculum_register_proposers(self, register):
-            register("tree_oracle", lambda ctx: oracle)
+    plugin = proposer_plugin("tree_oracle", TreeOracle(truth_table(PROMPTS, ref)))
 
     def run():
         llm = LLM(str(tiny_llama), {"method": "tree_oracle", "speculative_token_tree": TreeOracle.PATHS,
                                     "acceptance_method": "exact_match"},
-                  device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=3, plugins=[Plugin()])
+                  device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=3, plugins=[plugin])
         return [o.token_ids for o in llm.generate(PROMPTS, params)], llm
 
     out, llm = run()

@@ -136,21 +136,14 @@ def test_trees_never_change_a_token(models, params):
     """Token trees in batch-invariant mode, bf16, CUDA graphs: a tree oracle (its true
     branch alternating between the root's two children) gives plain decoding's tokens at
     batch 1 and 8."""
-    from speculum import hookimpl
-    from speculum.testing import TreeOracle, truth_table
+    from speculum.testing import TreeOracle, proposer_plugin, truth_table
     target, _ = models
     ref, _ = _run(target, None, params, 1)
-    oracle = TreeOracle(truth_table(PROMPTS, ref))
-
-    class Plugin:
-        @hookimpl
-        def speculum_register_proposers(self, register):
-            register("tree_oracle", lambda ctx: oracle)
-
+    plugin = proposer_plugin("tree_oracle", TreeOracle(truth_table(PROMPTS, ref)))
     for batch in (1, 8):
         llm = LLM(str(target), {"method": "tree_oracle", "speculative_token_tree": TreeOracle.PATHS,
                                 "acceptance_method": "exact_match"}, device="cuda", dtype="bfloat16",
-                  batch_invariant=True, max_num_seqs=batch, plugins=[Plugin()])
+                  batch_invariant=True, max_num_seqs=batch, plugins=[plugin])
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref, batch
         assert llm.stats.num_accepted_tokens > 50
 
