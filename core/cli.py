@@ -228,8 +228,18 @@ def _installed(configs: list[dict]) -> list[dict]:
     return out
 
 
-def _why_different(engines: list[tuple[str, str]]) -> str:
+def must_be_identical(temperature: float, batch_invariant: bool, configs: list[dict]) -> bool:
+    """Whether ``--compare`` checks every output against no speculation token for token:
+    greedy runs, and sampled runs in the batch-invariant mode with every config verified by
+    exact match (each token is then the target's sample keyed by seed and position)."""
+    return temperature == 0 or (batch_invariant and all(c.get("acceptance_method") == "exact_match"
+                                                        for c in configs))
+
+
+def _why_different(engines: list[tuple[str, str]], invariant: bool = False) -> str:
     """What a greedy output that differs from no speculation means, for the engines' dtype."""
+    if invariant:
+        return " (the batch-invariant mode must be identical: please report this)"
     if engines and all(dt.endswith("float32") and dev.startswith("cpu") for dt, dev in engines):
         return " (fp32 on CPU must be identical: please report this)"
     return (" (in bf16/fp16 a 1-token and a k+1-token forward round differently and near-ties flip; "
@@ -265,7 +275,7 @@ def _compare(args, rows, params, common, specs) -> int:
         print(f"\n--- [{r['category']}] {r['text'][:100]!r}")
         print(text.strip())
         print(f"    ({len(toks)} tokens, {best.name})")
-    greedy = args.temperature == 0
+    greedy = must_be_identical(args.temperature, getattr(args, "batch_invariant", False), configs)
     print(f"\n== {len(rows)} prompts x up to {args.max_tokens} tokens, batch {args.max_num_seqs}, "
           f"threads {made[0][0].threads if made else '?'}, {wall:.0f} s in all")
     print(cmp.table(results, greedy))
@@ -279,7 +289,8 @@ def _compare(args, rows, params, common, specs) -> int:
         same = sum(r.identical(base)[0] for r in results[1:])
         total = sum(r.identical(base)[1] for r in results[1:])
         print(f"identical: {same}/{total} speculative outputs token-identical to no speculation"
-              + ("" if same == total else _why_different([(dt, dev) for _, dt, dev in made])))
+              + ("" if same == total else _why_different([(dt, dev) for _, dt, dev in made],
+                                                          getattr(args, "batch_invariant", False))))
     print(f"best: {best.name} at {best.speedup(base):.2f}x. {GPU_HINT}")
     if args.json:
         report = {"prompts": len(rows), "max_tokens": args.max_tokens, "temperature": args.temperature,

@@ -302,8 +302,13 @@ def test_interleaved_comparison_runs_each_category_through_every_config_in_turn(
 def test_a_differing_output_is_explained_by_the_engines_dtype():
     """`generate --compare`: fp32 on a CPU must be identical (a bug to report); in bf16 a
     difference is a near-tie (seen: --dtype bfloat16 on a CPU printed 'fp32 ... report')."""
-    from speculum.cli import _why_different
+    from speculum.cli import _why_different, must_be_identical
     assert "please report" in _why_different([("torch.float32", "cpu")] * 3)
+    assert "batch-invariant mode must be identical" in _why_different([("torch.bfloat16", "cuda")], invariant=True)
+    exact = [{"method": "eagle3", "acceptance_method": "exact_match"}]
+    assert must_be_identical(0.0, False, [{"method": "ngram"}])
+    assert must_be_identical(0.8, True, exact)  # seeded sampling in the mode: the same tokens
+    assert not must_be_identical(0.8, False, exact) and not must_be_identical(0.8, True, [{"method": "eagle3"}])
     bf16 = _why_different([("torch.bfloat16", "cpu")] * 3)
     assert "please report" not in bf16 and "near-ties" in bf16 and "--dtype float32" in bf16
 
