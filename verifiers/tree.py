@@ -134,12 +134,10 @@ class GreedyTreeGraphs:
 
     def _capture(self, Bb: int, N: int, dev: torch.device):
         # padding rows: a valid chain tree whose nodes never match (-1 tokens)
-        ar = torch.arange(N, device=dev)
+        chain = TokenTree.chain(Bb, N, dev)
         bufs = (torch.zeros(Bb, N + 1, dtype=torch.int64, device=dev),
                 torch.full((Bb, N), -1, dtype=torch.int64, device=dev),
-                (ar - 1).expand(Bb, N).contiguous(),
-                (ar.view(-1, 1) >= ar.view(1, -1)).expand(Bb, N, N).contiguous(),
-                (ar + 1).expand(Bb, N).contiguous())
+                chain.parents, chain.ancestors.contiguous(), chain.depth.contiguous())
         from speculum.backends.torch import GraphPool
         self._pool = self._pool or GraphPool()
         try:

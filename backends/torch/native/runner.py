@@ -219,9 +219,8 @@ class NativeRunner:
         meta = torch.zeros(3 * n + Bb * nb, dtype=torch.int64, device=self.device)
         tree_bufs = None
         if tree:  # node depths [Bb, N] and ancestors [Bb, N, N]; a chain until filled
-            ar = torch.arange(q - 1, device=self.device)
-            tree_bufs = ((ar + 1).expand(Bb, q - 1).contiguous(),
-                         (ar.view(-1, 1) >= ar.view(1, -1)).expand(Bb, q - 1, q - 1).contiguous())
+            chain = TokenTree.chain(Bb, q - 1, self.device)
+            tree_bufs = (chain.depth.contiguous(), chain.ancestors.contiguous())
 
         def run():
             ids = meta[:n].view(Bb, q)
