@@ -85,10 +85,9 @@ class MedusaProposer:
     def propose(self, batch: ProposeBatch) -> Draft:
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
-        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
         rows = [b for b, s in enumerate(seqs) if self.last.get(s.seq_id) is not None]
         if not rows:
-            return Draft(token_ids=token_ids, lengths=[0] * B)
+            return Draft(token_ids=torch.full((B, k), -1, dtype=torch.int64, device=self.device), lengths=[0] * B)
         x = torch.stack([self.last[seqs[b].seq_id] for b in rows])  # [R, H]
         if self.tree is not None:
             return self._propose_tree(B, rows, x)
@@ -107,9 +106,10 @@ class MedusaProposer:
             drafts, probs = torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if sample else None
         in_rows = set(rows)
         lengths = [k if b in in_rows else 0 for b in range(B)]
-        if len(rows) == B and probs is None:  # every row drafted (the usual case): no scatter
-            return Draft(token_ids=drafts, lengths=lengths)
+        if len(rows) == B:  # every row drafted (the usual case): no scatter
+            return Draft(token_ids=drafts, probs=probs, lengths=lengths)
         idx = torch.tensor(rows, device=self.device)
+        token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
         token_ids[idx] = drafts
         q = None
         if probs is not None:
