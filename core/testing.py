@@ -487,4 +487,3 @@ def proposer_plugin(name: str, proposer):
             register(name, lambda ctx: proposer)
 
     return Plugin()
-

@@ -346,7 +346,8 @@ def check_tree_support(spec: TreeSpec, method: str, proposer: Any, verifier: Any
     for what, obj, fix in (
             (f"method {method!r}", proposer, "use a method that drafts trees (eagle, eagle3, mtp, medusa) or drop "
                                              "the tree keys"),
-            (f"verifier {verifier_name!r}", verifier, "use acceptance_method 'rejection_sampler' or 'greedy'"),
+            (f"verifier {verifier_name!r}", verifier, "use acceptance_method 'rejection_sampler', 'greedy' or "
+                                                      "'exact_match'"),
             (f"the {type(target).__name__} runner", target, "use the torch backend's native or hf runner")):
         if not getattr(obj, "supports_trees", False):
             fix = getattr(obj, "tree_fix", None) or fix  # an object may say why and what to do

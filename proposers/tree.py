@@ -196,13 +196,12 @@ def tree_rows(B: int, N: int, rows: list[int], parts, device) -> tuple[torch.Ten
     its own only ancestor)."""
     if len(rows) == B:  # every row drafted (the usual case): no scatter
         return tuple(parts)
-    dev = device
-    full = (torch.full((B, N), -1, dtype=torch.int64, device=dev),
-            torch.full((B, N), -1, dtype=torch.int64, device=dev),
-            torch.ones(B, N, dtype=torch.int64, device=dev),
-            torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone())
+    full = (torch.full((B, N), -1, dtype=torch.int64, device=device),
+            torch.full((B, N), -1, dtype=torch.int64, device=device),
+            torch.ones(B, N, dtype=torch.int64, device=device),
+            torch.eye(N, dtype=torch.bool, device=device).expand(B, N, N).clone())
     if rows:
-        idx = torch.tensor(rows, device=dev)
+        idx = torch.tensor(rows, device=device)
         for t, part in zip(full, parts):
             t[idx] = part
     return full

@@ -40,6 +40,7 @@ from speculum.kv import blocks_for
 from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size, topk_logprobs
 from speculum.tree import TreeSpec, tree_attention_mask
 
+
 def greedy_tokens(head, out: torch.Tensor) -> torch.Tensor:
     """The head's argmax token (target ids) for outputs [..., H]."""
     pick = getattr(head, "greedy", None)

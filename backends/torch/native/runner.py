@@ -310,8 +310,8 @@ def _tree_invariant_inputs(pos: torch.Tensor, read: torch.Tensor, depth: torch.T
     # column of query i's ancestor at depth e: [B, q (i), q (e)] (0 where none: the root)
     at = vis.unsqueeze(2) & (cdepth.view(B, 1, 1, q) == ar.view(1, 1, q, 1))  # [B, i, e, c]
     col = (at.to(torch.int64) * ar.view(1, 1, 1, q)).sum(-1)
-    rel = torch.arange(Lc, device=pos.device).view(1, Lc) - base  # [B, Lc]
+    j = torch.arange(Lc, device=pos.device)  # logical positions
+    rel = j.view(1, Lc) - base  # [B, Lc]
     e = rel.clamp(0, q - 1).unsqueeze(1).expand(B, q, Lc)
-    idx = torch.where(rel.unsqueeze(1) > 0, base.unsqueeze(-1) + col.gather(2, e), torch.arange(Lc, device=pos.device))
+    idx = torch.where(rel.unsqueeze(1) > 0, base.unsqueeze(-1) + col.gather(2, e), j)
     return base + cdepth, read.gather(1, idx.clamp(0, Lc - 1).reshape(B, q * Lc)).view(B, q, Lc)
-
