@@ -80,14 +80,16 @@ def category_table(rep: dict) -> str:
     rows = rep["results"]
     cats = list(rows[0]["categories"])
     head = "| category | " + " | ".join(f"{r['method']} MAL | tok/s" for r in rows) + " |"
+    how = "all at once (per category: MAL only)" if rep.get("pooled") else (
+        "each category its own batch" if rep["batch_size"] > 1 else "one at a time")
     out = [f"MT-bench, batch {rep['batch_size']}, {rep['max_tokens']} new tokens, greedy, "
-           f"{rep['prompts_per_category']} questions per category", "", head,
+           f"{rep['prompts_per_category']} questions per category, {how}", "", head,
            "| --- |" + " --- | --- |" * len(rows)]
     for c in cats + ["total"]:
         cells = []
         for r in rows:
             e = r["total"] if c == "total" else r["categories"][c]
-            cells.append(f"{f(e.get('mean_acceptance_length'))} | {e['tokens_per_s']:.0f}")
+            cells.append(f"{f(e.get('mean_acceptance_length'))} | {f(e['tokens_per_s'], '.0f')}")  # None: pooled
         name = f"**{c}**" if c == "total" else c
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out)

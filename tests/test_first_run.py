@@ -331,3 +331,49 @@ def test_the_main_command_compares_ngram_the_head_and_both(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "skipping eagle3: the plugin of eagle3 is not installed" in err
     assert "skipping ngram+eagle3: the plugin of eagle3 is not installed" in err
+
+
+def test_a_pooled_comparison_fills_the_batch_and_keeps_each_category(tiny_llama):
+    """`bench offline --batch-size 16` used to send each category as its own generate call,
+    so no more sequences ran together than a category had questions (5 or 10 on MT-bench).
+    Pooled, every question goes in one call: the loop steps hold up to the batch size,
+    each category keeps its own outputs and MAL (the same as category by category), and only
+    the total is timed."""
+    from speculum import LLM
+    from speculum.bench import methods
+
+    groups = {c: [{"prompt_token_ids": [5 + i, 6, 7, 5 + i, 6, 7]} for i in range(3)] for c in ("a", "b", "c")}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    widest = []
+
+    def make(cfg):
+        llm = LLM(str(tiny_llama), cfg, device="cpu", dtype="float32", max_num_seqs=8)
+        inner = llm.loop.step
+
+        def step(seqs, *a, **kw):
+            widest.append(len(seqs))
+            return inner(seqs, *a, **kw)
+        llm.loop.step = step
+        return llm
+
+    cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    widest.clear()
+    apart = methods.compare([cfg], groups, params, make, warmup_tokens=0)
+    assert max(widest) == 3  # a category's 3 questions: a batch of 8 never filled
+    widest.clear()
+    pooled = methods.compare([cfg], groups, params, make, warmup_tokens=0, pooled=True)
+    assert max(widest) == 8  # the 9 questions together: the batch is full
+    for a, b in zip(apart, pooled):
+        assert list(b.groups) == ["a", "b", "c"]
+        for c in groups:
+            assert b.groups[c].outputs == a.groups[c].outputs
+            assert b.groups[c].metrics.as_dict() == a.groups[c].metrics.as_dict()
+            assert b.groups[c].seconds is None and b.groups[c].tokens_per_s is None
+        assert b.total.tokens == a.total.tokens == 90 and b.total.seconds > 0
+    assert pooled[1].speedup(pooled[0]) > 0 and pooled[1].speedup(pooled[0], "a") is None
+    lines = methods.table(pooled).splitlines()
+    assert lines[2].split()[:2] == ["a", "-"] and lines[-1].split()[0] == "total"
+    d = pooled[1].as_dict(pooled[0])
+    assert d["categories"]["a"]["tokens_per_s"] is None and d["total"]["tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="cannot pool"):
+        methods.compare([cfg], groups, params, make, interleave=True, pooled=True)

@@ -2,7 +2,10 @@
 --compare`` and ``speculum bench offline``.
 
 Every configuration (None = no speculation, always first) gets its own engine, one
-warm-up request, then the prompt groups (MT-bench categories) one after the other.
+warm-up request, then the prompt groups (MT-bench categories) one after the other, or
+(``pooled``) every group's prompts in one ``generate`` call, so that a batch size above a
+group's size is actually reached (per-group MAL and outputs are kept; per-group time is not
+separable then, and only the total has tokens/s).
 Ratios come from one process and one run; outputs are compared token by token with
 the baseline's (greedy runs must be identical: speculation is lossless).
 """
@@ -24,23 +27,28 @@ class GroupResult:
     """One method on one prompt group (or on all of them: the total)."""
 
     tokens: int = 0
-    seconds: float = 0.0
+    #: None: not timed on its own (a group of a pooled run: its prompts ran among the others)
+    seconds: float | None = 0.0
     metrics: SpecDecodeMetrics = attrs.field(factory=SpecDecodeMetrics)
     outputs: list[list[int]] = attrs.field(factory=list)
     texts: list[str] = attrs.field(factory=list)
 
     @property
-    def tokens_per_s(self) -> float:
+    def tokens_per_s(self) -> float | None:
+        if self.seconds is None:
+            return None
         return self.tokens / self.seconds if self.seconds else 0.0
 
     @property
     def step_seconds(self) -> float | None:
         """Wall time per verify step (drafting, verification and host work)."""
-        return self.seconds / self.metrics.num_steps if self.metrics.num_steps else None
+        if self.seconds is None or not self.metrics.num_steps:
+            return None
+        return self.seconds / self.metrics.num_steps
 
     def add(self, other: "GroupResult") -> None:
         self.tokens += other.tokens
-        self.seconds += other.seconds
+        self.seconds = None if self.seconds is None or other.seconds is None else self.seconds + other.seconds
         self.metrics.merge(other.metrics)
         self.outputs += other.outputs
 
@@ -59,9 +67,12 @@ class MethodResult:
     #: engine steps run at each speculation length k (index k) over the timed groups
     steps_per_k: list[int] = attrs.field(factory=list)
 
-    def speedup(self, base: "MethodResult", group: str | None = None) -> float:
+    def speedup(self, base: "MethodResult", group: str | None = None) -> float | None:
+        """Tokens/s against the baseline's (None for a group of a pooled run: not timed alone)."""
         mine = self.total if group is None else self.groups[group]
         theirs = base.total if group is None else base.groups[group]
+        if mine.tokens_per_s is None or theirs.tokens_per_s is None:
+            return None
         return mine.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else 0.0
 
     def identical(self, base: "MethodResult", group: str | None = None) -> tuple[int, int]:
@@ -105,19 +116,39 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_group(llm, prompts: list, params) -> GroupResult:
-    """One group of prompts through ``llm`` (already warm), timed."""
+def _timed_generate(llm, prompts: list, params) -> tuple[list, float]:
     _sync(llm.backend.device)
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
     _sync(llm.backend.device)
-    g = GroupResult(seconds=time.perf_counter() - t0)
-    for o in res:
+    return res, time.perf_counter() - t0
+
+
+def _group_of(outputs, seconds: float | None) -> GroupResult:
+    g = GroupResult(seconds=seconds)
+    for o in outputs:
         g.tokens += len(o.token_ids)
         g.metrics.merge(o.metrics)
         g.outputs.append(list(o.token_ids))
         g.texts.append(o.text)
     return g
+
+
+def run_group(llm, prompts: list, params) -> GroupResult:
+    """One group of prompts through ``llm`` (already warm), timed."""
+    res, seconds = _timed_generate(llm, prompts, params)
+    return _group_of(res, seconds)
+
+
+def run_pooled(llm, groups: dict[str, list], params) -> tuple[dict[str, GroupResult], float]:
+    """Every group's prompts in one ``generate`` call (the engine batches across groups), timed
+    as a whole; each group keeps its outputs and metrics, with no time of its own."""
+    res, seconds = _timed_generate(llm, [p for ps in groups.values() for p in ps], params)
+    out, i = {}, 0
+    for cat, prompts in groups.items():
+        out[cat] = _group_of(res[i:i + len(prompts)], None)
+        i += len(prompts)
+    return out, seconds
 
 
 def _counters(llm) -> tuple[list[int], int, int]:
@@ -126,7 +157,8 @@ def _counters(llm) -> tuple[list[int], int, int]:
 
 
 def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
-            before: tuple[list[int], int, int]) -> MethodResult:
+            before: tuple[list[int], int, int], seconds: float | None = None) -> MethodResult:
+    """``seconds``: the wall time of a pooled run (else the sum of the groups' times)."""
     k_before, used, dropped = before
     total = GroupResult()
     texts: list[str] = []
@@ -134,6 +166,8 @@ def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
         total.add(GroupResult(g.tokens, g.seconds, SpecDecodeMetrics(), list(g.outputs)))
         total.metrics.merge(g.metrics)
         texts += g.texts
+    if seconds is not None:
+        total.seconds = seconds
     steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
     # overlapped steps: forwards (with their drafts) made during the step before, used or dropped
     extra = {"steps_run_ahead": llm.loop.ahead_used - used, "steps_dropped_ahead": llm.loop.ahead_dropped - dropped}
@@ -141,10 +175,16 @@ def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
 
 
 def run_method(llm, groups: dict[str, list], params, name: str, config: dict | None,
-               progress: Callable[[str], Any] | None = None) -> MethodResult:
-    """Run every group through ``llm`` (already warm); time each group separately."""
+               progress: Callable[[str], Any] | None = None, pooled: bool = False) -> MethodResult:
+    """Run every group through ``llm`` (already warm); time each group separately, or
+    (``pooled``) all of them in one call, timed as a whole."""
     out: dict[str, GroupResult] = {}
     before = _counters(llm)
+    if pooled:
+        if progress:
+            progress(f"{name}: {sum(map(len, groups.values()))} prompts of {len(groups)} groups at once")
+        out, seconds = run_pooled(llm, groups, params)
+        return _result(llm, name, config, out, before, seconds)
     for cat, prompts in groups.items():
         if progress:
             progress(f"{name}: {cat} ({len(prompts)} prompts)")
@@ -155,24 +195,26 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
             warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
             after: Callable[[Any, MethodResult], Any] | None = None,
-            errors: list | None = None, interleave: bool = False) -> list[MethodResult]:
+            errors: list | None = None, interleave: bool = False, pooled: bool = False) -> list[MethodResult]:
     """Baseline (no speculation) first, then each config; one engine at a time.
     ``after(llm, result)`` runs once a config is measured, before its engine goes.
     With ``errors`` (a list), a config that fails is recorded there as (config, message)
     and the comparison goes on with the next one (a long benchmark is not lost to one
-    broken method); without it the error propagates.
+    broken method); without it the error propagates. ``pooled``: see :func:`run_method`.
 
     ``interleave``: every engine is loaded at once and each group runs through all of
     them before the next group, so a machine whose speed drifts (a shared CPU) slows
     every config alike instead of whichever ran during the slow minute."""
     if interleave:
+        if pooled:
+            raise ValueError("interleave runs each group through every engine in turn: it cannot pool the groups")
         return _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors)
     results = []
     for cfg in [None] + [c for c in configs if c is not None]:
         llm = None
         try:
             llm, name = _start(make_llm, cfg, groups, params, warmup_tokens)
-            results.append(run_method(llm, groups, params, name, cfg, progress))
+            results.append(run_method(llm, groups, params, name, cfg, progress, pooled=pooled))
             if after is not None:
                 after(llm, results[-1])
         except Exception as exc:
@@ -229,6 +271,10 @@ def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progr
     return results
 
 
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def table(results: list[MethodResult], greedy: bool = True) -> str:
     """Per group: baseline tokens/s, then per method tokens/s, speedup, MAL, identical."""
     base = results[0]
@@ -240,14 +286,14 @@ def table(results: list[MethodResult], greedy: bool = True) -> str:
     for c in rows:
         key = None if c == "total" else c
         b = base.total if key is None else base.groups[c]
-        line = f"{c:<12}{b.tokens_per_s:>9.1f}"
+        line = f"{c:<12}{_num(b.tokens_per_s, '.1f'):>9}"
         for r in results[1:]:
             g = r.total if key is None else r.groups[c]
             mal = g.metrics.mean_acceptance_length
             same, n = r.identical(base, key)
             ident = f"{same}/{n}" if greedy else "n/a"
-            line += (f" | {'':<24} {g.tokens_per_s:>7.1f} {r.speedup(base, key):>5.2f} "
-                     f"{'-' if mal is None else format(mal, '.2f'):>5} {ident:>5}")
+            line += (f" | {'':<24} {_num(g.tokens_per_s, '.1f'):>7} {_num(r.speedup(base, key), '.2f'):>5} "
+                     f"{_num(mal, '.2f'):>5} {ident:>5}")
         lines.append(line)
     return "\n".join(lines)
 

@@ -30,7 +30,12 @@ def add_parser(sub) -> None:
                         "--max-tokens, so that whatever is built per context length is built before timing: on the "
                         "H200 the first config after the baseline ran 10-25%% slower than when it ran later, "
                         "after a 32-token warm-up)")
-    p.add_argument("--batch-size", type=int, default=1, help="max_num_seqs of every engine")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="max_num_seqs of every engine; above 1, every question is submitted at once (one generate "
+                        "call), so the batch is reached; tokens/s is then a total, per category only MAL")
+    p.add_argument("--per-category-batches", action="store_true",
+                   help="with --batch-size above 1: one generate call per category, timed each (the way before "
+                        "2026-12-02: no more sequences run together than a category has questions)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--runner", default=None, help="auto, native or hf (default: auto)")
@@ -47,8 +52,8 @@ def add_parser(sub) -> None:
     p.add_argument("--mt-bench", default=None,
                    help="MT-bench style JSONL (default: the 80 questions shipped with speculum)")
     p.add_argument("--profile", action="store_true",
-                   help="also time one step of each config split into draft, verify and host work (first "
-                        "prompt of each category, after the throughput run)")
+                   help="also time one step of each config split into draft, verify and host work (the first "
+                        "question of each category, then more up to --batch-size; after the throughput run)")
     p.add_argument("--json", default="results/bench_offline.json", help="where the JSON goes")
     p.set_defaults(func=run)
 
@@ -58,6 +63,24 @@ def _prompts(args) -> dict[str, list]:
     wanted = set(args.categories.split(",")) if args.categories else None
     groups = per_category(mt_bench(path=args.mt_bench), args.prompts_per_category, wanted)
     return {c: [[{"role": "user", "content": first_turn(r)}] for r in rows] for c, rows in groups.items()}
+
+
+def _profile_prompts(groups: dict[str, list], batch_size: int) -> list:
+    """The first question of each category, then the next ones in turn until a batch is full."""
+    out, i = [], 0
+    while len(out) < max(batch_size, len(groups)) and any(i < len(ps) for ps in groups.values()):
+        out += [ps[i] for ps in groups.values() if i < len(ps)]
+        i += 1
+    return out[:max(batch_size, len(groups))]
+
+
+def _pooled(args) -> bool:
+    """Batches above 1 pool every category into one call: a category of 10 questions run on
+    its own never fills a batch of 16 (the runs of 2026-12-02 and before did just that)."""
+    if args.batch_size > 1 and args.interleave and not args.per_category_batches:
+        raise SystemExit("bench offline: --interleave runs one category at a time through every engine; with "
+                         "--batch-size above 1 add --per-category-batches (each category its own batch)")
+    return args.batch_size > 1 and not args.per_category_batches
 
 
 def run(args) -> int:
@@ -87,14 +110,14 @@ def run(args) -> int:
 
     def after(llm, result):
         if profile is not None:
-            result.extra["profile"] = profile(llm, [ps[0] for ps in groups.values()], params)
+            result.extra["profile"] = profile(llm, _profile_prompts(groups, args.batch_size), params)
         done.append(result)  # the JSON so far, so a run cut short keeps what it measured
         _write(args, done, devices, partial=True)
 
     errors: list = []  # a method that fails is reported and skipped: the others' figures stand
     results = methods.compare([json.loads(m) for m in args.method], groups, params, make,
                               warmup_tokens=args.max_tokens if args.warmup_tokens is None else args.warmup_tokens,
-                              after=after, errors=errors, interleave=args.interleave)
+                              after=after, errors=errors, interleave=args.interleave, pooled=_pooled(args))
     print(methods.table(results))
     if args.profile:
         from speculum.bench.step_profile import profile_table
@@ -126,7 +149,7 @@ def _write(args, results, devices, errors=(), partial: bool = False) -> None:
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
               "batch_size": args.batch_size, "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant,
               "overlap": not args.no_overlap,
-              "prompts_per_category": args.prompts_per_category, "partial": partial,
+              "prompts_per_category": args.prompts_per_category, "partial": partial, "pooled": _pooled(args),
               "results": [r.as_dict(base) for r in results],
               "failed": [{"config": c, "error": e} for c, e in errors]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

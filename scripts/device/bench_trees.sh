@@ -7,7 +7,9 @@
 #               /tmp/trees_best.json (and $OUT) for the next parts
 #   PART=b1a    all 80 questions, batch 1: autoregressive, ngram, eagle and eagle3 chain vs best tree
 #   PART=b1b    all 80 questions, batch 1: autoregressive, mtp and medusa chain vs best tree
-#   PART=b16    all 80 questions, batch 16: every config above, with the step profile
+#   PART=b16    all 80 questions at once, batch 16 (bench offline pools the categories above batch 1
+#               since 2026-12-02: before, each category ran alone, 5-10 sequences at most): every
+#               config above, with the step profile
 # (if the sweep of all four methods would not fit one call: METHODS="eagle eagle3" TAG=_a, then
 # METHODS="mtp medusa" TAG=_b; the best trees accumulate in /tmp/trees_best.json)
 # TREES="4 4 16;8 5 32" (top-k, depth, verified tokens; ';' between trees): b1a, b1b and b16 run
