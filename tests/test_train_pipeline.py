@@ -118,3 +118,32 @@ def test_pipeline_data_mix_ttt_and_draft_shape(chat_target, tmp_path):
                  {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3}):
         llm = LLM(str(chat_target), spec, **kw)
         assert [o.token_ids for o in llm.generate(p, greedy)] == base
+
+
+def test_self_prompts_are_the_targets_own_finished_requests(chat_target, tmp_path):
+    """`python -m speculum.train.self_prompts`: the target continues its chat template from
+    where a user's message begins; the requests it ends itself are kept once each, none that
+    matches an evaluation prompt, and the file trains like any prompt file (--data)."""
+    from speculum.train import self_prompts as sp
+    from speculum.train.mix import read_rows
+
+    llm = LLM(str(chat_target), device="cpu", dtype="float32", max_num_seqs=64)
+    prefix = sp.user_turn_prefix(llm.tokenizer)
+    assert llm.tokenizer.decode(prefix, skip_special_tokens=False) == "<|im_start|>user\n"
+    out = tmp_path / "self.jsonl"
+    kept = sp.write_prompts(llm, 6, out, max_tokens=12, min_chars=2, batch=64, progress=False)
+    r = kept.report()
+    assert r["kept"] == len(read_rows(out)) > 0 and r["unfinished"] > 0  # a random model often runs to the limit
+    assert r["generated"] == sum(r[k] for k in ("kept", "surplus", "unfinished", "too_short", "duplicates",
+                                                 "eval_overlaps"))
+    assert all(row.turns[0] and row.source == "self" for row in read_rows(out))
+    report = json.loads((tmp_path / "self.jsonl.json").read_text())
+    assert report["kept"] == r["kept"] and "command" in report and "prompts" not in report
+    # the filters, on their own: unfinished, short, repeated (after normalising), evaluation prompts
+    k = sp.Kept()
+    bench = mt_bench_prompts()[0]["turns"][0]
+    k.add([("Write a poem.", True), ("write a poem!", True), ("cut off", False), ("hi", True),
+           (bench.upper(), True), ("Plan my week.", True)], min_chars=5,
+          exclude={sp.normalise(bench)})
+    assert k.prompts == ["Write a poem.", "Plan my week."]
+    assert (k.unfinished, k.too_short, k.duplicates, k.eval_overlaps) == (1, 1, 1, 1)

@@ -25,11 +25,21 @@ if [ -n "$ANSWERS" ] && [ -d "$ANSWERS" ]; then
   # keyed again for this machine's model (import): the converted folder's name may differ
   python3 -m speculum.train.distill import $ANSWERS/*/ --model $M
 fi
+# SELF_PROMPTS=N: N chat requests written by the target itself (python -m speculum.train.self_prompts:
+# its chat template up to a user turn, sampled; MT-bench kept out) are answered first, as --data rows
+# (seconds on the H200; the file comes back in $OUT)
+SELF=""
+if [ "${SELF_PROMPTS:-0}" -gt 0 ]; then
+  python3 -m speculum.train.self_prompts --model $M --num $SELF_PROMPTS --out $TR/self_prompts.jsonl \
+    --dtype bfloat16 --batch 512 2>&1 | grep -v -E "it/s|prompt/s|INFO" | tail -2
+  cp $TR/self_prompts.jsonl $TR/self_prompts.jsonl.json $OUT/ && SELF="--data $TR/self_prompts.jsonl"
+  echo "self prompts: $(( $(date +%s) - T0 )) s"
+fi
 D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-512} --max-tokens ${MAXTOK:-384} --extra-answers ${EXTRA:-2} \
    --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --template-long-form ${TLONG:-1} \
    --second-turns ${SECOND:-0.5} \
    --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
-   --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-}"
+   --eval-prompts mt_bench --eval-num-prompts 80 $SELF ${DATA_ARGS:-}"
 speculum train eagle3 $D --prepare-only > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
 grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
 echo "self-distillation: $(( $(date +%s) - T0 )) s"

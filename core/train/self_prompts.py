@@ -1,0 +1,169 @@
+"""Prompts written by the target itself: what users ask a chat model, as the model knows it.
+
+An instruct model given its chat template up to the start of a user turn (the default
+system prompt included) and nothing else continues with a user's request; sampled, the
+requests are as varied as the chat data it was tuned on (the idea of Magpie, Xu et al.
+2024). For a draft head this is training data that looks like use: the target's answers to
+the requests it expects, not to one benchmark's questions. The file it writes is a prompt
+file like any other (``{"source", "prompt"}`` per line) for ``speculum train --data``:
+
+    python -m speculum.train.self_prompts --num 2000 --out self_prompts.jsonl
+    speculum train eagle3 --data self_prompts.jsonl ...
+
+Kept are requests the target ended itself (its end-of-turn token, not the length limit), of
+at least ``--min-chars`` characters, each once (compared after
+:func:`speculum.train.mix.normalise`), none matching an evaluation set (MT-bench by
+default: the same check as the training data's). A JSON report beside the file counts
+what each filter dropped and records the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import attrs
+
+from speculum.train.mix import Row, drop_overlaps, eval_texts, normalise
+
+
+@attrs.define
+class Kept:
+    """The requests kept so far and what each filter dropped."""
+
+    prompts: list[str] = attrs.field(factory=list)
+    generated: int = 0
+    unfinished: int = 0
+    too_short: int = 0
+    duplicates: int = 0
+    eval_overlaps: int = 0
+    #: kept past the number asked for (the last batch's), left out of the file
+    surplus: int = 0
+    _seen: set[str] = attrs.field(factory=set)
+
+    def add(self, texts: Iterable[tuple[str, bool]], min_chars: int, exclude: set[str]) -> None:
+        """``texts``: (request, ended by the target itself) pairs, in order."""
+        for text, finished in texts:
+            self.generated += 1
+            text = text.strip()
+            if not finished:
+                self.unfinished += 1
+                continue
+            key = normalise(text)
+            if len(text) < min_chars or not key:  # no word in it counts as short too
+                self.too_short += 1
+                continue
+            if key in self._seen:
+                self.duplicates += 1
+                continue
+            if drop_overlaps([Row(0, "self", (text,))], exclude)[1]:
+                self.eval_overlaps += 1
+                continue
+            self._seen.add(key)
+            self.prompts.append(text)
+
+    def report(self) -> dict:
+        counts = {k: v for k, v in attrs.asdict(self).items() if not k.startswith("_") and k != "prompts"}
+        return counts | {"kept": len(self.prompts)}
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of a conversation up to where the user's first message begins, as the
+    chat template writes it (its default system prompt included)."""
+    from speculum.errors import ConfigError
+    hf = tokenizer._need("a chat template")
+    if not getattr(hf, "chat_template", None):
+        raise ConfigError("this model's tokenizer has no chat template: it cannot write its own chat requests")
+    marker = "\u2063speculum-request\u2063"
+    text = hf.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False)
+    if marker not in text:
+        raise ConfigError("the chat template does not show the user's message as written; no request prefix")
+    return list(hf.encode(text[: text.index(marker)], add_special_tokens=False))
+
+
+def write_prompts(llm, num: int, out: Path, temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 128,
+                  min_chars: int = 12, seed: int = 0, exclude: Sequence[str] = (), batch: int = 512,
+                  max_rounds: int = 50, source: str = "self", progress: bool = True) -> Kept:
+    """Sample requests from ``llm`` until ``num`` are kept (or ``max_rounds`` batches ran);
+    write them to ``out`` (JSONL) and the report to ``out`` + ``.json``."""
+    from speculum.sampling import SamplingParams
+
+    prefix = user_turn_prefix(llm.tokenizer)
+    texts = eval_texts(exclude)
+    kept = Kept()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=num, desc="self prompts", unit="prompt", file=sys.stderr)
+    t0, n = time.perf_counter(), 0
+    for _ in range(max_rounds):
+        if len(kept.prompts) >= num:
+            break
+        size = min(batch, max(16, 2 * (num - len(kept.prompts))))
+        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + n + i)
+                  for i in range(size)]
+        n += size
+        outs = llm.generate([{"prompt_token_ids": prefix}] * size, params)
+        before = len(kept.prompts)
+        kept.add(((o.text, o.finish_reason == "stop") for o in outs), min_chars, texts)
+        if bar is not None:
+            bar.update(min(len(kept.prompts), num) - min(before, num))
+    if bar is not None:
+        bar.close()
+    kept.surplus = max(0, len(kept.prompts) - num)
+    kept.prompts = kept.prompts[:num]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps({"source": source, "prompt": p}) + "\n" for p in kept.prompts))
+    report = kept.report() | {"seconds": round(time.perf_counter() - t0, 1), "temperature": temperature,
+                              "top_p": top_p, "max_tokens": max_tokens, "min_chars": min_chars, "seed": seed,
+                              "exclude": [Path(e).name for e in exclude], "command": " ".join(sys.argv)}
+    Path(str(out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    return kept
+
+
+def _eval_set(name: str) -> str:
+    """``mt_bench`` (the shipped questions) or a JSONL path."""
+    from speculum.datasets import MT_BENCH, data_path
+    return str(data_path(MT_BENCH)) if name == "mt_bench" else name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+
+    ap = argparse.ArgumentParser(prog="python -m speculum.train.self_prompts",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--num", type=int, default=2000, help="requests to keep")
+    ap.add_argument("--out", required=True, help="JSONL to write (a report goes to OUT.json)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--max-tokens", type=int, default=128, help="a request longer than this is dropped")
+    ap.add_argument("--min-chars", type=int, default=12, help="shorter requests are dropped")
+    ap.add_argument("--seed", type=int, default=0, help="request i is sampled with seed SEED + i")
+    ap.add_argument("--eval-prompts", action="append", default=None, metavar="NAME_OR_JSONL",
+                    help="evaluation sets no request may match (repeatable; default: mt_bench)")
+    ap.add_argument("--batch", type=int, default=512, help="requests sampled per generate call")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--source", default=None, help="the rows' 'source' (default: self/<model name>)")
+    args = ap.parse_args(argv)
+    from speculum.engine import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.batch)
+    exclude = [_eval_set(e) for e in (args.eval_prompts or ["mt_bench"])]
+    source = args.source or f"self/{llm.model_path.stem}"
+    kept = write_prompts(llm, args.num, Path(args.out), args.temperature, args.top_p, args.max_tokens,
+                         args.min_chars, args.seed, exclude, args.batch, source=source)
+    r = kept.report()
+    print(f"kept {r['kept']} of {r['generated']} requests (unfinished {r['unfinished']}, too short "
+          f"{r['too_short']}, duplicates {r['duplicates']}, matching an evaluation prompt {r['eval_overlaps']}); "
+          f"wrote {args.out}")
+    return 0 if kept.prompts else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
