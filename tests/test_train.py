@@ -62,6 +62,34 @@ def test_distillation_cache_is_reused_and_extended(tiny_llama, prompts, tmp_path
     assert s3 == ["shard_00000.safetensors"] and d3 == d1  # a prefix: nothing generated
 
 
+def test_data_rows_have_their_own_cache_and_reuse_the_prompts_answers(tiny_llama, prompts, tmp_path):
+    """--data rows (e.g. the target's own requests) live in a cache of their own: adding them
+    to a run whose training prompts are answered (an earlier run, answers carried from another
+    machine) answers only the new rows, and training reads both caches."""
+    from speculum.train.distill import ensure_parts, parts, parts_summary
+    from speculum.train.loop import load_data
+    from speculum.train.mix import DATA_BASE
+
+    base = spec(tiny_llama, prompts, 10)
+    ((d_p, s_p),) = ensure_parts(base, tmp_path, device="cpu", shard_size=8)
+    before = {n: (d_p / n).read_bytes() for n in s_p}
+    mine = token_prompts_file(tmp_path / "mine.jsonl", n=5, seed=7)
+    both = attrs.evolve(base, data=(str(mine),))
+    assert [p.key() for p in parts(both)][1] == base.key()
+    (d_d, s_d), (d_p2, s_p2) = ensure_parts(both, tmp_path, device="cpu", shard_size=8)
+    assert d_p2 == d_p and s_p2 == s_p and {n: (d_p / n).read_bytes() for n in s_p} == before  # not redone
+    assert d_d != d_p and len(DistillData.load(d_d, shards=s_d)) == 5
+    mix = parts_summary([(d_d, s_d), (d_p, s_p)], both)
+    assert mix["sequences_per_kind"]["answer"] == 15 and mix["rows"] == 15
+    data = load_data(d_p, (-1,), [str(d / n) for d, names in ((d_d, s_d), (d_p, s_p)) for n in names], "cpu")
+    assert len(data) == 15  # the rows' group ids: the data file's past DATA_BASE, the prompts' their rows
+    assert sorted(set(data.prompt_index.tolist())) == sorted(set(range(40)) & set(data.prompt_index.tolist())) + \
+        [DATA_BASE + i for i in range(5)]
+    # out of generation time after the first part: the second uses what it has (here: all of it)
+    (_, s_d3), (_, s_p3) = ensure_parts(both, tmp_path, device="cpu", shard_size=8, time_limit=1e-9)
+    assert s_d3 == s_d and s_p3 == s_p
+
+
 def train(args: list[str]) -> int:
     return main(["train", *args])
 

@@ -116,7 +116,8 @@ def select_rows(spec: DistillSpec, ids: PromptIds) -> Selection:
     for n, f in enumerate(spec.data):
         data_rows += read_rows(f, base=DATA_BASE * (n + 1), source=f"data:{Path(f).name}")
     data_rows, d1 = drop_overlaps(data_rows, texts)
-    prompt_rows, d2 = drop_overlaps(order_rows(read_rows(spec.prompts), spec.seed), texts)
+    prompt_rows, d2 = drop_overlaps(order_rows(read_rows(spec.prompts), spec.seed), texts) \
+        if spec.num_prompts > 0 else ([], 0)
     out, too_long, taken = [], 0, 0
     for r in data_rows:
         if len(ids.first_prompt(r, spec.chat)) <= spec.max_prompt_tokens:
@@ -214,6 +215,47 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     if done < len(todo):  # out of time: the shards finished so far
         names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
     return out, names
+
+
+def parts(spec: DistillSpec) -> list[DistillSpec]:
+    """The caches ``spec``'s data lives in: the ``data`` files' rows in one (answered
+    first), the prompt file's ``num_prompts`` in another, keyed without the ``data`` files.
+    So adding or changing ``--data`` reuses the answers to the training prompts already
+    made (a carried cache, an earlier run's) and answers only the new rows."""
+    if not spec.data:
+        return [spec]
+    return [attrs.evolve(spec, num_prompts=0), attrs.evolve(spec, data=())]
+
+
+def ensure_parts(spec: DistillSpec, root: Path | None = None, time_limit: float = 0, generate: bool = True,
+                 **kw) -> list[tuple[Path, list[str]]]:
+    """:func:`ensure_distill` for each of :func:`parts`, in order, sharing ``time_limit``
+    (a part reached after it ran out uses the shards finished before); returns each part's
+    (cache directory, finished shards)."""
+    t0, out = time.perf_counter(), []
+    for part in parts(spec):
+        left = time_limit - (time.perf_counter() - t0) if time_limit > 0 else 0
+        if time_limit > 0 and left <= 0:
+            out.append(ensure_distill(part, root, generate=False, **kw))
+        else:
+            out.append(ensure_distill(part, root, time_limit=left, generate=generate, **kw))
+    return out
+
+
+def parts_summary(found: Sequence[tuple[Path, Sequence[str]]], spec: DistillSpec) -> dict:
+    """:func:`mix_summary` of every part, added up."""
+    total: dict = {}
+    for (path, shards), part in zip(found, parts(spec)):
+        for k, v in mix_summary(path, shards, part.num_prompts).items():
+            if isinstance(v, dict):
+                d = total.setdefault(k, {})
+                for kk, vv in v.items():
+                    d[kk] = d.get(kk, 0) + vv
+            elif isinstance(v, (int, float)):
+                total[k] = round(total.get(k, 0) + v, 1) if isinstance(v, float) else total.get(k, 0) + v
+            elif k not in total:
+                total[k] = v
+    return total
 
 
 def fill_features(path: Path, shards: Sequence[str], spec: DistillSpec, make_llm) -> int:

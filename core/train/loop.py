@@ -29,7 +29,7 @@ import torch
 
 from speculum.train.base import Score, Trainer, frequent_tokens
 from speculum.train.data import DistillData
-from speculum.train.distill import DistillSpec, ensure_distill, mix_summary, new_file_mode
+from speculum.train.distill import DistillSpec, ensure_distill, ensure_parts, new_file_mode, parts_summary
 from speculum.train.generate import release_engines
 from speculum.train.mix import ANSWER, KINDS
 
@@ -206,13 +206,16 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     t0 = time.perf_counter()
     layers = record_layers(list(all_trainers) or [trainer], args, L)
     spec = distill_spec(args, model_path, layers)
-    data_dir, shards = ensure_distill(spec, args.cache_dir, time_limit=args.gen_time_limit,
-                                      generate=not args.cached_data_only, **_gen_kwargs(args))
+    found = ensure_parts(spec, args.cache_dir, time_limit=args.gen_time_limit, generate=not args.cached_data_only,
+                         **_gen_kwargs(args))
+    # every part's shards by full path (the --data rows' cache, then the prompts')
+    data_dir, shards = found[-1][0], [str(d / n) for d, names in found for n in names]
+    where = ", ".join(str(d) for d, _ in found)
     if not shards:
         from speculum.errors import ConfigError
-        raise ConfigError(f"no finished self-distillation shards in {data_dir}; run without --cached-data-only "
+        raise ConfigError(f"no finished self-distillation shards in {where}; run without --cached-data-only "
                           "(or with a longer --gen-time-limit) first")
-    mix = mix_summary(data_dir, shards, spec.num_prompts)
+    mix = parts_summary(found, spec)
     eval_dir = eval_shards = None
     if getattr(args, "eval_prompts", None):  # another prompt set, answered the same way, never trained on
         espec = attrs.evolve(spec, prompts=str(args.eval_prompts), num_prompts=args.eval_num_prompts,
@@ -224,9 +227,9 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
             eval_dir = None
     release_engines()
     gen_s = time.perf_counter() - t0
-    print(f"data: {data_dir} ({len(shards)} shards): {json.dumps(mix)}")
+    print(f"data: {where} ({len(shards)} shards): {json.dumps(mix)}")
     if getattr(args, "prepare_only", False):
-        return {"data_dir": str(data_dir), "data": mix}
+        return {"data_dir": str(data_dir), "data_dirs": [str(d) for d, _ in found], "data": mix}
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(data_dir, trainer.data_layers(args, L), shards, device)
     train_ids, val_ids = data.split(args.val_fraction, args.data_seed)
@@ -234,7 +237,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     val_ids = sorted(random.Random(args.data_seed).sample(val_ids, min(len(val_ids), args.val_max_seqs)))
     eval_data = load_data(eval_dir, trainer.data_layers(args, L), eval_shards, device) \
         if eval_dir is not None else None
-    log.info("data %s: %d sequences (%d train, %d validation), %d tokens", data_dir, len(data), len(train_ids),
+    log.info("data %s: %d sequences (%d train, %d validation), %d tokens", where, len(data), len(train_ids),
              len(val_ids), data.num_tokens(range(len(data))))
 
     # 2. the module
