@@ -251,10 +251,11 @@ def parts_summary(found: Sequence[tuple[Path, Sequence[str]]], spec: DistillSpec
                 d = total.setdefault(k, {})
                 for kk, vv in v.items():
                     d[kk] = d.get(kk, 0) + vv
-            elif isinstance(v, (int, float)):
-                total[k] = round(total.get(k, 0) + v, 1) if isinstance(v, float) else total.get(k, 0) + v
-            elif k not in total:
-                total[k] = v
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                total[k] = total.get(k) or 0
+                total[k] = round(total[k] + v, 1) if isinstance(v, float) else total[k] + v
+            else:  # None (a cache whose answers came from elsewhere: no generation time)
+                total.setdefault(k, v)
     return total
 
 
