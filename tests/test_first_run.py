@@ -377,3 +377,24 @@ def test_a_pooled_comparison_fills_the_batch_and_keeps_each_category(tiny_llama)
     assert d["categories"]["a"]["tokens_per_s"] is None and d["total"]["tokens_per_s"] > 0
     with pytest.raises(ValueError, match="cannot pool"):
         methods.compare([cfg], groups, params, make, interleave=True, pooled=True)
+
+
+def test_bench_offline_pools_above_batch_one_unless_told_not_to():
+    """Batches above 1 pool the categories; --per-category-batches keeps the old way;
+    --interleave (one category at a time through every engine) cannot pool: a clear error."""
+    import argparse
+
+    from speculum.bench import offline
+
+    def args(**kw):
+        return argparse.Namespace(**{"batch_size": 1, "interleave": False, "per_category_batches": False, **kw})
+    assert not offline._pooled(args())
+    assert offline._pooled(args(batch_size=16))
+    assert not offline._pooled(args(batch_size=16, per_category_batches=True))
+    assert not offline._pooled(args(interleave=True))
+    with pytest.raises(SystemExit, match="--per-category-batches"):
+        offline._pooled(args(batch_size=16, interleave=True))
+    groups = {"a": ["a1", "a2", "a3"], "b": ["b1"], "c": ["c1", "c2"]}
+    assert offline._profile_prompts(groups, 1) == ["a1", "b1", "c1"]  # the first of each, as before
+    assert offline._profile_prompts(groups, 5) == ["a1", "b1", "c1", "a2", "c2"]
+    assert offline._profile_prompts(groups, 16) == ["a1", "b1", "c1", "a2", "c2", "a3"]
