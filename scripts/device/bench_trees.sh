@@ -15,6 +15,7 @@
 # TREES="4 4 16;8 5 32" (top-k, depth, verified tokens; ';' between trees): b1a, b1b and b16 run
 # these trees for every method instead of the sweep's best (Medusa: depth capped at its 4 heads).
 # HEAD_KERNELS=torch: the heads draft on plain torch kernels (the "before" of 72e1646).
+# MEDUSA_TREE=FILE: b1b also runs the static Medusa tree of scripts/medusa_tree.py's JSON FILE.
 # Every part but tests prints its table and writes JSON to $OUT; b1a, b1b and b16 also the step
 # profile (--profile) of every config.
 # Report and figure: python scripts/trees_report.py <the JSON files> (on the lead's machine).
@@ -93,6 +94,13 @@ b1a)
     --json $OUT/trees_b1a${TAG}.json ;;
 b1b)
   mapfile -t TM < <(tm mtp); mapfile -t TMD < <(tm medusa)
+  # MEDUSA_TREE=FILE (scripts/medusa_tree.py's JSON, e.g. docs/results/cpu/medusa_tree_calibrated_self_1202b.json):
+  # its static tree too, on the same medusa heads as the others
+  if [ -n "$MEDUSA_TREE" ]; then
+    MH=""; [ -n "$HEADS" ] && [ -d "$HEADS/medusa" ] && MH="$HEADS/medusa"
+    TMD+=(--method "$(python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['config']; c.pop('model', None)
+c.update({'model': sys.argv[2]} if sys.argv[2] else {}); print(json.dumps(c))" "$MEDUSA_TREE" "$MH")")
+  fi
   run --batch-size 1 --prompts-per-category ${PPC:-10} --profile \
     --method "$(chain mtp)" "${TM[@]}" --method "$(chain medusa)" "${TMD[@]}" \
     --json $OUT/trees_b1b${TAG}.json ;;
