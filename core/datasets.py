@@ -72,6 +72,11 @@ def per_category(rows: list[dict], per_category: int | None = None,
     return out
 
 
+def eval_set_path(name: str) -> str:
+    """``mt_bench`` (the shipped questions) or a JSONL path, as a path."""
+    return str(data_path(MT_BENCH)) if name == "mt_bench" else name
+
+
 def train_prompts_path() -> Path:
     """The shipped training prompts (never MT-bench)."""
     return data_path(TRAIN_PROMPTS)

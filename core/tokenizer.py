@@ -53,6 +53,20 @@ class Tokenizer:
         # the template writes its special tokens itself; tokenizing its text adds none
         return text, list(tok.encode(text, add_special_tokens=False))
 
+    def user_turn_prefix(self) -> list[int]:
+        """Token ids of a conversation up to where the user's first message begins, as the
+        chat template writes it (its default system prompt included)."""
+        from speculum.errors import ConfigError
+        tok = self._need("a chat template")
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError("this model's tokenizer has no chat template: it cannot write its own chat requests")
+        marker = "\u2063speculum-request\u2063"
+        text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False,
+                                       tokenize=False)
+        if marker not in text:
+            raise ConfigError("the chat template does not show the user's message as written; no request prefix")
+        return list(tok.encode(text[: text.index(marker)], add_special_tokens=False))
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.hf is None:
             return ""

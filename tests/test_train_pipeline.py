@@ -128,7 +128,7 @@ def test_self_prompts_are_the_targets_own_finished_requests(chat_target, tmp_pat
     from speculum.train.mix import read_rows
 
     llm = LLM(str(chat_target), device="cpu", dtype="float32", max_num_seqs=64)
-    prefix = sp.user_turn_prefix(llm.tokenizer)
+    prefix = llm.tokenizer.user_turn_prefix()
     assert llm.tokenizer.decode(prefix, skip_special_tokens=False) == "<|im_start|>user\n"
     out = tmp_path / "self.jsonl"
     kept = sp.write_prompts(llm, 6, out, max_tokens=12, min_chars=2, batch=64, progress=False)

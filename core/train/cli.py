@@ -151,9 +151,9 @@ def cmd_train(args) -> int:
     if not targs.prompts:
         from speculum.datasets import train_prompts_path
         targs.prompts = str(train_prompts_path())
-    if targs.eval_prompts == "mt_bench":
-        from speculum.datasets import MT_BENCH, data_path
-        targs.eval_prompts = str(data_path(MT_BENCH))
+    if targs.eval_prompts:
+        from speculum.datasets import eval_set_path
+        targs.eval_prompts = eval_set_path(targs.eval_prompts)
     for f in [targs.prompts, *targs.data]:
         if "mt_bench" in Path(f).name:
             raise ConfigError(f"{f}: MT-bench is for evaluation only; leave --prompts unset to train on the shipped "

@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import attrs
 
-from speculum.train.mix import Row, drop_overlaps, eval_texts, normalise
+from speculum.train.mix import Row, eval_texts, normalise, overlaps
 
 
 @attrs.define
@@ -60,7 +60,7 @@ class Kept:
             if key in self._seen:
                 self.duplicates += 1
                 continue
-            if drop_overlaps([Row(0, "self", (text,))], exclude)[1]:
+            if overlaps(Row(0, "self", (text,)), exclude):
                 self.eval_overlaps += 1
                 continue
             self._seen.add(key)
@@ -71,20 +71,6 @@ class Kept:
         return counts | {"kept": len(self.prompts)}
 
 
-def user_turn_prefix(tokenizer) -> list[int]:
-    """Token ids of a conversation up to where the user's first message begins, as the
-    chat template writes it (its default system prompt included)."""
-    from speculum.errors import ConfigError
-    hf = tokenizer._need("a chat template")
-    if not getattr(hf, "chat_template", None):
-        raise ConfigError("this model's tokenizer has no chat template: it cannot write its own chat requests")
-    marker = "\u2063speculum-request\u2063"
-    text = hf.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False)
-    if marker not in text:
-        raise ConfigError("the chat template does not show the user's message as written; no request prefix")
-    return list(hf.encode(text[: text.index(marker)], add_special_tokens=False))
-
-
 def write_prompts(llm, num: int, out: Path, temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 128,
                   min_chars: int = 12, seed: int = 0, exclude: Sequence[str] = (), batch: int = 512,
                   max_rounds: int = 50, source: str = "self", progress: bool = True) -> Kept:
@@ -92,7 +78,7 @@ def write_prompts(llm, num: int, out: Path, temperature: float = 1.0, top_p: flo
     write them to ``out`` (JSONL) and the report to ``out`` + ``.json``."""
     from speculum.sampling import SamplingParams
 
-    prefix = user_turn_prefix(llm.tokenizer)
+    prefix = llm.tokenizer.user_turn_prefix()
     texts = eval_texts(exclude)
     kept = Kept()
     bar = None
@@ -125,12 +111,6 @@ def write_prompts(llm, num: int, out: Path, temperature: float = 1.0, top_p: flo
     return kept
 
 
-def _eval_set(name: str) -> str:
-    """``mt_bench`` (the shipped questions) or a JSONL path."""
-    from speculum.datasets import MT_BENCH, data_path
-    return str(data_path(MT_BENCH)) if name == "mt_bench" else name
-
-
 def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m speculum.train.self_prompts",
@@ -151,10 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--source", default=None, help="the rows' 'source' (default: self/<model name>)")
     args = ap.parse_args(argv)
+    from speculum.datasets import eval_set_path
     from speculum.engine import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.batch)
-    exclude = [_eval_set(e) for e in (args.eval_prompts or ["mt_bench"])]
+    exclude = [eval_set_path(e) for e in (args.eval_prompts or ["mt_bench"])]
     source = args.source or f"self/{llm.model_path.stem}"
     kept = write_prompts(llm, args.num, Path(args.out), args.temperature, args.top_p, args.max_tokens,
                          args.min_chars, args.seed, exclude, args.batch, source=source)
