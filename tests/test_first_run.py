@@ -379,6 +379,35 @@ def test_a_pooled_comparison_fills_the_batch_and_keeps_each_category(tiny_llama)
         methods.compare([cfg], groups, params, make, interleave=True, pooled=True)
 
 
+def test_the_warm_up_fills_the_batch_with_the_longest_prompts(tiny_llama):
+    """CUDA graphs are captured the first time a batch size and context bucket occur; a
+    pooled batch-16 run of a few seconds warmed on one prompt timed those captures (configs
+    that ran the very same plain steps differed 2.4x on the H200). The warm-up now answers
+    as many of the longest prompts as the batch holds, untimed."""
+    from speculum import LLM
+    from speculum.bench import methods
+
+    groups = {"a": [{"prompt_token_ids": [5] * n} for n in (3, 9, 4)], "b": [{"prompt_token_ids": [6] * n} for n in (7, 2)]}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    calls = []
+
+    def make(batch):
+        def build(cfg):
+            llm = LLM(str(tiny_llama), cfg, device="cpu", dtype="float32", max_num_seqs=batch)
+            inner = llm.generate
+            llm.generate = lambda prompts, *a, **kw: (calls.append([len(p["prompt_token_ids"]) for p in prompts]),
+                                                      inner(prompts, *a, **kw))[1]
+            return llm
+        return build
+
+    methods.compare([], groups, params, make(3), warmup_tokens=2, pooled=True)
+    assert calls[0] == [9, 7, 4]  # the warm-up: the three longest, the batch's width
+    assert sorted(calls[1]) == [2, 3, 4, 7, 9]  # then every prompt, timed
+    calls.clear()
+    methods.compare([], groups, params, make(1), warmup_tokens=2)
+    assert calls[0] == [9]  # batch 1: the longest prompt alone, as before
+
+
 def test_bench_offline_pools_above_batch_one_unless_told_not_to():
     """Batches above 1 pool the categories; --per-category-batches keeps the old way;
     --interleave (one category at a time through every engine) cannot pool: a clear error."""

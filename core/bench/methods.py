@@ -227,9 +227,13 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
 
 
 def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_tokens: int) -> tuple[Any, str]:
-    """A config's engine, warmed on the longest prompt, and its name."""
+    """A config's engine, warmed on the longest prompts (as many as its batch holds: CUDA
+    graphs are captured per batch size and context bucket the first time one occurs, and a
+    short batched run timed with those captures in it measured them, not the steps), and
+    its name."""
     llm = make_llm(cfg)
-    warm = [max((p for ps in groups.values() for p in ps), key=lambda p: len(str(p)))]
+    every = sorted((p for ps in groups.values() for p in ps), key=lambda p: len(str(p)), reverse=True)
+    warm = every[: max(1, getattr(llm, "max_num_seqs", 1))]
     if warmup_tokens > 0:
         llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
     resolved = llm.speculative_config.method if llm.speculative_config else None
