@@ -7,6 +7,8 @@
 #               /tmp/trees_best.json (and $OUT) for the next parts
 #   PART=b1a    all 80 questions, batch 1: autoregressive, ngram, eagle and eagle3 chain vs best tree
 #   PART=b1b    all 80 questions, batch 1: autoregressive, mtp and medusa chain vs best tree
+#   PART=quick  batch 1, PPC (3) questions per category: autoregressive, and per METHODS (eagle3 medusa)
+#               chain k=4 against its trees (MEDUSA_TREE too): a short run measuring one change
 #   PART=b16    all 80 questions at once, batch 16 (bench offline pools the categories above batch 1
 #               since 2026-12-02: before, each category ran alone, 5-10 sequences at most): every
 #               config above, with the step profile
@@ -16,6 +18,7 @@
 # these trees for every method instead of the sweep's best (Medusa: depth capped at its 4 heads).
 # HEAD_KERNELS=torch: the heads draft on plain torch kernels (the "before" of 72e1646).
 # MEDUSA_TREE=FILE: b1b also runs the static Medusa tree of scripts/medusa_tree.py's JSON FILE.
+# NGRAM=0: b16 without its n-gram config.
 # Every part but tests prints its table and writes JSON to $OUT; b1a, b1b and b16 also the step
 # profile (--profile) of every config.
 # Report and figure: python scripts/trees_report.py <the JSON files> (on the lead's machine).
@@ -58,7 +61,24 @@ trees() {
   done
 }
 tm() { trees "$1" | while IFS= read -r c; do printf -- '--method\n%s\n' "$c"; done; }
+# MEDUSA_TREE=FILE (scripts/medusa_tree.py's JSON, e.g. docs/results/cpu/medusa_tree_calibrated_self_1202b.json):
+# its static tree as a config, on the same medusa heads as the others
+medusa_static() {
+  local MH=""; [ -n "$HEADS" ] && [ -d "$HEADS/medusa" ] && MH="$HEADS/medusa"
+  python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['config']; c.pop('model', None)
+c.update({'model': sys.argv[2]} if sys.argv[2] else {}); print(json.dumps(c))" "$MEDUSA_TREE" "$MH"
+}
 case $PART in
+quick)
+  # batch 1, PPC questions per category (default 3): autoregressive, then per METHODS (default
+  # eagle3 medusa) the chain k=4 and its trees (and MEDUSA_TREE's static tree): a short run for
+  # one change, within the few minutes a session has left
+  ARGS=()
+  for m in ${METHODS:-eagle3 medusa}; do
+    mapfile -t T < <(tm $m); ARGS+=(--method "$(chain $m)" "${T[@]}")
+    [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && ARGS+=(--method "$(medusa_static)")
+  done
+  run --batch-size 1 --prompts-per-category ${PPC:-3} --profile "${ARGS[@]}" --json $OUT/trees_quick${TAG}.json ;;
 sweep)
   ARGS=(--method "{\"method\":\"ngram\",$K}")
   for m in ${METHODS:-eagle eagle3 mtp medusa}; do
@@ -94,23 +114,17 @@ b1a)
     --json $OUT/trees_b1a${TAG}.json ;;
 b1b)
   mapfile -t TM < <(tm mtp); mapfile -t TMD < <(tm medusa)
-  # MEDUSA_TREE=FILE (scripts/medusa_tree.py's JSON, e.g. docs/results/cpu/medusa_tree_calibrated_self_1202b.json):
-  # its static tree too, on the same medusa heads as the others
-  if [ -n "$MEDUSA_TREE" ]; then
-    MH=""; [ -n "$HEADS" ] && [ -d "$HEADS/medusa" ] && MH="$HEADS/medusa"
-    TMD+=(--method "$(python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['config']; c.pop('model', None)
-c.update({'model': sys.argv[2]} if sys.argv[2] else {}); print(json.dumps(c))" "$MEDUSA_TREE" "$MH")")
-  fi
+  [ -n "$MEDUSA_TREE" ] && TMD+=(--method "$(medusa_static)")
   run --batch-size 1 --prompts-per-category ${PPC:-10} --profile \
     --method "$(chain mtp)" "${TM[@]}" --method "$(chain medusa)" "${TMD[@]}" \
     --json $OUT/trees_b1b${TAG}.json ;;
 b16)
   # each tree also with "auto": the tree or nothing per step, from its measured gain and cost
   auto() { python3 -c "import json,sys; c=json.loads(sys.argv[1]); c['num_speculative_tokens_per_batch_size']='auto'; print(json.dumps(c))" "$1"; }
-  ARGS=(--method "{\"method\":\"ngram\",$K}")
+  ARGS=(); [ "${NGRAM:-1}" = 1 ] && ARGS=(--method "{\"method\":\"ngram\",$K}")
   for m in ${METHODS:-eagle eagle3 mtp medusa}; do
     b=$(trees $m | head -1)
     ARGS+=(--method "$(chain $m)" --method "$b" --method "$(auto "$b")"); done
   run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${ARGS[@]}" --json $OUT/trees_b16.json ;;
-*) echo "unknown PART=$PART (tests, sweep, b1a, b1b, b16)"; exit 2 ;;
+*) echo "unknown PART=$PART (tests, quick, sweep, b1a, b1b, b16)"; exit 2 ;;
 esac
