@@ -356,11 +356,10 @@ class DraftVerifyLoop:
         """Whether the next step's drafts may be made now, before the engine's bookkeeping:
         a fixed k (nothing this step observes changes it), a stateless proposer or one that
         can rewind a propose (:class:`RewindableProposer`: it has observed this step
-        already, and is rewound if the step never comes), chains, every row greedy with
+        already, and is rewound if the step never comes), chains or trees, every row greedy with
         unprocessed logits and no logprobs (no random stream is drawn early, nothing read
         from this step's outputs later), no row finished (the batch stays the same)."""
         return (isinstance(self.length, FixedLength) and (not self.stateful or self.rewindable)
-                and not self.trees
                 and all(s.params.temperature == 0 and not s.processed and s.params.logprobs is None
                         and not s.finished for s in seqs)
                 and any(s.speculative and self._cap(s) for s in seqs))
@@ -373,7 +372,7 @@ class DraftVerifyLoop:
         plan = self._plan(seqs, self._sampling(seqs), k_step, timing=True)
         launched = None
         if not any(s.finished for s in seqs):  # else the proposer failed a row: the batch changes anyway
-            launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens)
+            launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens, plan.draft.tree)
         if launched is not None:
             self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched, plan, k_step)
         elif self.rewindable:
@@ -400,12 +399,14 @@ class DraftVerifyLoop:
         if launched is not None:
             self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched)
 
-    def _launch_ahead(self, seqs: list[Sequence], inputs: torch.Tensor, num_tokens: list[int]):
-        """(the rows' KV lengths before it, its output) of the next step's forward launched
-        now, or None when the cache has no room for it (the next step then schedules itself)."""
+    def _launch_ahead(self, seqs: list[Sequence], inputs: torch.Tensor, num_tokens: list[int], tree=None):
+        """(the rows' KV lengths before it, its output) of the next step's forward (over a
+        token ``tree`` when given) launched now, or None when the cache has no room for it
+        (the next step then schedules itself)."""
         bases = {s.seq_id: self.target.length(s.seq_id) for s in seqs}
+        extra = {} if tree is None else {"tree": tree}
         try:
-            return bases, self.target.forward(list(bases), inputs, num_tokens, self.hidden_layers)
+            return bases, self.target.forward(list(bases), inputs, num_tokens, self.hidden_layers, **extra)
         except KVCacheFull:
             for sid, base in bases.items():
                 if self.target.length(sid) > base:
@@ -590,9 +591,9 @@ class DraftVerifyLoop:
         if not rows:
             return
         B = len(seqs)
-        if hidden and len(rows) != B:
-            idx = torch.tensor(rows)
-            hidden = {layer: h[idx.to(h.device)] for layer, h in hidden.items()}
+        if hidden and len(rows) != B:  # (an asynchronous copy of the index: no synchronisation)
+            idx = on_device(rows, next(iter(hidden.values())).device)
+            hidden = {layer: h[idx] for layer, h in hidden.items()}
         fb = StepFeedback(seq_ids=[seqs[b].seq_id for b in rows], num_accepted=[accepted[b] for b in rows],
                           new_lengths=[new_lengths[b] for b in rows], hidden_states=hidden or None)
         try:
