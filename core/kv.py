@@ -179,6 +179,8 @@ class PagedKVAllocator:
         and block tables ``[rows, num_blocks]`` (0-padded).
         """
         bs = self.block_size
+        if rows * q <= 256:  # a decode or verify step: Python lists beat a dozen numpy calls on small rows
+            return self._step_slots_small(seq_ids, num_tokens, q, rows, num_blocks)
         n = len(seq_ids)
         blk = np.zeros((rows, num_blocks), dtype=np.int64)
         ends = np.zeros(rows, dtype=np.int64)
@@ -192,6 +194,23 @@ class PagedKVAllocator:
         slot = np.take_along_axis(blk, np.minimum(pos // bs, num_blocks - 1), axis=1) * bs + pos % bs
         wsl = np.where(pos < ends[:, None], slot, pos % bs)
         return pos, wsl, blk
+
+    def _step_slots_small(self, seq_ids, num_tokens, q: int, rows: int, num_blocks: int):
+        """:meth:`step_slots` built as lists (the same arrays)."""
+        bs = self.block_size
+        pos, wsl, blk = [], [], []
+        for sid, m in zip(seq_ids, num_tokens):
+            table, end = self.block_table(sid), self.length(sid)
+            p = range(end - m, end - m + q)
+            pos += p
+            wsl += [table[i // bs] * bs + i % bs if i < end else i % bs for i in p]
+            blk += [*table, *[0] * (num_blocks - len(table))]
+        pad = rows - len(seq_ids)  # padding rows: positions 0..q-1 in the scratch block
+        pos += list(range(q)) * pad
+        wsl += [i % bs for i in range(q)] * pad
+        blk += [0] * (num_blocks * pad)
+        return (np.array(pos, np.int64).reshape(rows, q), np.array(wsl, np.int64).reshape(rows, q),
+                np.array(blk, np.int64).reshape(rows, num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
