@@ -138,15 +138,19 @@ class PagedKVAllocator:
         return need <= len(self._free)
 
     def allocate(self, seq_id: int, num_tokens: int) -> None:
-        if not self.can_allocate(seq_id, num_tokens):
+        # can_allocate's rule, worked out once (this runs for every row of every forward)
+        new_len = self._lengths.get(seq_id, 0) + num_tokens
+        table = self._tables.get(seq_id)
+        need = self._blocks_for(new_len) - (len(table) if table is not None else 0)
+        if need > len(self._free) or (self.max_model_len is not None and new_len > self.max_model_len):
             raise KVCacheFull(
                 f"{self.group} KV cache: no room for {num_tokens} more tokens of sequence {seq_id} "
                 f"({len(self._free)} free blocks of {self.block_size}; length "
                 f"{self._lengths.get(seq_id, 0)}, max_model_len {self.max_model_len})"
             )
-        table = self._tables.setdefault(seq_id, [])
-        new_len = self._lengths.get(seq_id, 0) + num_tokens
-        while len(table) < self._blocks_for(new_len):
+        if table is None:
+            table = self._tables[seq_id] = []
+        for _ in range(need):
             table.append(self._free.pop())
         self._lengths[seq_id] = new_len
 
@@ -155,8 +159,7 @@ class PagedKVAllocator:
         if length < 0 or length > cur:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {cur} to {length}")
         table = self._tables.get(seq_id, [])
-        keep = self._blocks_for(length)
-        while len(table) > keep:
+        for _ in range(len(table) - self._blocks_for(length)):
             self._free.append(table.pop())
         self._lengths[seq_id] = length
 

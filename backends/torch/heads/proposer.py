@@ -386,9 +386,8 @@ class ChainHeadProposer:
             raise RuntimeError(f"{type(self).__name__} got no hidden states from the verify step")
         with torch.inference_mode():
             feats = self.head.features(hs)  # [B, k+1, H]
-        # the states of the accepted positions, copied once for every row (the target's
-        # buffers are reused) and kept by reference: no tensor op per row
-        with torch.inference_mode():
+            # the states of the accepted positions, copied once for every row (the target's
+            # buffers are reused) and kept by reference: no tensor op per row
             kept = feats[:, : max(feedback.num_accepted, default=0) + 1].clone()
         for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
             prev = self.pending.get(sid)
