@@ -346,7 +346,7 @@ class ChainHeadProposer:
                     x[j, :n] = feats[i][:n]
                     t[j, :n] = torch.tensor(toks[i][:n], dtype=torch.int64)
                 with torch.inference_mode():
-                    self._run([sids[i] for i in over], x, t.to(dev), pre)
+                    self._run([sids[i] for i in over], x, t.to(dev, non_blocking=True), pre)
                 for i, n in zip(over, pre):
                     feats[i], toks[i], counts[i] = feats[i][n:], toks[i][n:], graphs.Q
             out = unpack_tree(graphs.run(sids, feats, toks, counts), N)
