@@ -138,15 +138,19 @@ class PagedKVAllocator:
         return need <= len(self._free)
 
     def allocate(self, seq_id: int, num_tokens: int) -> None:
-        if not self.can_allocate(seq_id, num_tokens):
+        # can_allocate's rule, worked out once (this runs for every row of every forward)
+        new_len = self._lengths.get(seq_id, 0) + num_tokens
+        table = self._tables.get(seq_id)
+        need = self._blocks_for(new_len) - (len(table) if table is not None else 0)
+        if need > len(self._free) or (self.max_model_len is not None and new_len > self.max_model_len):
             raise KVCacheFull(
                 f"{self.group} KV cache: no room for {num_tokens} more tokens of sequence {seq_id} "
                 f"({len(self._free)} free blocks of {self.block_size}; length "
                 f"{self._lengths.get(seq_id, 0)}, max_model_len {self.max_model_len})"
             )
-        table = self._tables.setdefault(seq_id, [])
-        new_len = self._lengths.get(seq_id, 0) + num_tokens
-        while len(table) < self._blocks_for(new_len):
+        if table is None:
+            table = self._tables[seq_id] = []
+        for _ in range(need):
             table.append(self._free.pop())
         self._lengths[seq_id] = new_len
 
@@ -155,8 +159,7 @@ class PagedKVAllocator:
         if length < 0 or length > cur:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {cur} to {length}")
         table = self._tables.get(seq_id, [])
-        keep = self._blocks_for(length)
-        while len(table) > keep:
+        for _ in range(len(table) - self._blocks_for(length)):
             self._free.append(table.pop())
         self._lengths[seq_id] = length
 
@@ -179,6 +182,8 @@ class PagedKVAllocator:
         and block tables ``[rows, num_blocks]`` (0-padded).
         """
         bs = self.block_size
+        if rows * q <= 256:  # a decode or verify step: Python lists beat a dozen numpy calls on small rows
+            return self._step_slots_small(seq_ids, num_tokens, q, rows, num_blocks)
         n = len(seq_ids)
         blk = np.zeros((rows, num_blocks), dtype=np.int64)
         ends = np.zeros(rows, dtype=np.int64)
@@ -192,6 +197,23 @@ class PagedKVAllocator:
         slot = np.take_along_axis(blk, np.minimum(pos // bs, num_blocks - 1), axis=1) * bs + pos % bs
         wsl = np.where(pos < ends[:, None], slot, pos % bs)
         return pos, wsl, blk
+
+    def _step_slots_small(self, seq_ids, num_tokens, q: int, rows: int, num_blocks: int):
+        """:meth:`step_slots` built as lists (the same arrays)."""
+        bs = self.block_size
+        pos, wsl, blk = [], [], []
+        for sid, m in zip(seq_ids, num_tokens):
+            table, end = self.block_table(sid), self.length(sid)
+            p = range(end - m, end - m + q)
+            pos += p
+            wsl += [table[i // bs] * bs + i % bs if i < end else i % bs for i in p]
+            blk += [*table, *[0] * (num_blocks - len(table))]
+        pad = rows - len(seq_ids)  # padding rows: positions 0..q-1 in the scratch block
+        pos += list(range(q)) * pad
+        wsl += [i % bs for i in range(q)] * pad
+        blk += [0] * (num_blocks * pad)
+        return (np.array(pos, np.int64).reshape(rows, q), np.array(wsl, np.int64).reshape(rows, q),
+                np.array(blk, np.int64).reshape(rows, num_blocks))
 
     @property
     def num_free_blocks(self) -> int:

@@ -31,6 +31,8 @@ from typing import Sequence
 import attrs
 import torch
 
+from speculum.devices import on_device
+
 
 @attrs.frozen
 class TokenRules:
@@ -93,7 +95,7 @@ class LogitsRules:
                     ids[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
             counts = torch.zeros(B, V + 1, dtype=torch.float32)
             counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-            self._cache["counts"] = counts[:, :V].to(self.device)
+            self._cache["counts"] = counts[:, :V].to(self.device, non_blocking=True)
         return self._cache["counts"]
 
     def _seen_in_prompt(self, V: int) -> torch.Tensor:
@@ -104,12 +106,12 @@ class LogitsRules:
             for b, ((toks, n), p) in enumerate(zip(self.histories, self.params)):
                 if p.repetition_penalty != 1.0 and n:
                     seen[b, torch.tensor(list(toks[:n]), dtype=torch.int64)] = True
-            self._cache["prompt"] = seen.to(self.device)
+            self._cache["prompt"] = seen.to(self.device, non_blocking=True)
         return self._cache["prompt"]
 
     def _row_values(self, name: str, fn) -> torch.Tensor:
         if name not in self._cache:
-            self._cache[name] = torch.tensor([float(fn(p)) for p in self.params], dtype=torch.float32).to(self.device)
+            self._cache[name] = on_device([float(fn(p)) for p in self.params], self.device, torch.float32)
         return self._cache[name]
 
     def _bias(self, V: int) -> torch.Tensor:
@@ -118,7 +120,7 @@ class LogitsRules:
             for b, p in enumerate(self.params):
                 for tok, v in p.logit_bias:
                     bias[b, tok] += v
-            self._cache["bias"] = bias.to(self.device)
+            self._cache["bias"] = bias.to(self.device, non_blocking=True)
         return self._cache["bias"]
 
     # -- the processing ------------------------------------------------------------------
@@ -135,7 +137,7 @@ class LogitsRules:
         logits = logits.float()
         R, T, V = logits.shape
         sel = list(range(len(self.params))) if rows is None else list(rows)
-        idx = torch.tensor(sel, dtype=torch.int64, device=self.device)
+        idx = on_device(sel, self.device)
         need = offset + T - 1  # new tokens that precede the last position
         if need > 0:
             if new_tokens is None or new_tokens.shape[1] < need:

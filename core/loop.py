@@ -216,8 +216,9 @@ class DraftVerifyLoop:
                 [s.seq_id for s in seqs], plan.inputs, plan.num_tokens, self.hidden_layers, **extra)
         draft, rows, asked, drafted, depths, k = plan.draft, plan.rows, plan.asked, plan.drafted, plan.depths, plan.k
         tree, ids, draft_seconds = draft.tree, draft.token_ids, plan.draft_seconds
-        # [B]: rows with NaN/inf logits (padding positions compute on real tokens: finite too)
-        bad = ~torch.isfinite(out.logits).all(-1).all(-1)
+        # [B]: rows whose logits are all finite, not NaN/inf (padding positions compute on real
+        # tokens: finite too); negated on the host
+        finite = torch.isfinite(out.logits).flatten(1).all(-1)
         # [B, k+1, V] penalties, bias, min_tokens, bad_words, min_p per position (drafts
         # before each position count as generated); the raw logits when no row uses them
         logits = sampling.process_logits(out.logits, ids) if sampling.needs_processing else out.logits
@@ -226,7 +227,7 @@ class DraftVerifyLoop:
             verdict.path = torch.full_like(ids, -1)
         # the host synchronisation of the step (greedy verification has synced already);
         # the copy is queued before a forward run ahead, so it does not wait for that one
-        to_host = _to_host(verdict, bad)
+        to_host = _to_host(verdict, finite)
         if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
             self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
         if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
@@ -239,7 +240,7 @@ class DraftVerifyLoop:
         raw = out.logits
         if tree is not None:
             self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
-                             [bool(r[1]) or b in failed_rows for b, r in enumerate(both)])
+                             [not r[1] or b in failed_rows for b, r in enumerate(both)])
             if hidden:  # the accepted path's states in path order, as for a chain
                 hidden = gather_path(hidden, verdict.path)
             if any(s.params.logprobs is not None for s in seqs):  # logits along the path, in path order
@@ -248,7 +249,7 @@ class DraftVerifyLoop:
         scored = self._logprobs(seqs, raw, verdict)
         new_lengths = []
         for b, s in enumerate(seqs):
-            a, row_bad, tokens = accepted[b], both[b][1], both[b][2: 2 + width]
+            a, row_bad, tokens = accepted[b], not both[b][1], both[b][2: 2 + width]
             old_len = len(s.token_ids)
             new_lengths.append(old_len + a + 1)
             if row_bad or b in failed_rows:
@@ -400,9 +401,9 @@ class DraftVerifyLoop:
             self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched)
 
     def _launch_ahead(self, seqs: list[Sequence], inputs: torch.Tensor, num_tokens: list[int], tree=None):
-        """(the rows' KV lengths before it, its output) of the next step's forward launched
-        now (over a token tree's nodes when the drafts are one), or None when the cache has
-        no room for it (the next step then schedules itself)."""
+        """(the rows' KV lengths before it, its output) of the next step's forward (over a
+        token ``tree`` when given) launched now, or None when the cache has no room for it
+        (the next step then schedules itself)."""
         bases = {s.seq_id: self.target.length(s.seq_id) for s in seqs}
         extra = {} if tree is None else {"tree": tree}
         try:
@@ -591,9 +592,9 @@ class DraftVerifyLoop:
         if not rows:
             return
         B = len(seqs)
-        if hidden and len(rows) != B:
-            idx = torch.tensor(rows)
-            hidden = {layer: h[idx.to(h.device)] for layer, h in hidden.items()}
+        if hidden and len(rows) != B:  # (an asynchronous copy of the index: no synchronisation)
+            idx = on_device(rows, next(iter(hidden.values())).device)
+            hidden = {layer: h[idx] for layer, h in hidden.items()}
         fb = StepFeedback(seq_ids=[seqs[b].seq_id for b in rows], num_accepted=[accepted[b] for b in rows],
                           new_lengths=[new_lengths[b] for b in rows], hidden_states=hidden or None)
         try:
@@ -648,18 +649,18 @@ def _keep_states(out: ForwardOutput) -> ForwardOutput:
     return ForwardOutput(logits=out.logits, hidden_states={l: h.clone() for l, h in out.hidden_states.items()})
 
 
-def _to_host(verdict: Verdict, bad: torch.Tensor):
-    """Start copying rows of [num_accepted, bad, tokens..., path...] (the path of a tree
+def _to_host(verdict: Verdict, finite: torch.Tensor):
+    """Start copying rows of [num_accepted, finite, tokens..., path...] (the path of a tree
     verdict only) to the host, in one copy where they live together; returns a function
     that waits for the copy (and nothing queued after it) and gives the rows as lists."""
-    B = bad.shape[0]
+    B = finite.shape[0]
     tail = [verdict.token_ids] if verdict.path is None else [verdict.token_ids, verdict.path.to(verdict.token_ids.device)]
-    if verdict.token_ids.device == bad.device:
-        rows = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), bad.view(B, 1).to(torch.int64),
+    if verdict.token_ids.device == finite.device:
+        rows = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), finite.view(B, 1).to(torch.int64),
                           *tail], dim=1)
         return _copy(rows)
     head = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), *(t.to(torch.int64) for t in tail)], dim=1)
-    flags, head_rows = _copy(bad), _copy(head)
+    flags, head_rows = _copy(finite), _copy(head)
     return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(head_rows(), flags())]
 
 

@@ -7,6 +7,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from speculum.devices import on_device
 from speculum.logits_process import NO_RULES, LogitsRules, TokenRules, needs_processing
 
 
@@ -234,9 +235,9 @@ class SamplingBatch:
         if self._t is None:
             ps = self.params
             self._t = (
-                torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(self.device),
-                torch.tensor([max(p.top_k, 0) for p in ps], dtype=torch.int64).to(self.device),
-                torch.tensor([p.top_p for p in ps], dtype=torch.float32).to(self.device),
+                on_device([p.temperature for p in ps], self.device, torch.float32),  # asynchronous copies
+                on_device([max(p.top_k, 0) for p in ps], self.device),
+                on_device([p.top_p for p in ps], self.device, torch.float32),
             )
         return self._t
 

@@ -323,10 +323,9 @@ def path_moves(path: Sequence[int], num_accepted: int, root_position: int) -> tu
 def gather_path(hidden: dict[int, torch.Tensor], path: torch.Tensor) -> dict[int, torch.Tensor]:
     """Verify-step hidden states {layer: [B, N+1, H]} (columns) -> in path order: row ``b``
     holds the root's state, then the accepted nodes' (later rows are the root's again)."""
-    B = path.shape[0]
     any_h = next(iter(hidden.values()))
-    cols = torch.cat([path.new_full((B, 1), -1), path], dim=1).to(any_h.device) + 1
-    cols = cols.clamp_min(0)
+    # [B, N+1]: column 0 (the root), then each accepted node's column; -1 padding reads column 0
+    cols = torch.nn.functional.pad(path.to(any_h.device) + 1, (1, 0))
     return {l: h.gather(1, cols[:, : h.shape[1]].unsqueeze(-1).expand(-1, -1, h.shape[-1])) for l, h in hidden.items()}
 
 

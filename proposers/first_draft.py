@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from speculum.devices import on_device
 from speculum.errors import ConfigError
 from speculum.interfaces import (Draft, HiddenStateProposer, ProposeBatch, RewindableProposer, StatefulProposer,
                                  StepFeedback)
@@ -108,7 +109,7 @@ def _merge(first: Draft, lengths: list[int], later: Draft, rest: list[int]) -> D
     k = max(first.token_ids.shape[1], later.token_ids.shape[1])
     token_ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
     token_ids[:, : first.token_ids.shape[1]] = first.token_ids.to(dev, torch.int64)
-    rows = torch.tensor(rest, dtype=torch.int64, device=dev)
+    rows = on_device(rest, dev)
     token_ids[rows] = -1
     token_ids[rows, : later.token_ids.shape[1]] = later.token_ids.to(torch.int64)[rows]
     later_lengths = later.lengths if later.lengths is not None else later.num_tokens.tolist()
@@ -118,7 +119,7 @@ def _merge(first: Draft, lengths: list[int], later: Draft, rest: list[int]) -> D
         ref = later.probs if later.probs is not None else first.probs
         V, pdev = ref.shape[-1], ref.device
         probs = torch.zeros(B, k, V, dtype=ref.dtype, device=pdev)
-        drafted = torch.tensor([b for b, n in enumerate(lengths) if n > 0], dtype=torch.int64, device=pdev)
+        drafted = on_device([b for b, n in enumerate(lengths) if n > 0], pdev)
         for d, sel in ((first, drafted), (later, rows.to(pdev))):
             q = d.probs if d.probs is not None else _one_hot(d.token_ids, V, pdev, ref.dtype)  # deterministic drafts
             probs[sel, : q.shape[1]] = q.to(pdev, ref.dtype)[sel]

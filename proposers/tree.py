@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from speculum.devices import on_device
 from speculum.tree import TreeSpec, tree_ancestors
 
 
@@ -201,7 +202,7 @@ def tree_rows(B: int, N: int, rows: list[int], parts, device) -> tuple[torch.Ten
             torch.ones(B, N, dtype=torch.int64, device=device),
             torch.eye(N, dtype=torch.bool, device=device).expand(B, N, N).clone())
     if rows:
-        idx = torch.tensor(rows, device=device)
+        idx = on_device(rows, device)
         for t, part in zip(full, parts):
             t[idx] = part
     return full

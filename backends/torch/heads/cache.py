@@ -111,6 +111,6 @@ class HeadKVCache:
         nb = max(1, max(len(alloc.block_table(s)) for s in seq_ids))
         pos, wsl, blk = alloc.step_slots(seq_ids, [int(n) for n in num_tokens], q, B, nb)
         dev = self.device
-        pos_t, wsl_t, blk_t = (torch.from_numpy(a).to(dev) for a in (pos, wsl, blk))
+        pos_t, wsl_t, blk_t = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (pos, wsl, blk))
         read = (blk_t.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(B, -1)
         return pos_t, PagedContext(self.pools, wsl_t, read, causal_mask(pos_t, read.shape[1]))

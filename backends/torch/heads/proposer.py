@@ -346,7 +346,7 @@ class ChainHeadProposer:
                     x[j, :n] = feats[i][:n]
                     t[j, :n] = torch.tensor(toks[i][:n], dtype=torch.int64)
                 with torch.inference_mode():
-                    self._run([sids[i] for i in over], x, t.to(dev), pre)
+                    self._run([sids[i] for i in over], x, t.to(dev, non_blocking=True), pre)
                 for i, n in zip(over, pre):
                     feats[i], toks[i], counts[i] = feats[i][n:], toks[i][n:], graphs.Q
             out = unpack_tree(graphs.run(sids, feats, toks, counts), N)
@@ -386,17 +386,15 @@ class ChainHeadProposer:
             raise RuntimeError(f"{type(self).__name__} got no hidden states from the verify step")
         with torch.inference_mode():
             feats = self.head.features(hs)  # [B, k+1, H]
-        kept = None  # this step's first-position states, copied once (the target's buffers are reused)
+            # the states of the accepted positions, copied once for every row (the target's
+            # buffers are reused) and kept by reference: no tensor op per row
+            kept = feats[:, : max(feedback.num_accepted, default=0) + 1].clone()
         for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
             prev = self.pending.get(sid)
             if prev is not None and prev.shape[0] > 0:
                 # no propose for this row this step (speculation length 0, or another
                 # proposer drafted): nothing was cached; the states of the accepted drafts
-                # and the new token join what is still to catch up on (kept by reference:
-                # no tensor op per row)
-                if kept is None:
-                    with torch.inference_mode():
-                        kept = feats[:, : max(feedback.num_accepted) + 1].clone()
+                # and the new token join what is still to catch up on
                 backlog = self.backlog.setdefault(sid, [])
                 backlog.append((kept, b, a + 1))
                 if len(backlog) >= 64:  # bounded: fold now and then
@@ -405,4 +403,4 @@ class ChainHeadProposer:
             # keep KV of the positions made from true features: 0 .. old length - 2
             self.cache.truncate(sid, new_len - a - 2)
             # the target's states of the last token and the accepted drafts come next
-            self.pending[sid] = feats[b, : a + 1].clone()
+            self.pending[sid] = kept[b, : a + 1]

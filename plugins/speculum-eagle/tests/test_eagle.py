@@ -333,20 +333,20 @@ def test_sampled_requests_with_trees_are_deterministic_per_seed(target, trained)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-@pytest.mark.parametrize("static", [False, True, "dynamic", "static"],
-                         ids=["eager", "static-draft", "dynamic-tree", "static-tree"])
+@pytest.mark.parametrize("static", [False, True, "tree"], ids=["eager", "static-draft", "tree"])
 def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trained, method, static):
     """Overlapped steps with a head (forced on: a CPU engine does not overlap): each step's
-    drafts and forward are made at the end of the step before, after the head observed it
-    (a chain, or a token tree whose forward is launched with its tree). An abort and a
-    request joining drop a step drafted ahead, and the head rewinds it. Outputs equal
-    plain decoding, and acceptance equals a run without overlap on the same schedule: the
-    rewound head drafts exactly as if nothing had been drafted ahead. A head that does not
-    rewind (the wrong variant) accepts differently."""
+    drafts (a chain or a token tree) and forward are made at the end of the step before,
+    after the head observed it.
+    An abort and a request joining drop a step drafted ahead, and the head rewinds it.
+    Outputs equal plain decoding, and acceptance equals a run without overlap on the same
+    schedule: the rewound head drafts exactly as if nothing had been drafted ahead. A head
+    that does not rewind (the wrong variant) accepts differently."""
     from speculum.backends.torch.heads import HeadDraftGraphs
-    tree = static if isinstance(static, str) else None
-    spec = {"method": method, "model": str(trained[method]),
-            **(TREE_CONFIGS[tree] if tree else {"num_speculative_tokens": 3})}
+    spec = {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3}
+    if static == "tree":  # a token tree drafted ahead: its forward goes out with the tree
+        spec = {"method": method, "model": str(trained[method]), "tree_topk": 3, "tree_depth": 3,
+                "num_draft_tokens": 8}
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
 

@@ -108,7 +108,7 @@ class MedusaProposer:
         lengths = [k if b in in_rows else 0 for b in range(B)]
         if len(rows) == B:  # every row drafted (the usual case): no scatter
             return Draft(token_ids=drafts, probs=probs, lengths=lengths)
-        idx = torch.tensor(rows, device=self.device)
+        idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)  # no synchronisation
         token_ids = torch.full((B, k), -1, dtype=torch.int64, device=self.device)
         token_ids[idx] = drafts
         q = None
@@ -128,7 +128,7 @@ class MedusaProposer:
 
     def observe(self, feedback: StepFeedback) -> None:
         h = feedback.hidden_states[-1]  # [B, k+1, H]
-        acc = torch.tensor(feedback.num_accepted, device=h.device)
+        acc = torch.tensor(feedback.num_accepted, dtype=torch.int64).to(h.device, non_blocking=True)  # no synchronisation
         last = h[torch.arange(h.shape[0], device=h.device), acc].clone()  # the state that made the new token
         for b, sid in enumerate(feedback.seq_ids):
             self.last[sid] = last[b]

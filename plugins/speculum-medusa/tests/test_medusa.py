@@ -196,15 +196,15 @@ def test_tree_deeper_than_the_heads_is_a_config_error(target, trained):
                           "num_draft_tokens": 8})
 
 
-@pytest.mark.parametrize("tree", [None, "dynamic", "static"])
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 7}],
+                         ids=["chain", "tree"])
 def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained, tree):
     """Overlapped steps (forced on: a CPU engine does not overlap): Medusa's propose changes
-    no state, so it is rewindable for free and each step (a chain or a token tree) is
-    drafted at the end of the step before. An abort and a join drop a step drafted ahead.
-    Outputs equal plain decoding, and drafts and acceptance equal a run without overlap on
-    the same schedule."""
-    spec = {"method": "medusa", "model": str(trained),
-            **(TREE_CONFIGS[tree] if tree else {"num_speculative_tokens": 3})}
+    no state, so it is rewindable for free and each step (a chain or a token tree) is drafted
+    at the end of the step before. An abort and a join drop a step drafted ahead. Outputs
+    equal plain decoding, and drafts and acceptance equal a run without overlap on the same
+    schedule."""
+    spec = {"method": "medusa", "model": str(trained), **(tree or {"num_speculative_tokens": 3})}
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
 
     def run(overlap: bool):
