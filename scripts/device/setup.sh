@@ -5,6 +5,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 # one -e per plugin: with a single -e only the first path is editable, and package data
 # carried later (the shipped heads) would be missing from the others
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . $(for p in plugins/speculum-*; do echo "-e $p"; done) >/dev/null 2>&1
-cp .gguf_a/part /tmp/gguf_a
+# the GGUF's first half: carried here, or (the tracked files grew past 14 MB: .whl and a GGUF
+# half no longer fit one 64 MiB call) staged by a call of its own, `cp .gguf_a/part /tmp/gguf_a`
+if [ -f .gguf_a/part ]; then cp .gguf_a/part /tmp/gguf_a; elif [ ! -f /tmp/gguf_a ]; then
+  echo "note: no .gguf_a carried; stage it with a call carrying .gguf_a: cp .gguf_a/part /tmp/gguf_a"; fi
 PYTHONPATH=/tmp/site speculum plugins
 [ "${SHAPES:-1}" = "0" ] || bash scripts/device/draft_shapes.sh
