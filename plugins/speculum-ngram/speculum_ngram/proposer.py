@@ -130,35 +130,41 @@ class SuffixIndex:
 
 
 class TreeSuffixIndex(SuffixIndex):
-    """A :class:`SuffixIndex` that keeps the latest ``keep`` end positions of every n-gram
-    (0 = all of them), ascending, for drafting several continuations
-    (:meth:`continuations`). A separate class, so the chain path (one end per key) is
-    untouched; a step still indexes only the tokens appended since the last one."""
+    """A :class:`SuffixIndex` that gives the latest ``keep`` end positions of every n-gram
+    (0 = all of them), for drafting several continuations (:meth:`continuations`).
 
-    __slots__ = ("keep",)
+    Besides the latest end of each n-gram (``last``, as the chain index), each window end
+    links to the previous end of the same n-gram (``prev[n - n_min][e]``, -1 = none): the
+    ends of an n-gram, most recent first, are a walk down these links, cut after ``keep``.
+    Indexing costs one dict read and write per window and n-gram length, no container
+    per key. A separate class, so the chain path is untouched; a step still indexes only
+    the tokens appended since the last one.
+    """
+
+    __slots__ = ("keep", "prev")
 
     def __init__(self, tokens: list[int], n_min: int, n_max: int, keep: int):
         super().__init__(tokens, n_min, n_max)
         self.keep = keep
-        self.last: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its latest ends, ascending
+        #: per n-gram length, per window end e: the previous end of the n-gram ending at e
+        self.prev: list[list[int]] = [[] for _ in range(self.n_min, n_max + 1)]
 
     def _index_to(self, stop: int) -> None:
         """Index the windows ending before ``stop`` not indexed yet."""
-        t, last, keep = self.tokens, self.last, self.keep
-        for n in range(self.n_min, self.n_max + 1):
-            lo = max(self.done, n - 1)
+        t, last, start = self.tokens, self.last, self.done
+        if start >= stop:
+            return
+        for n, prev in zip(range(self.n_min, self.n_max + 1), self.prev):
+            lo = max(start, n - 1)
+            prev.extend([-1] * (lo - len(prev)))  # windows too short for n: no n-gram ends there
             if lo >= stop:
                 continue
             cols = [t[lo - n + 1 + i: stop - n + 1 + i] for i in range(n)]
+            get, add = last.get, prev.append
             for key, e in zip(zip(*cols), range(lo, stop)):
-                ends = last.get(key)
-                if ends is None:
-                    last[key] = [e]
-                else:
-                    ends.append(e)
-                    if keep and len(ends) > keep:
-                        del ends[0]
-        self.done = max(self.done, stop)
+                add(get(key, -1))
+                last[key] = e
+        self.done = stop
 
     def draft(self, k: int, window: int = 0) -> list[int]:
         """The chain draft (the first continuation), for completeness."""
@@ -174,18 +180,18 @@ class TreeSuffixIndex(SuffixIndex):
         self._index_to(L - 1)  # windows end before the suffix's last token
         hi = min(self.n_max, (min(L, window) if window else L) - 1)
         out: list[tuple[int, ...]] = []
+        keep = self.keep or L
         for n in range(hi, self.n_min - 1, -1):
-            ends = last.get(tuple(t[L - n:]))
-            if not ends:
-                continue
-            for e in reversed(ends):
-                if window and e - n + 1 < L - window:
-                    break  # older ends start even earlier
+            e, prev = last.get(tuple(t[L - n:]), -1), self.prev[n - self.n_min]
+            for _ in range(keep):
+                if e < 0 or (window and e - n + 1 < L - window):
+                    break  # no more ends (older ones start even earlier)
                 c = tuple(t[e + 1: e + 1 + depth])
                 if c not in out:
                     out.append(c)
                     if len(out) == m:
                         return out
+                e = prev[e]
         return out
 
 
