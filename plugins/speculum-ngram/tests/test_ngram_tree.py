@@ -235,3 +235,20 @@ def test_tree_steps_drafted_ahead_change_nothing(target):
     assert on == off == {r: plain[r] for r in ("r0", "r2", "r3")}
     assert loop.ahead_used > 10 and loop.ahead_dropped >= 2
     assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_num_seqs", [1, 6])
+def test_tree_greedy_lossless_on_cuda(target, max_num_seqs):
+    """On the GPU (graphed verify forwards, graphed greedy tree verify, steps drafted ahead
+    by default): the host-made trees are shipped to the device; output equals plain decoding
+    (fp32) and the engine's steps equal the replay."""
+    def make(spec, **kw):
+        return LLM(str(target), spec, device="cuda", dtype="float32", kv_cache_memory=16 << 20, **kw)
+
+    llm = assert_tree_greedy_lossless(make, SPEC, _prompts(), GREEDY, max_num_seqs=max_num_seqs)
+    mod, cfg = _script(), llm.speculative_config.tree
+    for p, o in zip(_prompts(), llm.generate(_prompts(), GREEDY)):
+        r = mod.replay_tree([{"prompt": p["prompt_token_ids"] + o.token_ids[:1], "output": o.token_ids[1:]}],
+                            1, 5, cfg.depth, cfg.topk, cfg.num_nodes)
+        assert (o.metrics.num_steps - 1, o.metrics.num_accepted_tokens) == (r["steps"], r["tokens"] - r["steps"])
