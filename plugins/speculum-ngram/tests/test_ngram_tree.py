@@ -94,8 +94,8 @@ def test_trie_shares_prefixes_and_skips_what_exceeds_the_budget():
 @pytest.mark.parametrize("vocab", [3, 8, 50])
 def test_index_continuations_equal_the_definition_as_the_sequence_grows(vocab):
     """Step by step (a few tokens appended, sometimes a copy of earlier text, sometimes many
-    at once): the index's continuations equal a scan of the whole context over each n-gram's
-    latest ``keep`` occurrences."""
+    at once): the index's continuations equal a scan of the whole context (or of the last
+    ``window`` tokens) over each n-gram's latest ``keep`` occurrences."""
     g = torch.Generator().manual_seed(vocab)
 
     def reference(t, n_min, n_max, depth, m, keep):
@@ -119,6 +119,8 @@ def test_index_continuations_equal_the_definition_as_the_sequence_grows(vocab):
         for step in range(15):
             want = reference(t, n_min, n_max, depth, m, keep)
             assert ix.continuations(depth, m) == want, (trial, step)
+            window = 5 + trial  # a search window: the definition over the last tokens only
+            assert ix.continuations(depth, m, window) == reference(t[-window:], n_min, n_max, depth, m, keep)
             checked += len(want) > 1
             grow = int(torch.randint(1, 30 if step % 5 == 0 else 5, (1,), generator=g))
             if step % 2:
