@@ -343,7 +343,7 @@ def check_tree_support(spec: TreeSpec, method: str, proposer: Any, verifier: Any
                        target: Any) -> None:
     """ConfigError unless the proposer, the verifier and the target runner handle trees."""
     for what, obj, fix in (
-            (f"method {method!r}", proposer, "use a method that drafts trees (eagle, eagle3, mtp, medusa) or drop "
+            (f"method {method!r}", proposer, "use a method that drafts trees (eagle, eagle3, mtp, medusa, ngram) or drop "
                                              "the tree keys"),
             (f"verifier {verifier_name!r}", verifier, "use acceptance_method 'rejection_sampler', 'greedy' or "
                                                       "'exact_match'"),

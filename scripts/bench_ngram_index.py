@@ -14,23 +14,36 @@ import time
 
 from speculum_ngram.proposer import SuffixIndex
 
+try:  # token trees (TreeSuffixIndex) are newer than this script
+    from speculum_ngram.proposer import TreeSuffixIndex
+except ImportError:
+    TreeSuffixIndex = None
 
-def measure(L: int, rounds: int, steps: int, seed: int = 0) -> dict:
+
+def measure(L: int, rounds: int, steps: int, seed: int = 0, tree: tuple[int, int] | None = None) -> dict:
+    """Chain drafts of 4 (n = 2..5), or with ``tree`` = (M, D) the up to M continuations of D
+    tokens of a token-tree step (TreeSuffixIndex keeping M ends per n-gram)."""
     rng = random.Random(seed)
     toks = [rng.randrange(0, 2000) for _ in range(L)]
+    if tree is None:
+        make, draft = (lambda t: SuffixIndex(t, 2, 5)), (lambda ix: ix.draft(4))
+    else:
+        m, d = tree
+        make, draft = (lambda t: TreeSuffixIndex(t, 2, 5, m)), (lambda ix: ix.continuations(d, m))
     t = time.perf_counter()
     for _ in range(rounds):
-        SuffixIndex(list(toks), 2, 5).draft(4)
+        draft(make(list(toks)))
     first = (time.perf_counter() - t) / rounds
-    ix = SuffixIndex(list(toks), 2, 5)
-    ix.draft(4)
+    ix = make(list(toks))
+    draft(ix)
     new = [[rng.randrange(0, 2000) for _ in range(2)] for _ in range(steps)]
     t = time.perf_counter()
     for pair in new:
         ix.tokens.extend(pair)
-        ix.draft(4)
+        draft(ix)
     steady = (time.perf_counter() - t) / steps
-    return {"context": L, "first_draft_us": 1e6 * first, "steady_step_us": 1e6 * steady}
+    return {"context": L, "tree": list(tree) if tree else None, "first_draft_us": 1e6 * first,
+            "steady_step_us": 1e6 * steady}
 
 
 def main() -> None:
@@ -38,12 +51,16 @@ def main() -> None:
     ap.add_argument("--lengths", default="100,300,2000")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--tree", default="8:4", help="also a token-tree step of M continuations of D tokens "
+                    "(M:D; empty: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    rows = [measure(int(L), args.rounds, args.steps) for L in args.lengths.split(",")]
-    print(f"{'context':>8}  {'first draft (us)':>16}  {'steady step (us)':>16}")
+    trees = [None] + ([tuple(int(v) for v in args.tree.split(":"))] if args.tree and TreeSuffixIndex else [])
+    rows = [measure(int(L), args.rounds, args.steps, tree=tr) for tr in trees for L in args.lengths.split(",")]
+    print(f"{'draft':>8}  {'context':>8}  {'first draft (us)':>16}  {'steady step (us)':>16}")
     for r in rows:
-        print(f"{r['context']:>8}  {r['first_draft_us']:>16.1f}  {r['steady_step_us']:>16.2f}")
+        what = "chain 4" if r["tree"] is None else "tree {}:{}".format(*r["tree"])
+        print(f"{what:>8}  {r['context']:>8}  {r['first_draft_us']:>16.1f}  {r['steady_step_us']:>16.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "n_min": 2, "n_max": 5}, f, indent=1)

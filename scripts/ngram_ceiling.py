@@ -10,8 +10,10 @@ The ratio of n-gram speculation to autoregressive decoding is at most this figur
 (plain step / speculative step).
 
 ``--trees M:N ...`` also replays lookup that drafts a token tree: up to M distinct
-continuations (the longest matching suffix first, most recent occurrence first), merged
-into a trie of at most N nodes; a step accepts the longest path the answer follows. The
+continuations (the longest matching suffix first, most recent occurrence first, among each
+n-gram's latest M occurrences; ``--keep 0``: all of them), merged into a trie of at most N
+nodes; a step accepts the longest path the answer follows. The rule is the n-gram
+proposer's own (``speculum_ngram.proposer``: ``TreeSuffixIndex``, ``continuation_trie``). The
 lossless loop verifies such a tree in one forward (docs/trees.md), so this is what
 several candidates per step would add over one.
 """
@@ -23,7 +25,6 @@ import json
 import sys
 import time
 
-import numpy as np
 
 
 def generate(args) -> list[dict]:
@@ -65,54 +66,49 @@ def replay(data: list[dict], n_min: int, n_max: int, k: int) -> dict:
                 drafting_share=drafted / steps)
 
 
-def continuations(ctx: list[int], n_min: int, n_max: int, depth: int, m: int) -> list[tuple[int, ...]]:
+def continuations(ctx: list[int], n_min: int, n_max: int, depth: int, m: int, keep: int | None = None
+                  ) -> list[tuple[int, ...]]:
     """Up to ``m`` distinct continuations (at most ``depth`` tokens) of ``ctx``'s suffix: for n
     from ``n_max`` down to ``n_min``, the tokens after each earlier occurrence of the last n
-    tokens, the most recent first."""
-    arr = np.asarray(ctx, dtype=np.int64)
-    L = arr.shape[0]
-    ends = np.flatnonzero(arr[: L - 1] == arr[L - 1]) if L > 1 else np.zeros(0, dtype=np.int64)
-    out: list[tuple[int, ...]] = []
-    for n in range(min(n_max, L - 1), max(n_min, 1) - 1, -1):
-        for e in ends[::-1]:
-            if e - n + 1 < 0 or not np.array_equal(arr[e - n + 1: e + 1], arr[L - n:]):
-                continue
-            c = tuple(arr[e + 1: e + 1 + depth].tolist())
-            if c and c not in out:
-                out.append(c)
-                if len(out) == m:
-                    return out
-    return out
+    tokens, the most recent first, among each n-gram's latest ``keep`` occurrences (None:
+    ``m``, what the proposer keeps; 0: all). The proposer's own rule (TreeSuffixIndex)."""
+    from speculum_ngram.proposer import TreeSuffixIndex
+    return TreeSuffixIndex(list(ctx), n_min, n_max, m if keep is None else keep).continuations(depth, m)
 
 
 def trie_nodes(paths: list[tuple[int, ...]]) -> int:
+    """Nodes of the trie of ``paths`` (distinct non-empty prefixes)."""
     return len({p[:i] for p in paths for i in range(1, len(p) + 1)})
 
 
-def replay_tree(data: list[dict], n_min: int, n_max: int, depth: int, m: int, budget: int) -> dict:
-    """:func:`replay` for a tree of up to ``m`` continuations, at most ``budget`` nodes."""
+def replay_tree(data: list[dict], n_min: int, n_max: int, depth: int, m: int, budget: int,
+                keep: int | None = None) -> dict:
+    """:func:`replay` for a tree of up to ``m`` continuations, at most ``budget`` nodes, drafted
+    by the n-gram proposer's own rule (``TreeSuffixIndex``, ``continuation_trie``; ``keep``
+    as :func:`continuations`); a step accepts the longest candidate prefix the answer follows."""
+    from speculum_ngram.proposer import TreeSuffixIndex, continuation_trie
+
     steps = tokens = nodes = 0
     for r in data:
         ctx, out = list(r["prompt"]), r["output"]
+        index = TreeSuffixIndex(ctx, n_min, n_max, m if keep is None else keep)
         i = 0
         while i < len(out):
-            kept: list[tuple[int, ...]] = []
-            for c in continuations(ctx, n_min, n_max, depth, m):
-                if trie_nodes(kept + [c]) <= budget:
-                    kept.append(c)
-            nodes += trie_nodes(kept)
-            a = 0
-            for c in kept:
-                j = 0
-                while j < len(c) and i + j < len(out) and c[j] == out[i + j]:
-                    j += 1
-                a = max(a, j)
+            toks, parents = continuation_trie(index.continuations(depth, m), budget)
+            nodes += len(toks)
+            a, at = 0, -1  # the deepest node whose path the answer follows
+            for d in range(len(out) - i):
+                nxt = [j for j in range(len(toks)) if parents[j] == at and toks[j] == out[i + d]]
+                if not nxt:
+                    break
+                at, a = nxt[0], d + 1
             n = min(a + 1, len(out) - i)
             ctx.extend(out[i: i + n])
             i += n
             tokens += n
             steps += 1
-    return dict(n_min=n_min, n_max=n_max, depth=depth, candidates=m, budget=budget, steps=steps, tokens=tokens,
+    return dict(n_min=n_min, n_max=n_max, depth=depth, candidates=m, budget=budget,
+                keep=m if keep is None else keep, steps=steps, tokens=tokens,
                 tokens_per_forward=tokens / steps, mean_nodes=nodes / steps)
 
 
@@ -127,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, nargs="+", default=[2, 4], help="draft lengths to replay")
     p.add_argument("--trees", nargs="*", default=[], metavar="M:N",
                    help="also replay token trees of up to M continuations and N nodes, at each -k as depth")
+    p.add_argument("--keep", type=int, default=None,
+                   help="tree occurrences kept per n-gram (default M, as the proposer; 0 = all)")
     p.add_argument("--json", default="results/ngram_ceiling.json", help="where answers and figures go")
     args = p.parse_args(argv)
     data = json.load(open(args.outputs))["answers"] if args.outputs else generate(args)
@@ -137,7 +135,7 @@ def main(argv=None) -> int:
     trees = []
     for spec in args.trees:
         m, budget = (int(v) for v in spec.split(":"))
-        trees += [replay_tree(data, lo, hi, k, m, budget) for k in args.k for lo, hi in ((2, 5), (1, 5))]
+        trees += [replay_tree(data, lo, hi, k, m, budget, args.keep) for k in args.k for lo, hi in ((2, 5), (1, 5))]
     if trees:
         print(f"\n{'depth':>5} {'n':>5} {'M:N':>6} {'tokens/forward':>15} {'nodes/step':>11}")
         for r in trees:

@@ -55,9 +55,10 @@ def test_bad_tree_configs_say_what_to_do(keys, message):
         SpeculativeConfig.from_dict({"method": "eagle", **keys})
 
 
-def test_methods_without_trees_are_refused(tiny_llama):
-    with pytest.raises(ConfigError, match="method 'ngram' does not handle token trees"):
-        LLM(str(tiny_llama), {"method": "ngram", "tree_topk": 2, "tree_depth": 2, "num_draft_tokens": 4},
+def test_methods_without_trees_are_refused(tiny_llama, tiny_llama_draft):
+    # n-gram drafts trees since the ngramtree branch; a separate draft model does not
+    with pytest.raises(ConfigError, match="method 'draft_model' does not handle token trees"):
+        LLM(str(tiny_llama), {"model": str(tiny_llama_draft), "tree_topk": 2, "tree_depth": 2, "num_draft_tokens": 4},
             device="cpu", dtype="float32", kv_cache_memory=4 << 20)
 
 

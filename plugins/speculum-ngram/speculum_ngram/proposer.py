@@ -4,6 +4,15 @@ occurrence of the sequence's current suffix, in the prompt or the output so far.
 For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``: take the last n tokens,
 find their most recent earlier occurrence, and propose the (up to k) tokens after it.
 The longest matching n wins. No model, so ``probs`` is None (one-hot drafts).
+
+With a token tree in the speculative config (``tree_topk`` M, ``tree_depth`` D,
+``num_draft_tokens``: a budget of ``num_draft_tokens - 1`` nodes, the root not counted)
+a step drafts up to M *distinct* continuations of up to D tokens instead of one: for n
+from ``prompt_lookup_max`` down, the tokens after each earlier occurrence of the last n
+tokens, the most recent first (only the latest M occurrences of each n-gram are kept,
+:class:`TreeSuffixIndex`), merged into a trie (:func:`continuation_trie`); a candidate
+that would take the trie past the budget is skipped. ``scripts/ngram_ceiling.py
+--trees`` replays exactly this rule.
 """
 
 from __future__ import annotations
@@ -12,7 +21,9 @@ import attrs
 import numpy as np
 import torch
 
+from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, StepFeedback
+from speculum.tree import TokenTree, TreeSpec
 
 DEFAULT_MIN, DEFAULT_MAX = 2, 5
 
@@ -118,27 +129,128 @@ class SuffixIndex:
             last.update(zip(zip(*cols), range(lo, stop)))
 
 
+class TreeSuffixIndex(SuffixIndex):
+    """A :class:`SuffixIndex` that gives the latest ``keep`` end positions of every n-gram
+    (0 = all of them), for drafting several continuations (:meth:`continuations`).
+
+    Besides the latest end of each n-gram (``last``, as the chain index), each window end
+    links to the previous end of the same n-gram (``prev[n - n_min][e]``, -1 = none): the
+    ends of an n-gram, most recent first, are a walk down these links, cut after ``keep``.
+    Indexing costs one dict read and write per window and n-gram length, no container
+    per key. A separate class, so the chain path is untouched; a step still indexes only
+    the tokens appended since the last one.
+    """
+
+    __slots__ = ("keep", "prev")
+
+    def __init__(self, tokens: list[int], n_min: int, n_max: int, keep: int):
+        super().__init__(tokens, n_min, n_max)
+        self.keep = keep
+        #: per n-gram length, per window end e: the previous end of the n-gram ending at e
+        self.prev: list[list[int]] = [[] for _ in range(self.n_min, n_max + 1)]
+
+    def _index_to(self, stop: int) -> None:
+        """Index the windows ending before ``stop`` not indexed yet."""
+        t, last, start = self.tokens, self.last, self.done
+        if start >= stop:
+            return
+        for n, prev in zip(range(self.n_min, self.n_max + 1), self.prev):
+            lo = max(start, n - 1)
+            prev.extend([-1] * (lo - len(prev)))  # windows too short for n: no n-gram ends there
+            if lo >= stop:
+                continue
+            cols = [t[lo - n + 1 + i: stop - n + 1 + i] for i in range(n)]
+            get, add = last.get, prev.append
+            for key, e in zip(zip(*cols), range(lo, stop)):
+                add(get(key, -1))
+                last[key] = e
+        self.done = stop
+
+    def draft(self, k: int, window: int = 0) -> list[int]:
+        """The chain draft (the first continuation), for completeness."""
+        c = self.continuations(k, 1, window) if k > 0 else []
+        return list(c[0]) if c else []
+
+    def continuations(self, depth: int, m: int, window: int = 0) -> list[tuple[int, ...]]:
+        """Up to ``m`` distinct continuations of at most ``depth`` tokens of the suffix: for
+        n from ``n_max`` down to ``n_min``, the tokens after each kept earlier occurrence
+        of the last n tokens, the most recent first (``window``: as :meth:`SuffixIndex.draft`)."""
+        t, last = self.tokens, self.last
+        L = len(t)
+        self._index_to(L - 1)  # windows end before the suffix's last token
+        hi = min(self.n_max, (min(L, window) if window else L) - 1)
+        out: list[tuple[int, ...]] = []
+        keep = self.keep or L
+        for n in range(hi, self.n_min - 1, -1):
+            e, prev = last.get(tuple(t[L - n:]), -1), self.prev[n - self.n_min]
+            for _ in range(keep):
+                if e < 0 or (window and e - n + 1 < L - window):
+                    break  # no more ends (older ones start even earlier)
+                c = tuple(t[e + 1: e + 1 + depth])
+                if c not in out:
+                    out.append(c)
+                    if len(out) == m:
+                        return out
+                e = prev[e]
+        return out
+
+
+def continuation_trie(paths: list[tuple[int, ...]], budget: int) -> tuple[list[int], list[int]]:
+    """Merge token ``paths`` into a trie of at most ``budget`` nodes: (tokens, parents), one
+    entry per node, -1 = the root, parents before their children. Paths are taken in
+    order; one whose new nodes would exceed the budget is skipped (a later, shorter or
+    more shared one may still fit)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    node: dict[tuple[int, ...], int] = {}
+    for path in paths:
+        new = sum(1 for i in range(1, len(path) + 1) if path[:i] not in node)
+        if len(tokens) + new > budget:
+            continue
+        for i in range(1, len(path) + 1):
+            if path[:i] not in node:
+                node[path[:i]] = len(tokens)
+                tokens.append(path[i - 1])
+                parents.append(node[path[:i - 1]] if i > 1 else -1)
+    return tokens, parents
+
+
 class NgramProposer:
     """Proposes continuations by looking up the current suffix in the context (each
-    sequence's n-grams indexed once, :class:`SuffixIndex`)."""
+    sequence's n-grams indexed once, :class:`SuffixIndex`); with ``tree`` set, a trie of
+    several continuations per step (see the module doc)."""
+
+    #: drafts token trees when the config asks for a dynamic tree (``tree_topk`` etc.)
+    supports_trees = True
+    #: no KV cache of its own: nothing beyond the tree's nodes to reserve
+    kv_lookahead = 0
 
     #: steps after which the index of a sequence not seen since is dropped (finished
     #: requests; one that comes back after a pause is simply indexed again)
     forget_after = 256
 
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, search_window: int = 0):
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, search_window: int = 0,
+                 tree: TreeSpec | None = None):
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
         self.search_window = search_window
+        #: the tree drafted each step (dynamic: ``topk`` continuations of ``depth`` tokens,
+        #: ``num_nodes`` nodes at most); None = chains
+        self.tree = tree
         self._index: dict[int, SuffixIndex] = {}
         self._calls = 0
 
-    def _draft(self, seq, k: int) -> list[int]:
+    def _index_of(self, seq) -> SuffixIndex:
         index = self._index.get(seq.seq_id)
         if index is None or index.tokens is not seq.token_ids or index.done > len(seq.token_ids):
-            index = self._index[seq.seq_id] = SuffixIndex(seq.token_ids, self.n_min, self.n_max)
+            index = self._index[seq.seq_id] = (
+                SuffixIndex(seq.token_ids, self.n_min, self.n_max) if self.tree is None
+                else TreeSuffixIndex(seq.token_ids, self.n_min, self.n_max, keep=self.tree.topk))
         index.seen = self._calls
-        return index.draft(k, self.search_window)
+        return index
+
+    def _draft(self, seq, k: int) -> list[int]:
+        return self._index_of(seq).draft(k, self.search_window)
 
     @classmethod
     def from_context(cls, ctx) -> "NgramProposer":
@@ -151,7 +263,20 @@ class NgramProposer:
         elif hi is None:
             hi = max(DEFAULT_MAX, lo)
         opts = ctx.options or NgramOptions()
-        return cls(lo, hi, opts.search_window)
+        tree = cfg.tree
+        if tree is not None and tree.is_static:
+            raise ConfigError(
+                "n-gram lookup has no ranked candidates per node, so a static speculative_token_tree means "
+                "nothing to it; ask for a tree of continuations instead: tree_topk (distinct continuations), "
+                "tree_depth (their length) and num_draft_tokens (nodes + 1), e.g. "
+                '{"method": "ngram", "tree_topk": 8, "tree_depth": 4, "num_draft_tokens": 33}')
+        if tree is not None and tree.num_nodes > tree.topk * tree.depth:
+            raise ConfigError(
+                f"num_draft_tokens={tree.num_draft_tokens} asks for {tree.num_nodes} nodes, but n-gram lookup "
+                f"drafts at most tree_topk x tree_depth = {tree.topk * tree.depth} (tree_topk={tree.topk} "
+                f"continuations of tree_depth={tree.depth} tokens); the rest would be padding verified every "
+                f"step: set num_draft_tokens <= {tree.topk * tree.depth + 1}")
+        return cls(lo, hi, opts.search_window, tree=tree)
 
     def propose(self, batch: ProposeBatch) -> Draft:
         k = batch.num_speculative_tokens
@@ -159,12 +284,32 @@ class NgramProposer:
         if self._calls % self.forget_after == 0:
             old = self._calls - self.forget_after
             self._index = {sid: ix for sid, ix in self._index.items() if ix.seen > old}
+        if self.tree is not None and k > 0:
+            return self._propose_tree(batch)
         rows = [self._draft(seq, k) if k > 0 else [] for seq in batch.seqs]
         lengths = [len(r) for r in rows]
         width = max(lengths, default=0)
         out = torch.tensor([r + [-1] * (width - n) for r, n in zip(rows, lengths)], dtype=torch.int64) \
             if width else torch.full((len(rows), 0), -1, dtype=torch.int64)
         return Draft(token_ids=out, probs=None, lengths=lengths)
+
+    def _propose_tree(self, batch: ProposeBatch) -> Draft:
+        """A trie of continuations per row (:func:`continuation_trie`), padded to the tree's
+        fixed node count with token -1 under the root (such nodes are never accepted)."""
+        spec = self.tree
+        N, D, M = spec.num_nodes, spec.depth, spec.topk
+        tokens, parents, lengths = [], [], []
+        most = 1  # children of any node, padding under the root counted (TokenTree's bound)
+        for seq in batch.seqs:
+            paths = self._index_of(seq).continuations(D, M, self.search_window)
+            tok, par = continuation_trie(paths, N)
+            pad = [-1] * (N - len(tok))
+            tokens.append(tok + pad)
+            parents.append(par + pad)
+            lengths.append(len(tok))
+            most = max(most, min(len(paths), M) + len(pad))
+        tree = TokenTree(torch.tensor(parents, dtype=torch.int64), max_depth=D, max_children=min(most, N))
+        return Draft(token_ids=torch.tensor(tokens, dtype=torch.int64), probs=None, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:
         """Stateless: nothing to roll back."""
