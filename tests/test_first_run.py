@@ -383,7 +383,7 @@ def test_the_warm_up_fills_the_batch_with_the_longest_prompts(tiny_llama):
     """CUDA graphs are captured the first time a batch size and context bucket occur; a
     pooled batch-16 run of a few seconds warmed on one prompt timed those captures (configs
     that ran the very same plain steps differed 2.4x on the H200). The warm-up now answers
-    as many of the longest prompts as the batch holds, untimed."""
+    as many of the longest prompts as the batch holds, then the shortest, untimed."""
     from speculum import LLM
     from speculum.bench import methods
 
@@ -401,11 +401,14 @@ def test_the_warm_up_fills_the_batch_with_the_longest_prompts(tiny_llama):
         return build
 
     methods.compare([], groups, params, make(3), warmup_tokens=2, pooled=True)
-    assert calls[0] == [9, 7, 4]  # the warm-up: the three longest, the batch's width
-    assert sorted(calls[1]) == [2, 3, 4, 7, 9]  # then every prompt, timed
+    assert calls[:2] == [[9, 7, 4], [2]]  # the warm-up: the three longest (the batch's width), the shortest
+    assert sorted(calls[2]) == [2, 3, 4, 7, 9]  # then every prompt, timed
     calls.clear()
     methods.compare([], groups, params, make(1), warmup_tokens=2)
-    assert calls[0] == [9]  # batch 1: the longest prompt alone, as before
+    assert calls[:2] == [[9], [2]]  # batch 1: the longest prompt, then the shortest
+    calls.clear()
+    methods.compare([], {"a": groups["a"][:1]}, params, make(1), warmup_tokens=2)
+    assert calls == [[3], [3]]  # one prompt: warmed once, then timed
 
 
 def test_bench_offline_pools_above_batch_one_unless_told_not_to():

@@ -229,13 +229,18 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
 def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_tokens: int) -> tuple[Any, str]:
     """A config's engine, warmed on the longest prompts (as many as its batch holds: CUDA
     graphs are captured per batch size and context bucket the first time one occurs, and a
-    short batched run timed with those captures in it measured them, not the steps), and
-    its name."""
+    short batched run timed with those captures in it measured them, not the steps), then
+    on the shortest one (the contexts below the longest prompt: on the H200 the first
+    category a config ran was often its slowest, 2-5x under the others at 2 questions per
+    category), and its name."""
     llm = make_llm(cfg)
     every = sorted((p for ps in groups.values() for p in ps), key=lambda p: len(str(p)), reverse=True)
     warm = every[: max(1, getattr(llm, "max_num_seqs", 1))]
     if warmup_tokens > 0:
-        llm.generate(warm, attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens)))
+        short = attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens))
+        llm.generate(warm, short)
+        if len(every) > len(warm):
+            llm.generate(every[-1:], short)
     resolved = llm.speculative_config.method if llm.speculative_config else None
     return llm, method_name(cfg, resolved)
 
