@@ -488,24 +488,31 @@ class DraftVerifyLoop:
         ids = draft.token_ids
         if k:
             # token ids outside the vocabulary would crash the embedding: such drafts are dropped
-            in_vocab = (ids >= 0) & (ids < self.target.vocab_size)
-            keep = in_vocab  # and, where a row keeps fewer drafts than it has, its first ones
+            V = self.target.vocab_size
+            keep = None  # None: every drafted id stays
+            if ids.device.type != "cpu":
+                keep = (ids >= 0) & (ids < V)
+            else:  # free to read on the host: one op, and no mask unless an id is out of range
+                lo, hi = ids.aminmax()
+                if lo < -1 or hi >= V:
+                    self._once("draft", f"proposer {type(self.proposer).__name__} drafted token ids outside the "
+                                        f"vocabulary (0..{V - 1}); those drafts are dropped")
+                    keep = (ids >= 0) & (ids < V)
+            # and, where a row keeps fewer drafts than it has, its first ones
             if min(drafted) < k:  # (the usual step keeps all: no mask to build and ship)
                 cap = on_device(drafted, ids.device).view(B, 1)
-                keep = keep & (torch.arange(k, device=ids.device).view(1, k) < cap)
+                keep = _both(keep, torch.arange(k, device=ids.device).view(1, k) < cap)
             if tree is not None and min(depths) < tree.depth_bound:
-                keep = keep & (tree.depth.to(ids.device) <= on_device(depths, ids.device).view(B, 1))
-            if ids.device.type == "cpu" and bool((~in_vocab & (ids != -1)).any()):  # free to say on the host
-                self._once("draft", f"proposer {type(self.proposer).__name__} drafted token ids outside the "
-                                    f"vocabulary (0..{self.target.vocab_size - 1}); those drafts are dropped")
+                keep = _both(keep, tree.depth.to(ids.device) <= on_device(depths, ids.device).view(B, 1))
             if draft.probs is not None:  # drafts whose distribution is not one cannot be verified losslessly
-                q = draft.probs
-                ok = (torch.isfinite(q).all(-1) & (q >= 0).all(-1)).all(-1, keepdim=True)
+                q = draft.probs  # finite and >= 0 (NaN fails both comparisons)
+                ok = ((q >= 0) & (q < float("inf"))).flatten(1).all(-1, keepdim=True)
                 if q.device.type == "cpu" and not bool(ok.all()):
                     self._once("draft", f"proposer {type(self.proposer).__name__} returned draft probabilities "
                                         "with NaN/inf or negative entries; those rows' drafts are dropped")
-                keep &= ok.to(keep.device)
-            ids = torch.where(keep, ids, -1)
+                keep = _both(keep, ok.to(ids.device))
+            if keep is not None:
+                ids = torch.where(keep, ids, -1)
         draft.token_ids = ids
         # [B, k+1]: last token, then drafts; built where the drafts live (host for
         # model-free proposers, so the runner ships everything in one copy)
@@ -684,6 +691,11 @@ def _copy(t: torch.Tensor):
         done.synchronize()
         return host.tolist()
     return wait
+
+
+def _both(mask: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """``mask & other``, where a mask of None keeps everything."""
+    return other if mask is None else mask & other
 
 
 def _malformed(draft, rows: int, k: int, vocab_size: int) -> str | None:

@@ -326,7 +326,14 @@ def gather_path(hidden: dict[int, torch.Tensor], path: torch.Tensor) -> dict[int
     any_h = next(iter(hidden.values()))
     # [B, N+1]: column 0 (the root), then each accepted node's column; -1 padding reads column 0
     cols = torch.nn.functional.pad(path.to(any_h.device) + 1, (1, 0))
-    return {l: h.gather(1, cols[:, : h.shape[1]].unsqueeze(-1).expand(-1, -1, h.shape[-1])) for l, h in hidden.items()}
+    index: dict[tuple[int, int], torch.Tensor] = {}  # one index per (columns, width), shared by the layers
+    out = {}
+    for l, h in hidden.items():
+        key = (h.shape[1], h.shape[-1])
+        if key not in index:
+            index[key] = cols[:, : key[0]].unsqueeze(-1).expand(-1, -1, key[1])
+        out[l] = h.gather(1, index[key])
+    return out
 
 
 @runtime_checkable

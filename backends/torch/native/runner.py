@@ -270,16 +270,17 @@ class NativeRunner:
         ``dst[b]`` (every layer): the accepted path of a tree, into consecutive slots.
         Sources are read before any destination is written."""
         bs = self.block_size
-        s_slots, d_slots = [], []
-        for sid, a, b in zip(seq_ids, src, dst):
-            table = self.allocator.block_table(sid)
-            s_slots += [table[p // bs] * bs + p % bs for p in a]
-            d_slots += [table[p // bs] * bs + p % bs for p in b]
-        if not s_slots:
+        slots = []  # source slots, then destination slots
+        for pos in (src, dst):
+            for sid, ps in zip(seq_ids, pos):
+                table = self.allocator.block_table(sid)
+                slots += [table[p // bs] * bs + p % bs for p in ps]
+        if not slots:
             return
-        idx = torch.tensor([s_slots, d_slots], dtype=torch.int64).to(self.device, non_blocking=True)
+        n = len(slots) // 2
+        idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         with torch.inference_mode():
-            self.kv[:, idx[1]] = self.kv[:, idx[0]]
+            self.kv.index_copy_(1, idx[n:], self.kv.index_select(1, idx[:n]))
 
     def truncate(self, seq_id: int, length: int) -> None:
         self.allocator.truncate(seq_id, length)
