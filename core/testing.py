@@ -283,6 +283,24 @@ def run_with_an_abort_and_a_join(llm, prompts: list, params) -> tuple[dict, int,
     return outs, llm.stats.num_drafts, llm.stats.num_accepted_tokens
 
 
+def assert_drafting_ahead_changes_nothing(build, prompts: list, params, plain: list | None = None):
+    """The overlap tests' check: ``build(overlap)`` makes an engine (a CPU engine does not
+    overlap unless told: ``llm.loop.overlap = overlap``); :func:`run_with_an_abort_and_a_join`
+    runs once with overlap and once without. Outputs must be equal (and equal ``plain``,
+    plain decoding's token ids per prompt, for the requests that finish), drafts and
+    accepted tokens equal with some accepted, more than 10 steps used ahead and at least 2
+    dropped. Returns (drafts, accepted) without overlap and the overlapped run's loop, for a
+    wrong variant to differ from and the caller's own checks."""
+    on, drafts_on, acc_on = run_with_an_abort_and_a_join(llm := build(True), prompts, params)
+    off, drafts_off, acc_off = run_with_an_abort_and_a_join(build(False), prompts, params)
+    assert on == off
+    if plain is not None:
+        assert on == {f"r{i}": plain[i] for i in (0, 2, 3)}
+    assert llm.loop.ahead_used > 10 and llm.loop.ahead_dropped >= 2
+    assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
+    return (drafts_off, acc_off), llm.loop
+
+
 def reference_tree_paths(spec, topk) -> set[tuple[int, ...]]:
     """The token paths of the tree ``spec`` (a :class:`speculum.tree.TreeSpec`) drafted in
     plain Python: ``topk(path, width)`` gives (log-probs, token ids) of the ``width`` best

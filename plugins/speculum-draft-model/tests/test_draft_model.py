@@ -193,23 +193,19 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target):
     draft model drafts exactly as if nothing had been drafted ahead. One that does not
     rewind (the wrong variant: its cache keeps the dropped drafts) drafts differently."""
     from speculum.interfaces import RewindableProposer
-    from speculum.testing import run_with_an_abort_and_a_join
+    from speculum.testing import assert_drafting_ahead_changes_nothing, run_with_an_abort_and_a_join
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
 
-    def run(overlap: bool, rewind: bool = True):
+    def build(overlap: bool, rewind: bool = True):
         llm = make_llm(target, self_draft(target), max_num_seqs=4)
         llm.loop.overlap = overlap
         if not rewind:
             llm.proposer.rewind = lambda seq_ids: None
-        return (*run_with_an_abort_and_a_join(llm, prompts, params), llm.loop)
+        return llm
 
-    on, drafts_on, acc_on, loop = run(True)
+    plain = [o.outputs[0].token_ids for o in make_llm(target, None).generate(prompts, params)]
+    off, loop = assert_drafting_ahead_changes_nothing(build, prompts, params, plain)
     assert isinstance(loop.proposer, RewindableProposer) and loop.rewindable
-    off, drafts_off, acc_off, _ = run(False)
-    plain = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(make_llm(target, None).generate(prompts, params))}
-    assert on == off == {r: plain[r] for r in ("r0", "r2", "r3")}
-    assert loop.ahead_used > 10 and loop.ahead_dropped >= 2
-    assert (drafts_on, acc_on) == (drafts_off, acc_off) and acc_on > 0
-    _, drafts_bad, acc_bad, _ = run(True, rewind=False)
-    assert (drafts_bad, acc_bad) != (drafts_off, acc_off)
+    _, drafts_bad, acc_bad = run_with_an_abort_and_a_join(build(True, rewind=False), prompts, params)
+    assert (drafts_bad, acc_bad) != off
