@@ -90,6 +90,31 @@ def test_data_rows_have_their_own_cache_and_reuse_the_prompts_answers(tiny_llama
     assert s_d3 == s_d and s_p3 == s_p
 
 
+def test_generation_time_is_shared_between_data_rows_and_training_prompts(tmp_path, monkeypatch):
+    """With a generation time limit the --data part may spend only its share (by rows) and
+    the training prompts get the rest: answered first with the whole limit, 1,000 rows of
+    the target's own requests took all 160 s on the H200 and no training prompt was answered.
+    The wrong variant (the data part given the whole limit) is what the first assert rules out."""
+    from speculum.train import distill
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(100)) + "\n")
+    both = DistillSpec(model="m", prompts="p.jsonl", num_prompts=300, data=(str(mine),))
+    assert distill.time_shares(distill.parts(both)) == [0.25, 0.75]
+    asked = []
+
+    def fake(part, root=None, time_limit=0, generate=True, **kw):
+        asked.append((bool(part.data), round(time_limit, 1), generate))
+        return tmp_path, []
+    monkeypatch.setattr(distill, "ensure_distill", fake)
+    distill.ensure_parts(both, tmp_path, time_limit=160)
+    assert asked[0] == (True, 40.0, True)  # the data rows: a quarter of the limit
+    assert asked[1][0] is False and 119 < asked[1][1] <= 160  # the prompts: the rest
+    asked.clear()
+    distill.ensure_parts(both, tmp_path)  # no limit: none for either
+    assert asked == [(True, 0, True), (False, 0, True)]
+
+
 def train(args: list[str]) -> int:
     return main(["train", *args])
 

@@ -213,7 +213,7 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
     for cfg in [None] + [c for c in configs if c is not None]:
         llm = None
         try:
-            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens)
+            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, pooled)
             results.append(run_method(llm, groups, params, name, cfg, progress, pooled=pooled))
             if after is not None:
                 after(llm, results[-1])
@@ -226,21 +226,30 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
     return results
 
 
-def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_tokens: int) -> tuple[Any, str]:
-    """A config's engine, warmed on the longest prompts (as many as its batch holds: CUDA
-    graphs are captured per batch size and context bucket the first time one occurs, and a
-    short batched run timed with those captures in it measured them, not the steps), then
-    on the shortest one (the contexts below the longest prompt: on the H200 the first
+def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_tokens: int,
+           pooled: bool = False) -> tuple[Any, str]:
+    """A config's engine, warmed untimed, and its name.
+
+    CUDA graphs are captured per batch size and context bucket the first time one occurs,
+    and a short run timed with those captures in it measures them, not the steps. One at a
+    time, the warm-up answers the longest prompt (as many of the longest as the batch holds)
+    and then the shortest one (the contexts below the longest prompt: on the H200 the first
     category a config ran was often its slowest, 2-5x under the others at 2 questions per
-    category), and its name."""
+    category). ``pooled`` (every question at once above batch 1): the warm-up is the timed
+    run itself, once, untimed: as rows finish the batch walks down through every size, each
+    at its own contexts, which the longest prompts alone did not reach (2026-12-02, batch 16:
+    configs running the very same plain steps still measured 1.0 to 1.8 s)."""
     llm = make_llm(cfg)
     every = sorted((p for ps in groups.values() for p in ps), key=lambda p: len(str(p)), reverse=True)
-    warm = every[: max(1, getattr(llm, "max_num_seqs", 1))]
     if warmup_tokens > 0:
         short = attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens))
-        llm.generate(warm, short)
-        if len(every) > len(warm):
-            llm.generate(every[-1:], short)
+        if pooled and getattr(llm, "max_num_seqs", 1) > 1:
+            llm.generate(every, short)
+        else:
+            warm = every[: max(1, getattr(llm, "max_num_seqs", 1))]
+            llm.generate(warm, short)
+            if len(every) > len(warm):
+                llm.generate(every[-1:], short)
     resolved = llm.speculative_config.method if llm.speculative_config else None
     return llm, method_name(cfg, resolved)
 

@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--categories", default=None, help="comma separated (default: all)")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt at most")
     p.add_argument("--warmup-tokens", type=int, default=None,
-                   help="each engine first answers the longest prompts (one per batch slot), then the shortest, with this many tokens, untimed (default: "
+                   help="each engine first answers the longest prompts (one per batch slot), then the shortest (pooled above batch 1: "
+                        "every prompt at once, as the timed run will), with this many tokens, untimed (default: "
                         "--max-tokens, so that whatever is built per context length is built before timing: on the "
                         "H200 the first config after the baseline ran 10-25%% slower than when it ran later, "
                         "after a 32-token warm-up)")

@@ -70,7 +70,8 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-dtype", default="auto", help="dtype for generation (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--gen-max-model-len", type=int, default=2048, help="context of the generating engine")
     g.add_argument("--gen-time-limit", type=float, default=0, metavar="SECONDS",
-                   help="stop generating after this long and train on the shards finished (0: no limit)")
+                   help="stop generating after this long and train on the shards finished (0: no limit); --data rows "
+                        "and the training prompts each get a share of it by their number of rows")
     g.add_argument("--cached-data-only", action="store_true",
                    help="train on the shards of the cache made before (e.g. by a --prepare-only run with "
                         "--gen-time-limit); generate nothing")
