@@ -51,6 +51,10 @@ print(json.dumps(best))
 EOF
 }
 B="python3 scripts/device/head_kernels.py ${B#speculum }"
+# INTERLEAVE=1 (batch 1 parts): every engine loaded at once, each category through all configs in
+# turn (--interleave), so a drift of the machine's speed slows every config alike (two runs of the
+# same code on 2026-12-02 differed by up to 14% per config when each ran its 20 s alone)
+IL=(); [ "${INTERLEAVE:-0}" = 1 ] && IL=(--interleave)
 run() { $B "$@" 2>&1 | grep -v -E "Loading|Writing|it/s|INFO|WARNING"; }
 # the trees of a method: TREES, else the sweep's best
 trees() {
@@ -78,7 +82,7 @@ quick)
     mapfile -t T < <(tm $m); ARGS+=(--method "$(chain $m)" "${T[@]}")
     [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && ARGS+=(--method "$(medusa_static)")
   done
-  run --batch-size 1 --prompts-per-category ${PPC:-3} --profile "${ARGS[@]}" --json $OUT/trees_quick${TAG}.json ;;
+  run --batch-size 1 --prompts-per-category ${PPC:-3} --profile "${IL[@]}" "${ARGS[@]}" --json $OUT/trees_quick${TAG}.json ;;
 sweep)
   ARGS=(--method "{\"method\":\"ngram\",$K}")
   for m in ${METHODS:-eagle eagle3 mtp medusa}; do
@@ -109,13 +113,13 @@ EOF
   ;;
 b1a)
   mapfile -t TE < <(tm eagle); mapfile -t TE3 < <(tm eagle3)
-  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile --method "{\"method\":\"ngram\",$K}" \
+  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" --method "{\"method\":\"ngram\",$K}" \
     --method "$(chain eagle)" "${TE[@]}" --method "$(chain eagle3)" "${TE3[@]}" \
     --json $OUT/trees_b1a${TAG}.json ;;
 b1b)
   mapfile -t TM < <(tm mtp); mapfile -t TMD < <(tm medusa)
   [ -n "$MEDUSA_TREE" ] && TMD+=(--method "$(medusa_static)")
-  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile \
+  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" \
     --method "$(chain mtp)" "${TM[@]}" --method "$(chain medusa)" "${TMD[@]}" \
     --json $OUT/trees_b1b${TAG}.json ;;
 b16)
