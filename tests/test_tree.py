@@ -256,6 +256,38 @@ def chain_logits(runner, seq: list[int]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ benchmarks
+def test_step_profile_counts_the_hosts_cuda_calls_per_step():
+    """``bench offline --profile`` on a GPU counts the CUDA runtime calls of a step and the
+    operators launching kernels (the host side a CPU profile cannot show): checked here on
+    fake profiler events shaped like torch's, and on a real CPU profile (nothing to count)."""
+    from types import SimpleNamespace as NS
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from speculum.bench.step_profile import api_summary, profile_table
+
+    def ev(name, us, parent=None):
+        return NS(name=name, time_range=NS(elapsed_us=lambda: us), cpu_parent=parent)
+    outer = ev("aten::index_copy_", 30)
+    inner = ev("aten::copy_", 10, outer)
+    events = [outer, inner, ev("cudaLaunchKernel", 5, inner), ev("cudaLaunchKernel", 7, ev("aten::argmax", 9)),
+              ev("cudaLaunchKernel", 3), ev("cudaGraphLaunch", 12), ev("cudaMemcpyAsync", 6),
+              ev("cudaEventSynchronize", 200), ev("cudaEventRecord", 1), ev("cudaGetDevice", 1)]
+    got = api_summary(events, steps=2)
+    assert got["cuda_api"] == {"synchronisations": [0.5, 100.0], "kernel launches": [1.5, 7.5],
+                               "graph launches": [0.5, 6.0], "copies": [0.5, 3.0], "events": [0.5, 0.5],
+                               "other": [0.5, 0.5]}
+    # each launch goes to its outermost aten operator (index_copy_, not the copy_ inside it)
+    assert sorted(got["launches_by_op"]) == [["(outside an operator)", 0.5], ["aten::argmax", 0.5],
+                                             ["aten::index_copy_", 0.5]]
+    line = profile_table([{"method": "eagle3(k=4)", "profile": {
+        "step_ms": 1, "draft_ms": 0.2, "verify_ms": 0.5, "host_ms": 0.3, "tokens_per_loop_step": 2, **got}}])
+    assert "CUDA calls per step: synchronisations 0.5 (100 us)" in line and "aten::argmax 0.5" in line
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4).argmax()
+    assert api_summary(prof.events(), steps=1) == {"cuda_api": {}, "launches_by_op": []}
+
+
 def test_bench_labels_step_profile_and_report(tiny_llama, tmp_path, capsys):
     from speculum.bench.methods import method_name
     from speculum.bench.step_profile import profile_steps, profile_table

@@ -15,7 +15,11 @@ On CUDA the first two prompts then run once more untimed under the torch profile
 of the kernels' intervals is the GPU's busy time, and against the wall time of the run
 (both per loop step, prefill included) it gives the share of each step the GPU idles
 (``gpu_busy_ms``, ``wall_ms``, ``gpu_idle_share``): the host work that overlapping
-(``LLM(overlap=True)``) hides, or does not.
+(``LLM(overlap=True)``) hides, or does not. A third untimed run of the same prompts, with
+the host side profiled too, counts per loop step the CUDA runtime calls the host makes (kernel
+and graph launches, copies, synchronisations: ``cuda_api``, calls and host microseconds each)
+and which eager operators launch kernels (``launches_by_op``): where the host time of a step
+goes on a GPU, which a CPU profile of the same code cannot show.
 """
 
 from __future__ import annotations
@@ -76,7 +80,56 @@ def profile_steps(llm, prompts: list, params) -> dict:
            "host_ms": max(0.0, ms["step"] - ms["draft"] - ms["verify"])}
     if t.cuda:  # two prompts: a profile of every kernel of a long run is slow to collect
         out.update(gpu_busy(llm, prompts[:2], params))
+        out.update(host_calls(llm, prompts[:2], params))
     return out
+
+
+def host_calls(llm, prompts: list, params) -> dict:
+    """CUDA runtime calls and kernel-launching operators per loop step of an untimed run with
+    the host profiled (see the module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0 = llm.loop._steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    return api_summary(prof.events(), max(1, llm.loop._steps - steps0))
+
+
+#: CUDA runtime calls, grouped: (group, substrings of the call's name)
+API_GROUPS = (("kernel launches", ("LaunchKernel", "cuLaunch")), ("graph launches", ("GraphLaunch",)),
+              ("copies", ("Memcpy", "Memset")), ("synchronisations", ("Synchronize", "StreamWaitEvent", "EventQuery")),
+              ("host allocations", ("HostAlloc", "MallocHost", "HostRegister")),
+              ("events", ("EventRecord", "EventCreate", "EventDestroy")))
+
+
+def api_summary(events, steps: int, top: int = 12) -> dict:
+    """Per loop step: ``cuda_api`` {group: [calls, host us]} of the CUDA runtime calls in
+    ``events`` (a torch profile's host events) and ``launches_by_op`` [[operator, kernel
+    launches]] (the outermost ``aten::`` operator above each launch; "(outside an operator)"
+    for launches made by the runtime itself, e.g. a copy), heaviest first."""
+    groups: dict[str, list[float]] = {}
+    by_op: dict[str, int] = {}
+    for e in events:
+        name = getattr(e, "name", "")
+        if not name.startswith("cu"):
+            continue
+        group = next((g for g, keys in API_GROUPS if any(k in name for k in keys)), "other")
+        entry = groups.setdefault(group, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+        if group == "kernel launches":
+            op, parent = "(outside an operator)", getattr(e, "cpu_parent", None)
+            while parent is not None:
+                if parent.name.startswith("aten::"):
+                    op = parent.name
+                parent = getattr(parent, "cpu_parent", None)
+            by_op[op] = by_op.get(op, 0) + 1
+    return {"cuda_api": {g: [round(c / steps, 2), round(us / steps, 1)] for g, (c, us) in
+                         sorted(groups.items(), key=lambda kv: -kv[1][1])},
+            "launches_by_op": [[op, round(n / steps, 2)] for op, n in
+                               sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def gpu_busy(llm, prompts: list, params) -> dict:
@@ -124,4 +177,10 @@ def profile_table(rows: list[dict]) -> str:
         if "gpu_busy_ms" in p:
             line += f"{p['wall_ms']:>9.3f}{p['gpu_busy_ms']:>9.3f}{p['gpu_idle_share']:>9.1%}"
         out.append(line)
+    for r in rows:  # on a GPU: what the host does per step
+        api = r["profile"].get("cuda_api")
+        if api:
+            calls = ", ".join(f"{g} {c:g} ({us:.0f} us)" for g, (c, us) in api.items())
+            ops = ", ".join(f"{op} {n:g}" for op, n in r["profile"].get("launches_by_op", [])[:6])
+            out.append(f"{r['method'][:27]:<28}CUDA calls per step: {calls}; kernels launched by: {ops}")
     return "\n".join(out)
