@@ -89,7 +89,10 @@ class TokenTree:
     ``depth`` and ``ancestors`` are derived from ``parents`` on first use unless the
     proposer gives them. ``max_depth`` and ``max_children`` are host-side bounds (any
     node's depth, any node's number of children) that let the verifier loop a fixed
-    number of times without reading the device; None = the node count.
+    number of times without reading the device; None = the node count. Padding nodes
+    (token -1: never accepted, never tried) do not count as children, so a tree padded
+    to its fixed node count under the root keeps the bound of its real nodes (the
+    sampled verifier loops ``max_depth x max_children`` times).
     """
 
     # [B, N] int64: parent node index, -1 = the root; parents[b, i] < i
@@ -147,8 +150,9 @@ class TokenTree:
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"TokenTree.{name} has shape {tuple(t.shape)}, expected {shape}")
 
-    def validate(self) -> None:
-        """Full check of the structure (reads the device; for tests and debugging)."""
+    def validate(self, token_ids: torch.Tensor | None = None) -> None:
+        """Full check of the structure (reads the device; for tests and debugging). With the
+        draft's ``token_ids``, padding nodes (token -1) are left out of ``max_children``."""
         p = self.parents
         idx = torch.arange(p.shape[1], device=p.device).view(1, -1)
         if bool(((p < -1) | (p >= idx)).any()):
@@ -158,7 +162,8 @@ class TokenTree:
             raise ValueError(f"a node has depth {int(d.max())} > max_depth {self.max_depth}")
         if self.max_children is not None and p.numel():
             counts = torch.zeros(p.shape[0], p.shape[1] + 1, dtype=torch.int64, device=p.device)
-            counts.scatter_add_(1, p + 1, torch.ones_like(p))
+            real = torch.ones_like(p) if token_ids is None else (token_ids.to(p.device) >= 0).to(torch.int64)
+            counts.scatter_add_(1, p + 1, real)
             if int(counts.max()) > self.max_children:
                 raise ValueError(f"a node has {int(counts.max())} children > max_children {self.max_children}")
 

@@ -299,7 +299,6 @@ class NgramProposer:
         spec = self.tree
         N, D, M = spec.num_nodes, spec.depth, spec.topk
         tokens, parents, lengths = [], [], []
-        most = 1  # children of any node, padding under the root counted (TokenTree's bound)
         for seq in batch.seqs:
             paths = self._index_of(seq).continuations(D, M, self.search_window)
             tok, par = continuation_trie(paths, N)
@@ -307,8 +306,9 @@ class NgramProposer:
             tokens.append(tok + pad)
             parents.append(par + pad)
             lengths.append(len(tok))
-            most = max(most, min(len(paths), M) + len(pad))
-        tree = TokenTree(torch.tensor(parents, dtype=torch.int64), max_depth=D, max_children=min(most, N))
+        # at most M distinct continuations, so no node has more than M children (padding, token
+        # -1, does not count: the sampled verifier then loops depth x M times, not depth x N)
+        tree = TokenTree(torch.tensor(parents, dtype=torch.int64), max_depth=D, max_children=min(M, N))
         return Draft(token_ids=torch.tensor(tokens, dtype=torch.int64), probs=None, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:

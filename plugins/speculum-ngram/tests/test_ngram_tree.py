@@ -138,8 +138,12 @@ def test_proposer_drafts_a_padded_trie_per_row():
     assert d.probs is None and d.lengths == [4, 0, 2]
     assert d.token_ids.tolist() == [[4, 5, 3, 7, -1], [-1] * 5, [3, 1, -1, -1, -1]]
     assert d.tree.parents.tolist() == [[-1, 0, -1, 2, -1], [-1] * 5, [-1, 0, -1, -1, -1]]
-    assert d.tree.max_depth == 2 and d.tree.max_children == 5  # padding under the root counts
-    d.tree.validate()
+    # the bound is the lookup's top-k: padding under the root (token -1) does not count, so the
+    # sampled verifier loops depth x 3 times, not depth x 5
+    assert d.tree.max_depth == 2 and d.tree.max_children == 3
+    d.tree.validate(d.token_ids)
+    with pytest.raises(ValueError, match="children > max_children"):
+        d.tree.validate()  # counting the padding, the root of row 1 has 5 children
     d.tree.check(d.token_ids)
 
 
@@ -244,6 +248,27 @@ def test_sampled_tree_steps_run(target):
     assert outs[0] == outs[1] and all(len(t) == 24 for t in outs[0])
     # (a random tiny target at 0.8 is nearly uniform: its nodes are drafted but seldom accepted)
     assert runs[0].metrics.num_tree_steps > 0
+
+
+def test_the_sampled_verifier_tries_every_real_child_within_the_topk_bound():
+    """With max_children = the lookup's top-k (padding not counted), the sampled tree
+    verifier still reaches the last real sibling when padding comes first in node order:
+    a target certain of that sibling's token accepts it, then its child."""
+    from speculum.tree import TokenTree
+    from speculum.verifiers.tree import tree_rejection_sample
+
+    V = 8
+    tokens = torch.tensor([[-1, -1, 2, 3, 4, 5]])  # two padding nodes, then children 2, 3, 4 of the root
+    parents = torch.tensor([[-1, -1, -1, -1, -1, 4]])  # node 5 (token 5) under node 4 (token 4)
+    tree = TokenTree(parents, max_depth=2, max_children=3)
+    tree.validate(tokens)
+    p = torch.full((1, 7, V), 1e-9)
+    p[0, 0, 4] = 1.0  # at the root the target wants token 4 (the third real sibling)
+    p[0, 5, 5] = 1.0  # after node 4 (column 5) it wants token 5 (node 5)
+    p[0, 6, 1] = 1.0  # after node 5: token 1
+    p = p / p.sum(-1, keepdim=True)
+    v = tree_rejection_sample(p, None, tokens, tree, torch.Generator().manual_seed(0))
+    assert int(v.num_accepted[0]) == 2 and v.token_ids[0, :3].tolist() == [4, 5, 1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
