@@ -5,6 +5,8 @@
 #               and six dynamic trees verifying 8..32 tokens (top-4/8, depth 5/6; medusa depth 4);
 #               the best tree per method (tokens/s) is kept in
 #               /tmp/trees_best.json (and $OUT) for the next parts
+#   PART=b1     all 80 questions, batch 1, one run: autoregressive, ngram, and every head method's
+#               chain vs best tree (MEDUSA_TREE too); carry all four heads (~8 minutes)
 #   PART=b1a    all 80 questions, batch 1: autoregressive, ngram, eagle and eagle3 chain vs best tree
 #   PART=b1b    all 80 questions, batch 1: autoregressive, mtp and medusa chain vs best tree
 #   PART=quick  batch 1, PPC (3) questions per category: autoregressive, and per METHODS (eagle3 medusa)
@@ -111,6 +113,15 @@ json.dump(out, open(os.environ["OUT"] + "/trees_best.json", "w"), indent=1)
 print("best trees:", json.dumps(out))
 EOF
   ;;
+b1)
+  # all four head methods in one run with one autoregressive baseline and n-gram (the issue's
+  # "in one run"; ~8 minutes for 11 configs on the H200: b1a and b1b together, one baseline less)
+  ARGS=(--method "{\"method\":\"ngram\",$K}")
+  for m in eagle eagle3 mtp medusa; do
+    mapfile -t T < <(tm $m); ARGS+=(--method "$(chain $m)" "${T[@]}")
+    [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && ARGS+=(--method "$(medusa_static)")
+  done
+  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" "${ARGS[@]}" --json $OUT/trees_b1${TAG}.json ;;
 b1a)
   mapfile -t TE < <(tm eagle); mapfile -t TE3 < <(tm eagle3)
   run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" --method "{\"method\":\"ngram\",$K}" \
@@ -130,5 +141,5 @@ b16)
     b=$(trees $m | head -1)
     ARGS+=(--method "$(chain $m)" --method "$b" --method "$(auto "$b")"); done
   run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${ARGS[@]}" --json $OUT/trees_b16.json ;;
-*) echo "unknown PART=$PART (tests, quick, sweep, b1a, b1b, b16)"; exit 2 ;;
+*) echo "unknown PART=$PART (tests, quick, sweep, b1, b1a, b1b, b16)"; exit 2 ;;
 esac
