@@ -241,14 +241,14 @@ def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_t
     configs running the very same plain steps still measured 1.0 to 1.8 s)."""
     llm = make_llm(cfg)
     every = sorted((p for ps in groups.values() for p in ps), key=lambda p: len(str(p)), reverse=True)
+    width = max(1, getattr(llm, "max_num_seqs", 1))
     if warmup_tokens > 0:
         short = attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens))
-        if pooled and getattr(llm, "max_num_seqs", 1) > 1:
+        if pooled and width > 1:
             llm.generate(every, short)
         else:
-            warm = every[: max(1, getattr(llm, "max_num_seqs", 1))]
-            llm.generate(warm, short)
-            if len(every) > len(warm):
+            llm.generate(every[:width], short)
+            if len(every) > width:
                 llm.generate(every[-1:], short)
     resolved = llm.speculative_config.method if llm.speculative_config else None
     return llm, method_name(cfg, resolved)

@@ -23,6 +23,7 @@ none and gets zeros).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -240,7 +241,8 @@ def ensure_parts(spec: DistillSpec, root: Path | None = None, time_limit: float 
     (expected acceptance on MT-bench's answers 2.78 -> 2.70)."""
     t0, out = time.perf_counter(), []
     pieces = parts(spec)
-    ends = [time_limit * x for x in _cumulative(time_shares(pieces))] if time_limit > 0 else [0.0] * len(pieces)
+    # each part's deadline: the shares so far, the last part up to the whole limit
+    ends = [time_limit * x for x in itertools.accumulate(time_shares(pieces))][:-1] + [time_limit]
     for part, end in zip(pieces, ends):
         left = end - (time.perf_counter() - t0) if time_limit > 0 else 0
         if time_limit > 0 and left <= 0:
@@ -264,15 +266,6 @@ def time_shares(pieces: Sequence[DistillSpec]) -> list[float]:
         rows.append(n)
     total = sum(rows)
     return [r / total for r in rows] if total else [1.0 / len(rows)] * len(rows)
-
-
-def _cumulative(xs: Sequence[float]) -> list[float]:
-    out, acc = [], 0.0
-    for x in xs:
-        acc += x
-        out.append(acc)
-    out[-1] = 1.0  # the last part may use whatever is left
-    return out
 
 
 def parts_summary(found: Sequence[tuple[Path, Sequence[str]]], spec: DistillSpec) -> dict:

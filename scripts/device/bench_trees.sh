@@ -74,16 +74,19 @@ medusa_static() {
   python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['config']; c.pop('model', None)
 c.update({'model': sys.argv[2]} if sys.argv[2] else {}); print(json.dumps(c))" "$MEDUSA_TREE" "$MH"
 }
+# ARGS += for each method given: its chain k=4, its trees, and for medusa MEDUSA_TREE's static tree
+heads() {
+  for m in "$@"; do
+    mapfile -t T < <(tm $m); ARGS+=(--method "$(chain $m)" "${T[@]}")
+    [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && ARGS+=(--method "$(medusa_static)")
+  done
+}
 case $PART in
 quick)
   # batch 1, PPC questions per category (default 3): autoregressive, then per METHODS (default
   # eagle3 medusa) the chain k=4 and its trees (and MEDUSA_TREE's static tree): a short run for
   # one change, within the few minutes a session has left
-  ARGS=()
-  for m in ${METHODS:-eagle3 medusa}; do
-    mapfile -t T < <(tm $m); ARGS+=(--method "$(chain $m)" "${T[@]}")
-    [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && ARGS+=(--method "$(medusa_static)")
-  done
+  ARGS=(); heads ${METHODS:-eagle3 medusa}
   run --batch-size 1 --prompts-per-category ${PPC:-3} --profile "${IL[@]}" "${ARGS[@]}" --json $OUT/trees_quick${TAG}.json ;;
 sweep)
   ARGS=(--method "{\"method\":\"ngram\",$K}")
@@ -116,23 +119,14 @@ EOF
 b1)
   # all four head methods in one run with one autoregressive baseline and n-gram (the issue's
   # "in one run"; ~8 minutes for 11 configs on the H200: b1a and b1b together, one baseline less)
-  ARGS=(--method "{\"method\":\"ngram\",$K}")
-  for m in eagle eagle3 mtp medusa; do
-    mapfile -t T < <(tm $m); ARGS+=(--method "$(chain $m)" "${T[@]}")
-    [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && ARGS+=(--method "$(medusa_static)")
-  done
+  ARGS=(--method "{\"method\":\"ngram\",$K}"); heads eagle eagle3 mtp medusa
   run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" "${ARGS[@]}" --json $OUT/trees_b1${TAG}.json ;;
 b1a)
-  mapfile -t TE < <(tm eagle); mapfile -t TE3 < <(tm eagle3)
-  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" --method "{\"method\":\"ngram\",$K}" \
-    --method "$(chain eagle)" "${TE[@]}" --method "$(chain eagle3)" "${TE3[@]}" \
-    --json $OUT/trees_b1a${TAG}.json ;;
+  ARGS=(--method "{\"method\":\"ngram\",$K}"); heads eagle eagle3
+  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" "${ARGS[@]}" --json $OUT/trees_b1a${TAG}.json ;;
 b1b)
-  mapfile -t TM < <(tm mtp); mapfile -t TMD < <(tm medusa)
-  [ -n "$MEDUSA_TREE" ] && TMD+=(--method "$(medusa_static)")
-  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" \
-    --method "$(chain mtp)" "${TM[@]}" --method "$(chain medusa)" "${TMD[@]}" \
-    --json $OUT/trees_b1b${TAG}.json ;;
+  ARGS=(); heads mtp medusa
+  run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" "${ARGS[@]}" --json $OUT/trees_b1b${TAG}.json ;;
 b16)
   # each tree also with "auto": the tree or nothing per step, from its measured gain and cost
   auto() { python3 -c "import json,sys; c=json.loads(sys.argv[1]); c['num_speculative_tokens_per_batch_size']='auto'; print(json.dumps(c))" "$1"; }
