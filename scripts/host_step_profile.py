@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N heaviest functions per config")
     p.add_argument("--dump", default=None, metavar="PREFIX", help="with --cprofile: write PREFIX.CONFIG.B.prof")
     p.add_argument("--no-overlap", action="store_true", help="LLM(overlap=False)")
+    p.add_argument("--critical", action="store_true",
+                   help="also time the host's critical path: from the moment the verdict reaches the host to "
+                        "the next launch of the head's drafting and of the target's forward (medians)")
     args = p.parse_args(argv)
 
     from speculum import LLM, SamplingParams
@@ -118,10 +121,14 @@ def main(argv=None) -> int:
                 run = (wall * 1e3 / n, clock.step * 1e3 / n, clock.graphed * 1e3 / n, n,
                        sum(o.metrics.num_emitted_tokens for o in outs) / n)
                 best = run if best is None or run[0] < best[0] else best
+            crit = critical_path(llm, prompts, params) if args.critical else None
             split = profile_steps(llm, prompts, params)
             wall_ms, step_ms, graphed_ms, n, per = best
             print(f"{name:<8}{B:>6}{n:>7}{per:>9.2f}{wall_ms:>9.3f}{step_ms:>9.3f}{step_ms - graphed_ms:>9.3f}"
                   f"{split['draft_ms']:>8.3f}{split['verify_ms']:>8.3f}{split['host_ms']:>8.3f}", flush=True)
+            if crit:
+                print(f"    critical path, verdict on the host -> " + ", ".join(
+                    f"{k} {v:.3f} ms" for k, v in crit.items()), flush=True)
             if args.cprofile:  # the loop steps' host work (graphed parts left out, see _Clock)
                 prof = cProfile.Profile()
                 clock = _Clock(llm, prof)
@@ -142,6 +149,63 @@ def main(argv=None) -> int:
                     stats.sort_stats(key).print_stats(args.cprofile)
                     print(f"--- {name} batch {B}, by {key}\n" + s.getvalue().split("\n\n", 2)[-1], flush=True)
     return 0
+
+
+def critical_path(llm, prompts: list, params) -> dict[str, float]:
+    """Median host milliseconds, per step, from the moment this step's verdict reaches the host
+    (the copy waited for in ``DraftVerifyLoop.step``) to the next call of the head's drafting
+    function (``head draft``) and of the target model's forward (``target forward``) in the
+    same step: the work the GPU waits through when the next step is launched from the host.
+    Off CUDA the timed calls run their compute inline, so read the launch times only."""
+    import speculum.loop as loop_mod
+    marks: list[tuple[str, float]] = []
+    inner_to_host = loop_mod._to_host
+
+    def to_host(*a, **kw):
+        wait = inner_to_host(*a, **kw)
+
+        def waited():
+            rows = wait()
+            marks.append(("verdict", time.perf_counter()))
+            return rows
+        return waited
+
+    def mark(obj, name: str, label: str):
+        inner = getattr(obj, name)
+        had = name in vars(obj)
+
+        def called(*a, **kw):
+            marks.append((label, time.perf_counter()))
+            return inner(*a, **kw)
+        setattr(obj, name, called)
+        return lambda: setattr(obj, name, inner) if had else delattr(obj, name)
+
+    undo = []
+    model = getattr(llm.target, "model", None)
+    if model is not None:
+        undo.append(mark(model, "forward", "target forward"))
+    graphs = getattr(llm.proposer, "graphs", None)
+    if graphs is not None:
+        undo.append(mark(graphs, "run", "head draft"))
+    loop_mod._to_host = to_host
+    try:
+        llm.generate(prompts, params)
+    finally:
+        loop_mod._to_host = inner_to_host
+        for u in undo:
+            u()
+    gaps: dict[str, list[float]] = {}
+    for i, (name, t) in enumerate(marks):
+        if name != "verdict":
+            continue
+        seen = set()
+        for other, t2 in marks[i + 1:]:
+            if other == "verdict":
+                break
+            if other not in seen:
+                seen.add(other)
+                gaps.setdefault(other, []).append((t2 - t) * 1e3)
+    return {k: sorted(v)[len(v) // 2] for k, v in sorted(gaps.items(), key=lambda kv: kv[0] != "head draft")}
 
 
 def _static_chain_drafts(llm) -> None:

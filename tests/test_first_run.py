@@ -416,6 +416,41 @@ def test_the_warm_up_fills_the_batch_with_the_longest_prompts(tiny_llama):
     assert calls == [[3], [3]]  # one prompt: warmed once, then timed
 
 
+def test_bench_offline_samples_with_a_seed_per_prompt_the_same_in_every_config(tiny_llama):
+    """``bench offline --temperature T`` measures speculative sampling: request ``i`` of a call
+    gets seed ``seed + i`` in every config (so a rerun draws the same tokens, and the configs see
+    the same prompts with the same seeds), the table shows no identity column ("n/a") and the
+    JSON none (``identical`` None): sampled outputs follow the target's law, not its draws."""
+    import argparse
+
+    from speculum.bench import methods, offline
+
+    def args(**kw):
+        return argparse.Namespace(**{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "max_tokens": 8,
+                                     **kw})
+    assert offline._params(args(), SamplingParams).temperature == 0
+    sampled = offline._params(args(temperature=0.8, top_p=0.9, seed=7), SamplingParams)
+    assert (sampled.temperature, sampled.top_p, sampled.seed) == (0.8, 0.9, 7)
+    assert [p.seed for p in methods.per_request(sampled, 3)] == [7, 8, 9]
+    assert methods.per_request(offline._params(args(), SamplingParams), 3).seed is None  # greedy: one params
+
+    groups = {"a": [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [9, 10, 11]}]}
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+
+    def make(cfg):
+        return LLM(str(tiny_llama), cfg, device="cpu", dtype="float32", max_num_seqs=1)
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    first = methods.compare([cfg], groups, params, make, warmup_tokens=2)
+    again = methods.compare([], groups, params, make, warmup_tokens=2)
+    assert first[0].total.outputs == again[0].total.outputs  # seeded: the baseline draws the same tokens again
+    assert all(len(o) == 12 for o in first[1].total.outputs) and first[1].total.metrics.num_drafts > 0
+    table = methods.table(first, greedy=False)
+    assert "n/a" in table and "/2" not in table
+    entry = first[1].as_dict(first[0], greedy=False)["total"]
+    assert entry["identical"] is None and entry["num_identical"] is None and entry["speedup"] > 0
+    assert first[1].as_dict(first[0])["total"]["identical"] in (True, False)  # greedy runs keep the check
+
+
 def test_bench_offline_pools_above_batch_one_unless_told_not_to():
     """Batches above 1 pool the categories; --per-category-batches keeps the old way;
     --interleave (one category at a time through every engine) cannot pool: a clear error."""

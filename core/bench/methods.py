@@ -81,13 +81,16 @@ class MethodResult:
         theirs = base.total if group is None else base.groups[group]
         return sum(a == b for a, b in zip(mine.outputs, theirs.outputs)), len(mine.outputs)
 
-    def as_dict(self, base: "MethodResult | None" = None) -> dict:
+    def as_dict(self, base: "MethodResult | None" = None, greedy: bool = True) -> dict:
+        """The JSON entry; ``greedy=False`` (a sampled run) leaves identity out (``None``):
+        sampled outputs follow the target's law, not the baseline's draws."""
         def entry(name: str | None, g: GroupResult) -> dict:
             d = {"tokens": g.tokens, "seconds": g.seconds, "tokens_per_s": g.tokens_per_s,
                  "step_seconds": g.step_seconds, **g.metrics.as_dict()}
             if base is not None and base is not self:
                 same, n = self.identical(base, name)
-                d.update(speedup=self.speedup(base, name), identical=same == n, num_identical=same)
+                d.update(speedup=self.speedup(base, name), identical=same == n if greedy else None,
+                         num_identical=same if greedy else None)
             return d
         return {"method": self.name, "config": self.config, "steps_per_k": list(self.steps_per_k),
                 "categories": {c: entry(c, g) for c, g in self.groups.items()}, "total": entry(None, self.total),
@@ -116,7 +119,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def per_request(params, n: int):
+    """``params`` for a call of ``n`` prompts: as it is when greedy or unseeded, else one per
+    request seeded ``seed + i`` (every config samples prompt ``i`` of a call from the same seed)."""
+    if params.temperature == 0 or params.seed is None:
+        return params
+    return [attrs.evolve(params, seed=params.seed + i) for i in range(n)]
+
+
 def _timed_generate(llm, prompts: list, params) -> tuple[list, float]:
+    params = per_request(params, len(prompts))
     _sync(llm.backend.device)
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
@@ -245,9 +257,9 @@ def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_t
     if warmup_tokens > 0:
         short = attrs.evolve(params, max_tokens=min(warmup_tokens, params.max_tokens))
         if pooled and width > 1:
-            llm.generate(every, short)
+            llm.generate(every, per_request(short, len(every)))
         else:
-            llm.generate(every[:width], short)
+            llm.generate(every[:width], per_request(short, min(width, len(every))))
             if len(every) > width:
                 llm.generate(every[-1:], short)
     resolved = llm.speculative_config.method if llm.speculative_config else None

@@ -2,7 +2,9 @@
 
 Per MT-bench category: tokens/s without speculation and with each method, the speedup
 (a ratio measured in the same process), mean acceptance length, and whether outputs are
-token-identical (greedy). Prints a table and writes JSON. The comparison itself is
+token-identical (greedy; ``--temperature`` above 0 samples instead, every request seeded,
+and identity is not asked: sampled outputs follow the target's law, not its draws).
+Prints a table and writes JSON. The comparison itself is
 :mod:`speculum.bench.methods`, shared with ``speculum generate --compare``.
 """
 
@@ -37,6 +39,13 @@ def add_parser(sub) -> None:
     p.add_argument("--per-category-batches", action="store_true",
                    help="with --batch-size above 1: one generate call per category, timed each (the way before "
                         "2026-12-02: no more sequences run together than a category has questions)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, outputs checked for identity; above 0: sampled (speculative "
+                        "sampling and, for trees, recursive rejection over siblings), no identity column")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus filter (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k filter (default 0: off)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature: request i of a category is seeded seed + i, the same in every config")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--runner", default=None, help="auto, native or hf (default: auto)")
@@ -89,7 +98,12 @@ def run(args) -> int:
     from speculum.sampling import SamplingParams
 
     groups = _prompts(args)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    if args.temperature < 0:
+        raise SystemExit(f"bench offline: --temperature must be >= 0 (got {args.temperature})")
+    if args.temperature > 0 and args.batch_invariant:
+        raise SystemExit("bench offline: --batch-invariant checks bitwise identity of greedy outputs; "
+                         "drop --temperature (or the flag)")
+    params = _params(args, SamplingParams)
     opts = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
                 cuda_graphs=not args.enforce_eager, threads=args.threads, overlap=not args.no_overlap)
     if args.batch_invariant:
@@ -119,7 +133,7 @@ def run(args) -> int:
     results = methods.compare([json.loads(m) for m in args.method], groups, params, make,
                               warmup_tokens=args.max_tokens if args.warmup_tokens is None else args.warmup_tokens,
                               after=after, errors=errors, interleave=args.interleave, pooled=_pooled(args))
-    print(methods.table(results))
+    print(methods.table(results, greedy=args.temperature == 0))
     if args.profile:
         from speculum.bench.step_profile import profile_table
         print(profile_table([r.as_dict() for r in results]))
@@ -143,15 +157,27 @@ def run(args) -> int:
     return 1 if errors or broken else 0
 
 
+def _params(args, SamplingParams):
+    """Greedy params, or (``--temperature`` > 0) sampled ones seeded ``--seed``: request ``i``
+    of a call gets ``seed + i`` (:func:`speculum.bench.methods.per_request`), so a prompt is
+    sampled with the same seed in every config."""
+    if args.temperature == 0:
+        return SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          max_tokens=args.max_tokens)
+
+
 def _write(args, results, devices, errors=(), partial: bool = False) -> None:
     device, threads = devices[0]
     base = results[0]
     report = {"device": device, "threads": threads,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
               "batch_size": args.batch_size, "max_tokens": args.max_tokens, "batch_invariant": args.batch_invariant,
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "seed": args.seed if args.temperature > 0 else None,
               "overlap": not args.no_overlap,
               "prompts_per_category": args.prompts_per_category, "partial": partial, "pooled": _pooled(args),
-              "results": [r.as_dict(base) for r in results],
+              "results": [r.as_dict(base, greedy=args.temperature == 0) for r in results],
               "failed": [{"config": c, "error": e} for c, e in errors]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
