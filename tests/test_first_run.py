@@ -451,6 +451,34 @@ def test_bench_offline_samples_with_a_seed_per_prompt_the_same_in_every_config(t
     assert first[1].as_dict(first[0])["total"]["identical"] in (True, False)  # greedy runs keep the check
 
 
+def test_bench_runs_the_baseline_again_after_every_config_to_show_the_drift(tiny_llama):
+    """``bench offline --baseline-again``: a fresh baseline engine runs once more after every
+    config (one at a time and interleaved); its speedup over the first run is the run's drift.
+    (On the H200 a batch-16 run measured configs that ran only plain steps at 1.24-1.37x the
+    baseline: a ratio of the same work run twice says how far the others can be trusted.)"""
+    from speculum.bench import methods
+
+    groups = {"a": [{"prompt_token_ids": [5, 6, 7, 5, 6, 7]}], "b": [{"prompt_token_ids": [9, 10, 11]}]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    made = []
+
+    def make(cfg):
+        made.append(cfg)
+        return LLM(str(tiny_llama), cfg, device="cpu", dtype="float32", max_num_seqs=1)
+    cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    for interleave in (False, True):
+        made.clear()
+        res = methods.compare([cfg], groups, params, make, warmup_tokens=2, interleave=interleave,
+                              baseline_again=True)
+        assert [r.name for r in res] == ["autoregressive", methods.method_name(cfg), methods.AGAIN]
+        assert made == [None, cfg, None]  # a fresh engine for the repeat
+        again = res[-1]
+        assert again.config is None and again.total.outputs == res[0].total.outputs
+        assert again.speedup(res[0]) > 0 and again.as_dict(res[0])["total"]["identical"] is True
+    assert [r.name for r in methods.compare([cfg], groups, params, make, warmup_tokens=2)] == \
+        ["autoregressive", methods.method_name(cfg)]  # off by default
+
+
 def test_bench_offline_pools_above_batch_one_unless_told_not_to():
     """Batches above 1 pool the categories; --per-category-batches keeps the old way;
     --interleave (one category at a time through every engine) cannot pool: a clear error."""

@@ -207,8 +207,11 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
             warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
             after: Callable[[Any, MethodResult], Any] | None = None,
-            errors: list | None = None, interleave: bool = False, pooled: bool = False) -> list[MethodResult]:
+            errors: list | None = None, interleave: bool = False, pooled: bool = False,
+            baseline_again: bool = False) -> list[MethodResult]:
     """Baseline (no speculation) first, then each config; one engine at a time.
+    ``baseline_again``: a fresh baseline engine once more after every config, named
+    :data:`AGAIN`; its speedup is the run's drift (the same work measured twice).
     ``after(llm, result)`` runs once a config is measured, before its engine goes.
     With ``errors`` (a list), a config that fails is recorded there as (config, message)
     and the comparison goes on with the next one (a long benchmark is not lost to one
@@ -220,12 +223,14 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
     if interleave:
         if pooled:
             raise ValueError("interleave runs each group through every engine in turn: it cannot pool the groups")
-        return _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors)
+        return _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
+                                    baseline_again)
     results = []
-    for cfg in [None] + [c for c in configs if c is not None]:
+    for cfg, again in _runs(configs, baseline_again):
         llm = None
         try:
             llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, pooled)
+            name = AGAIN if again else name
             results.append(run_method(llm, groups, params, name, cfg, progress, pooled=pooled))
             if after is not None:
                 after(llm, results[-1])
@@ -276,11 +281,22 @@ def _skip(cfg: dict | None, exc: Exception, errors: list | None) -> None:
           file=__import__("sys").stderr, flush=True)
 
 
-def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors) -> list[MethodResult]:
+#: the name of the baseline measured once more after every config (``baseline_again``)
+AGAIN = "autoregressive (again)"
+
+
+def _runs(configs, baseline_again: bool) -> list[tuple[dict | None, bool]]:
+    """(config, is the repeated baseline) in run order: the baseline, the configs, maybe the baseline again."""
+    return [(None, False)] + [(c, False) for c in configs if c is not None] + ([(None, True)] if baseline_again else [])
+
+
+def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
+                         baseline_again: bool = False) -> list[MethodResult]:
     engines = []  # (config, engine, name, counters before)
-    for cfg in [None] + [c for c in configs if c is not None]:
+    for cfg, again in _runs(configs, baseline_again):
         try:
             llm, name = _start(make_llm, cfg, groups, params, warmup_tokens)
+            name = AGAIN if again else name
         except Exception as exc:
             _skip(cfg, exc, errors)
             continue

@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
                    help="load every config at once and run each category through all of them in turn, so a "
                         "machine whose speed drifts (a shared CPU) slows every config alike (default: one engine "
                         "at a time, all categories)")
+    p.add_argument("--baseline-again", action="store_true",
+                   help="run autoregressive decoding once more after every config (a fresh engine, warmed the same "
+                        "way): its ratio to the first run is this run's drift, the noise under every other ratio")
     p.add_argument("--mt-bench", default=None,
                    help="MT-bench style JSONL (default: the 80 questions shipped with speculum)")
     p.add_argument("--profile", action="store_true",
@@ -132,14 +135,21 @@ def run(args) -> int:
     errors: list = []  # a method that fails is reported and skipped: the others' figures stand
     results = methods.compare([json.loads(m) for m in args.method], groups, params, make,
                               warmup_tokens=args.max_tokens if args.warmup_tokens is None else args.warmup_tokens,
-                              after=after, errors=errors, interleave=args.interleave, pooled=_pooled(args))
+                              after=after, errors=errors, interleave=args.interleave, pooled=_pooled(args),
+                              baseline_again=args.baseline_again)
     print(methods.table(results, greedy=args.temperature == 0))
     if args.profile:
         from speculum.bench.step_profile import profile_table
         print(profile_table([r.as_dict() for r in results]))
     base = results[0]
     for r in results[1:]:
-        print(methods.diagnose(base, r))
+        if r.name == methods.AGAIN:
+            x = r.speedup(base)
+            print(f"drift: autoregressive decoding measured again after every config ran at "
+                  f"{'-' if x is None else f'{x:.3f}'}x its first run (the same work: ratios of this run "
+                  "are uncertain by about that much)")
+        else:
+            print(methods.diagnose(base, r))
     broken = []
     if args.batch_invariant:  # identity is what this mode promises: a difference is a failure, not a caveat
         for r in results[1:]:

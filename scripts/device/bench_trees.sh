@@ -57,6 +57,10 @@ B="python3 scripts/device/head_kernels.py ${B#speculum }"
 # turn (--interleave), so a drift of the machine's speed slows every config alike (two runs of the
 # same code on 2026-12-02 differed by up to 14% per config when each ran its 20 s alone)
 IL=(); [ "${INTERLEAVE:-0}" = 1 ] && IL=(--interleave)
+# every part but the sweep runs autoregressive decoding once more at the end (--baseline-again): its
+# ratio to the first run is the run's drift (batch 16 on 2026-12-02: configs running only plain
+# steps measured 1.24-1.37x the autoregressive baseline); AGAIN=0 leaves it out
+[ "${AGAIN:-1}" = 1 ] && IL+=(--baseline-again)
 run() { $B "$@" 2>&1 | grep -v -E "Loading|Writing|it/s|INFO|WARNING"; }
 # the trees of a method: TREES, else the sweep's best
 trees() {
@@ -134,6 +138,7 @@ b16)
   for m in ${METHODS:-eagle eagle3 mtp medusa}; do
     b=$(trees $m | head -1)
     ARGS+=(--method "$(chain $m)" --method "$b" --method "$(auto "$b")"); done
-  run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${ARGS[@]}" --json $OUT/trees_b16.json ;;
+  AG=(); [ "${AGAIN:-1}" = 1 ] && AG=(--baseline-again)
+  run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${AG[@]}" "${ARGS[@]}" --json $OUT/trees_b16.json ;;
 *) echo "unknown PART=$PART (tests, quick, sweep, b1, b1a, b1b, b16)"; exit 2 ;;
 esac
