@@ -180,6 +180,26 @@ class RewindableProposer(StatefulProposer, Protocol):
 
 
 @runtime_checkable
+class VerdictDrafter(RewindableProposer, Protocol):
+    """A rewindable proposer that starts the next step's drafts from this step's verdict
+    while the verdict is still on the device, before the host has read it.
+
+    With overlapped greedy steps the loop calls :meth:`draft_from_verdict` right after the
+    verifier ran, then waits for the verdict's copy to the host; the drafting runs on the
+    device meanwhile, instead of after the host's bookkeeping of the step. The loop then
+    calls :meth:`~Proposer.observe` as usual (which settles the drafts for the accepted
+    counts) and either the next :meth:`~Proposer.propose` for the same sequences, which
+    returns those drafts, or :meth:`~RewindableProposer.rewind`, which takes them back.
+    """
+
+    def draft_from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,
+                           hidden_states: dict[int, torch.Tensor]) -> bool:
+        """Launch the next drafts of ``seq_ids`` (their lengths before this step's tokens)
+        from ``verdict`` and the verify step's ``hidden_states`` (columns as the target
+        computed them); False when it cannot (nothing launched)."""
+
+
+@runtime_checkable
 class HiddenStateProposer(StatefulProposer, Protocol):
     """A proposer that drafts from the target's hidden states (EAGLE, MTP, Medusa...).
 

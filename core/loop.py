@@ -52,7 +52,8 @@ import torch
 from speculum.devices import on_device
 from speculum.errors import RowError
 from speculum.interfaces import (Draft, ForwardOutput, HiddenStateProposer, KVCacheFull, ModelRunner, ProposeBatch,
-                                 Proposer, RewindableProposer, StatefulProposer, StepFeedback, Verdict, Verifier)
+                                 Proposer, RewindableProposer, StatefulProposer, StepFeedback, Verdict, VerdictDrafter,
+                                 Verifier)
 from speculum.logprobs import position_logprobs, prompt_scorer
 from speculum.sampling import SamplingBatch, processed_probs
 from speculum.sequence import Sequence
@@ -88,6 +89,11 @@ class DraftVerifyLoop:
         self.wants_hidden = isinstance(proposer, HiddenStateProposer)
         #: a stateful proposer that can take back a propose may draft the next step ahead
         self.rewindable = self.stateful and isinstance(proposer, RewindableProposer)
+        #: ... and one that drafts a tree from a verdict still on the device starts the next
+        #: step's drafting before the host reads that verdict (:class:`VerdictDrafter`)
+        self.from_verdict = self.rewindable and self.trees and isinstance(proposer, VerdictDrafter)
+        #: steps whose next drafts started from the device verdict
+        self.drafted_from_verdict = 0
         self._said: set[str] = set()
         #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
         self.failures: dict[str, int] = {}
@@ -228,6 +234,8 @@ class DraftVerifyLoop:
         # the host synchronisation of the step (greedy verification has synced already);
         # the copy is queued before a forward run ahead, so it does not wait for that one
         to_host = _to_host(verdict, finite)
+        # the next trees start drafting on the device now, while the verdict is copied and read
+        launched = self._draft_from_verdict(seqs, plan, verdict, out, ahead, failed_rows)
         if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
             self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
         if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
@@ -275,16 +283,20 @@ class DraftVerifyLoop:
         observed = rows if rows or not self.wants_hidden else \
             [b for b, s in enumerate(seqs) if s.speculative and self._cap(s)]
         self._observe(seqs, observed, accepted, new_lengths, hidden)
+        planned = False
         if self.overlap and ahead and not failed_rows:
             next_k = k_step
             if self.length.varies and not any(s.finished for s in seqs):
                 next_k = self._chosen[1] if self._chosen is not None else self._choose_next(seqs)
             if next_k and self._may_plan_ahead(seqs):
+                planned = True
                 self._plan_ahead(seqs, next_k)  # the next step's drafts and forward, before the engine's work
             elif not next_k and k and self._may_run_ahead(seqs, failed_rows):
                 # a plain step follows this speculative one: its forward on each row's new last token
                 last = on_device([[s.token_ids[-1]] for s in seqs], self.target.device)
                 self._run_ahead(seqs, last)
+        if launched and not planned:  # drafts started from the verdict that no step will verify
+            self._rewind([s.seq_id for s in seqs if not s.finished])
         # a step that dropped work launched ahead for it (a switch the policy did not foresee,
         # a batch that changed) also paid for that work: its cycle is not what its kind costs
         clean = self.ahead_dropped == dropped
@@ -378,6 +390,26 @@ class DraftVerifyLoop:
             self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched, plan, k_step)
         elif self.rewindable:
             self._rewind([s.seq_id for s in seqs if not s.finished])
+
+    def _draft_from_verdict(self, seqs: list[Sequence], plan: "_Plan", verdict: Verdict, out: ForwardOutput,
+                            ahead: bool, failed_rows: dict) -> bool:
+        """Start the next step's trees from this step's verdict on the device, before the
+        host waits for its copy (:class:`VerdictDrafter`), when the next step will be drafted
+        ahead anyway (:meth:`_may_plan_ahead`) and every row drafted this step. Its observe
+        settles them, its plan ahead takes them; otherwise they are rewound."""
+        if not (self.from_verdict and self.overlap and ahead and not failed_rows and verdict.path is not None
+                and out.hidden_states and len(plan.rows) == len(seqs) and self._may_plan_ahead(seqs)):
+            return False
+        try:
+            launched = self.proposer.draft_from_verdict([s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],
+                                                        verdict, out.hidden_states)
+        except Exception as exc:  # drafts are only drafts: draft after the verdict's copy again
+            self.from_verdict = False
+            self._once("proposer", f"proposer {type(self.proposer).__name__}.draft_from_verdict failed ({exc!r}); "
+                                   "the next drafts wait for the verdict on the host again")
+            return False
+        self.drafted_from_verdict += bool(launched)
+        return bool(launched)
 
     def _claim_planned(self, seqs: list[Sequence], k_step: int) -> "_Ahead | None":
         """The step drafted and launched ahead by :meth:`_plan_ahead`, if it is this step:

@@ -101,16 +101,40 @@ class HeadDraftGraphs:
         run the head over the pending features. Returns (the head's states at each row's
         last pending position [Bb, H], its position [Bb], the draft positions and write
         slots [Bb, D] each, the KV positions to read [Bb, nb * block], their key index)."""
-        Q, bs = self.Q, self.cache.allocator.block_size
+        Q = self.Q
         sizes = [Bb * Q, Bb * Q, Bb * Q, Bb, Bb * D, Bb * D, Bb * nb]
         ctoks, cpos, cwsl, last, dpos, dwsl, blk = meta.split(sizes)
-        ctoks, cpos, cwsl = ctoks.view(Bb, Q), cpos.view(Bb, Q), cwsl.view(Bb, Q)
-        dpos, dwsl, blk = dpos.view(Bb, D), dwsl.view(Bb, D), blk.view(Bb, nb)
-        read = (blk.unsqueeze(-1) * bs + torch.arange(bs, device=meta.device)).reshape(Bb, -1)
-        keys = torch.arange(read.shape[1], device=meta.device).view(1, 1, 1, -1)
+        return self._head_catch_up(x, ctoks.view(Bb, Q), cpos.view(Bb, Q), cwsl.view(Bb, Q), last,
+                                   dpos.view(Bb, D), dwsl.view(Bb, D), blk.view(Bb, nb))
+
+    def _catch_up_device(self, x: torch.Tensor, ctoks: torch.Tensor, count: torch.Tensor, meta: torch.Tensor,
+                         Bb: int, nb: int, D: int):
+        """:meth:`_catch_up` with each row's number of pending positions ``count`` [Bb] and
+        their tokens ``ctoks`` [Bb, Q] on the device (a verdict not yet read by the host):
+        ``meta`` holds every position a row may use, ``[fpos | fwsl | blk]`` (see
+        :meth:`_meta_device`), and the catch-up columns, padding and draft positions are
+        chosen from them here, as ``_meta`` chooses them on the host."""
+        Q, W, bs = self.Q, self.Q + self.extra, self.cache.allocator.block_size
+        fpos, fwsl, blk = meta.split([Bb * W, Bb * W, Bb * nb])
+        fpos, fwsl, blk = fpos.view(Bb, W), fwsl.view(Bb, W), blk.view(Bb, nb)
+        c = count.view(Bb, 1).clamp(1, Q)
+        valid = torch.arange(Q, device=meta.device).view(1, Q) < c
+        lastpos = fpos.gather(1, c - 1)  # [Bb, 1]: padding columns repeat it, written into the scratch block
+        cpos = torch.where(valid, fpos[:, :Q], lastpos)
+        cwsl = torch.where(valid, fwsl[:, :Q], lastpos % bs)
+        cols = (c + torch.arange(D, device=meta.device).view(1, D)).clamp_max(W - 1)
+        return self._head_catch_up(x, ctoks.clamp_min(0), cpos, cwsl, (c - 1).view(Bb), fpos.gather(1, cols),
+                                   fwsl.gather(1, cols), blk)
+
+    def _head_catch_up(self, x, ctoks, cpos, cwsl, last, dpos, dwsl, blk):
+        """The head over the catch-up columns (tokens, positions, write slots [Bb, Q]; ``last``
+        [Bb] each row's last valid column; draft positions and slots [Bb, D]; blocks [Bb, nb])."""
+        Bb, bs, dev = x.shape[0], self.cache.allocator.block_size, blk.device
+        read = (blk.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(Bb, -1)
+        keys = torch.arange(read.shape[1], device=dev).view(1, 1, 1, -1)
         ctx = PagedContext(self.cache.pools, cwsl, read, keys <= cpos.unsqueeze(1).unsqueeze(-1))
         out = self.head(x, ctoks, cpos, ctx)
-        rows = torch.arange(Bb, device=meta.device)
+        rows = torch.arange(Bb, device=dev)
         return out[rows, last], cpos[rows, last], dpos, dwsl, read, keys
 
     def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
@@ -222,6 +246,78 @@ class HeadTreeGraphs(HeadDraftGraphs):
         self.plan = StaticPlan(tree, self.device) if tree.is_static else None
 
     def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
-        h, pos, rpos, rwsl, read, _ = self._catch_up(x, meta, Bb, nb, max(self.extra, 1))
+        return self._expand(*self._catch_up(x, meta, Bb, nb, max(self.extra, 1)))
+
+    def _expand(self, h, pos, rpos, rwsl, read, _keys) -> torch.Tensor:
         ex = HeadExpander(self.head, self.cache.pools, read, h, pos, rpos[:, 0], rwsl)
         return packed_tree(*draft_tree(ex, self.tree, self.plan))
+
+    # -- drafting from a verdict still on the device ------------------------------------
+    def run_from_device(self, seq_ids: Sequence[int], bases: Sequence[int], feats: torch.Tensor,
+                        tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` with the pending states, tokens and counts still on the device.
+
+        Row ``b`` catches up on the first ``count[b]`` of ``feats[b]`` [Q, H] / ``tokens[b]``
+        [Q] at head-cache positions ``bases[b]`` on, then drafts its tree; the host does not
+        know ``count`` (the verdict of the step that made them is still being copied), so
+        every row is given room for the longest outcome (``Q`` catch-up positions and the
+        tree region): :meth:`settle` cuts each back once the counts are known."""
+        alloc, Q, E = self.cache.allocator, self.Q, self.extra
+        R = len(seq_ids)
+        for sid, base in zip(seq_ids, bases):
+            alloc.truncate(sid, base)
+            alloc.allocate(sid, Q + E)
+        Bb = bucket(R)
+        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
+        nb = 1 << max(0, need - 1).bit_length()
+        meta_np = self._meta_device(seq_ids, Bb, nb)
+        H = feats.shape[-1]
+        with torch.inference_mode():
+            if not self.use_graphs:
+                x = torch.zeros(Bb, Q, H, dtype=self.dtype, device=self.device)
+                toks = torch.zeros(Bb, Q, dtype=torch.int64, device=self.device)
+                c = torch.ones(Bb, dtype=torch.int64, device=self.device)
+                x[:R], toks[:R], c[:R] = feats[:, :Q], tokens[:, :Q], count
+                meta = torch.from_numpy(meta_np).to(self.device)
+                return self._expand(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(E, 1)))[:R]
+            key = (Bb, nb, "device")
+            graph, (x, toks, c) = self._graphs.get(key) or self._capture_device(key, H, meta_np.size)
+            graph.host()[:] = meta_np
+            graph.upload()
+            x[:R].copy_(feats[:, :Q])
+            toks[:R].copy_(tokens[:, :Q])
+            c[:R].copy_(count)
+            return graph.replay()[:R]
+
+    def settle(self, seq_id: int, base: int, count: int) -> None:
+        """The head-cache length of a row drafted by :meth:`run_from_device` once its
+        ``count`` is known: its catch-up positions and the tree region after them."""
+        self.cache.allocator.truncate(seq_id, base + count + self.extra)
+
+    def _meta_device(self, seq_ids, Bb: int, nb: int) -> np.ndarray:
+        """``[fpos | fwsl | blk]``: every position of each row's allocated catch-up and tree
+        region (``Q + extra`` from its base), their write slots, its block table; padding
+        rows zeros (the scratch block)."""
+        alloc, bs, W = self.cache.allocator, self.cache.allocator.block_size, self.Q + self.extra
+        fpos, fwsl, blk = [], [], []
+        for sid in seq_ids:
+            table = alloc.block_table(sid)
+            start = alloc.length(sid) - W
+            p = range(start, start + W)
+            fpos += p
+            fwsl += [table[i // bs] * bs + i % bs for i in p]
+            blk += [*table, *[0] * (nb - len(table))]
+        rows = Bb - len(seq_ids)
+        return np.array(fpos + [0] * (rows * W) + fwsl + [0] * (rows * W) + blk + [0] * (rows * nb), dtype=np.int64)
+
+    def _capture_device(self, key, H: int, meta_size: int):
+        Bb, nb, _ = key
+        x = torch.zeros(Bb, self.Q, H, dtype=self.dtype, device=self.device)
+        toks = torch.zeros(Bb, self.Q, dtype=torch.int64, device=self.device)
+        c = torch.ones(Bb, dtype=torch.int64, device=self.device)
+        meta = torch.zeros(meta_size, dtype=torch.int64, device=self.device)
+        entry = (self._pool.capture(
+            lambda: self._expand(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(self.extra, 1))), meta),
+            (x, toks, c))
+        self._graphs[key] = entry
+        return entry

@@ -41,11 +41,11 @@ from speculum.backends.torch.heads.cache import HeadKVCache
 from speculum.backends.torch.heads.graph import HeadDraftGraphs, HeadTreeGraphs, greedy_tokens
 from speculum.devices import on_device
 from speculum.errors import ConfigError
-from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
+from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback, Verdict
 from speculum.proposers.head_checkpoint import find_shipped_head, read_config, shipped_names, target_fingerprint
 from speculum.proposers.tree import region_size, tree_rows, unpack_tree
 from speculum.sampling import SamplingBatch, processed_probs, sample_rows
-from speculum.tree import TokenTree, TreeSpec
+from speculum.tree import TokenTree, TreeSpec, gather_path
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,21 @@ def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBat
     return sample_rows(p, gens), p
 
 
+@attrs.define(eq=False)
+class _Launched:
+    """Tree drafts launched from a verdict still on the device (:meth:`ChainHeadProposer.draft_from_verdict`)."""
+
+    seq_ids: tuple[int, ...]
+    #: per sequence, its head-cache length before the catch-up
+    bases: dict[int, int]
+    #: [R, Q, H] the catch-up's true features (row order of seq_ids)
+    feats: torch.Tensor
+    #: the drafting function's packed trees [R, 3N + N*N]
+    out: torch.Tensor
+    #: sequences whose accepted count observe() has applied
+    observed: set[int] = attrs.field(factory=set)
+
+
 class ChainHeadProposer:
     """Chain (or tree) drafting with a :class:`ChainHead` over its own paged KV cache."""
 
@@ -207,6 +222,8 @@ class ChainHeadProposer:
         self.graphs = None
         #: the tree drafted each step (None: chains); trees always use the static function
         self.tree = tree
+        #: trees drafted from a verdict not yet on the host, until the next propose or rewind
+        self._launched: _Launched | None = None
         if tree is not None:
             self.graphs = HeadTreeGraphs(head, cache, tree, self.dtype, self.device, use_graphs=cuda_graphs)
         elif k and (cuda_graphs if static_draft is None else static_draft):
@@ -244,6 +261,8 @@ class ChainHeadProposer:
             self.pending[seq.seq_id] = self.head.features(hidden_states)  # [len - 1, H]
 
     def remove_request(self, seq_id: int) -> None:
+        if self._launched is not None and seq_id in self._launched.bases:
+            self._launched.bases.pop(seq_id)  # the batch changed: the next propose takes these back
         self.cache.remove(seq_id)
         self.pending.pop(seq_id, None)
         self.backlog.pop(seq_id, None)
@@ -326,6 +345,15 @@ class ChainHeadProposer:
         """A token tree per sequence (the rows with pending target states)."""
         seqs, spec, graphs = batch.seqs, self.tree, self.graphs
         B, N, dev = len(seqs), spec.num_nodes, self.device
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            sids = tuple(s.seq_id for s in seqs)
+            if sids == launched.seq_ids and launched.observed == set(sids):  # drafted from the verdict already
+                token_ids, parents, depth, anc = tree_rows(B, N, list(range(B)), unpack_tree(launched.out, N), dev)
+                tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth,
+                                 max_children=spec.max_children)
+                return Draft(token_ids=token_ids, lengths=[N] * B, tree=tree)
+            self._take_back(launched)
         for s in seqs:
             self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
@@ -366,12 +394,64 @@ class ChainHeadProposer:
         """Undo the last propose for ``seq_ids`` (a step drafted ahead that never ran): its
         pending states come back and the head-cache positions it appended are dropped (their
         K/V is overwritten when the states are consumed again)."""
+        if self._launched is not None:
+            self._take_back(self._launched)
+            self._launched = None
         for sid in seq_ids:
             before = self._before.pop(sid, None)
             if before is None or sid not in self.pending:
                 continue
             self.pending[sid], length = before
             self.cache.truncate(sid, length)
+
+    # -- drafting from a verdict still on the device (VerdictDrafter) ------------------------
+    def draft_from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,
+                           hidden_states: dict[int, torch.Tensor]) -> bool:
+        """Start the next trees of ``seq_ids`` now, from the device verdict of the step just
+        verified (:class:`~speculum.interfaces.VerdictDrafter`): the catch-up runs over the
+        accepted path's states and tokens, as many as the verdict accepted plus one, which
+        only the device knows yet. Trees only, and only for rows whose pending states this
+        step's propose consumed (the usual step: no backlog, not a first step)."""
+        if self.tree is None or verdict.path is None or not hidden_states or self._launched is not None:
+            return False
+        if any(sid not in self.pending or self.pending[sid] is not None or self.backlog.get(sid) for sid in seq_ids):
+            return False
+        Q = self.graphs.Q
+        bases = [n - 1 for n in lengths]  # the head caches the positions made from true features: 0 .. length - 2
+        with torch.inference_mode():
+            # the path's states as observe() gets them (the same features, bit for bit), first Q columns
+            feats = self.head.features(gather_path(hidden_states, verdict.path))[:, :Q]
+            count = verdict.num_accepted.to(self.device, torch.int64) + 1
+            tokens = verdict.token_ids[:, :Q].to(self.device)
+            out = self.graphs.run_from_device(list(seq_ids), bases, feats, tokens, count)
+        self._launched = _Launched(tuple(seq_ids), dict(zip(seq_ids, bases)), feats, out)
+        self._before = {}  # the last propose was verified: nothing of it to take back
+        return True
+
+    def _settle(self, sid: int, num_accepted: int) -> bool:
+        """observe() for a row drafted from its verdict: the accepted count cuts the head
+        cache to what that drafting keeps; its states are remembered for a rewind."""
+        launched = self._launched
+        if launched is None or sid not in launched.bases or sid in launched.observed:
+            return False
+        base, i = launched.bases[sid], launched.seq_ids.index(sid)
+        self.graphs.settle(sid, base, num_accepted + 1)
+        self.pending[sid] = None  # consumed by that drafting
+        self._before[sid] = (launched.feats[i, : num_accepted + 1], base)
+        launched.observed.add(sid)
+        return True
+
+    def _take_back(self, launched: _Launched) -> None:
+        """Undo drafts launched from a verdict that no propose took: rows observed get their
+        pending states back (as observe() would have left them), every row its head cache
+        as before the catch-up."""
+        for sid, base in launched.bases.items():
+            if sid in launched.observed:
+                before = self._before.pop(sid, None)
+                if before is not None:
+                    self.pending[sid] = before[0]
+            if sid in self.pending:
+                self.cache.truncate(sid, base)
 
     def _fold(self, seq_id: int) -> None:
         """Join a sequence's backlog of draft-less steps to its pending states."""
@@ -384,12 +464,16 @@ class ChainHeadProposer:
         hs = feedback.hidden_states
         if hs is None:
             raise RuntimeError(f"{type(self).__name__} got no hidden states from the verify step")
+        rows = [b for b, (sid, a) in enumerate(zip(feedback.seq_ids, feedback.num_accepted)) if not self._settle(sid, a)]
+        if not rows:  # every row was drafted from its verdict already
+            return
         with torch.inference_mode():
             feats = self.head.features(hs)  # [B, k+1, H]
             # the states of the accepted positions, copied once for every row (the target's
             # buffers are reused) and kept by reference: no tensor op per row
             kept = feats[:, : max(feedback.num_accepted, default=0) + 1].clone()
-        for b, (sid, a, new_len) in enumerate(zip(feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)):
+        for b in rows:
+            sid, a, new_len = feedback.seq_ids[b], feedback.num_accepted[b], feedback.new_lengths[b]
             prev = self.pending.get(sid)
             if prev is not None and prev.shape[0] > 0:
                 # no propose for this row this step (speculation length 0, or another
