@@ -43,6 +43,7 @@ path order, as a chain's would.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Sequence as Seq
 
@@ -91,7 +92,9 @@ class DraftVerifyLoop:
         self.rewindable = self.stateful and isinstance(proposer, RewindableProposer)
         #: ... and one that drafts a tree from a verdict still on the device starts the next
         #: step's drafting before the host reads that verdict (:class:`VerdictDrafter`)
-        self.from_verdict = self.rewindable and self.trees and isinstance(proposer, VerdictDrafter)
+        #: (``SPECULUM_DRAFT_FROM_VERDICT=0`` in the environment: after the copy, as before; a benchmark's "before")
+        self.from_verdict = (self.rewindable and self.trees and isinstance(proposer, VerdictDrafter)
+                             and os.environ.get("SPECULUM_DRAFT_FROM_VERDICT", "1") != "0")
         #: steps whose next drafts started from the device verdict
         self.drafted_from_verdict = 0
         self._said: set[str] = set()
