@@ -103,6 +103,8 @@ def main(argv=None) -> int:
                   max_num_seqs=max(sizes), overlap=not args.no_overlap,
                   **({"kv_cache_memory": 64 << 20} if tiny else {}))
         _static_chain_drafts(llm)
+        if not args.no_overlap:  # a CPU engine does not overlap its steps; a GPU's does: measure that host work
+            llm.loop.overlap = True
         for B in sizes:
             prompts = prompts_for(tiny, B)
             llm.generate(prompts, params)  # warm-up (graphs, caches, allocator)
@@ -156,6 +158,8 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
     (the copy waited for in ``DraftVerifyLoop.step``) to the next call of the head's drafting
     function (``head draft``) and of the target model's forward (``target forward``) in the
     same step: the work the GPU waits through when the next step is launched from the host.
+    Trees drafted from the device verdict (:class:`speculum.interfaces.VerdictDrafter`) are
+    launched before it reaches the host: ``head draft from the verdict`` is then negative.
     Off CUDA the timed calls run their compute inline, so read the launch times only."""
     import speculum.loop as loop_mod
     marks: list[tuple[str, float]] = []
@@ -187,6 +191,8 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
     graphs = getattr(llm.proposer, "graphs", None)
     if graphs is not None:
         undo.append(mark(graphs, "run", "head draft"))
+        if hasattr(graphs, "run_from_device"):  # launched from the device verdict, before the host reads it
+            undo.append(mark(graphs, "run_from_device", "head draft from the verdict"))
     loop_mod._to_host = to_host
     try:
         llm.generate(prompts, params)
@@ -196,6 +202,10 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
             u()
     gaps: dict[str, list[float]] = {}
     for i, (name, t) in enumerate(marks):
+        if name == "head draft from the verdict":  # launched before the verdict: time until it arrives (negative)
+            arrival = next((t2 for other, t2 in marks[i + 1:] if other == "verdict"), None)
+            if arrival is not None:
+                gaps.setdefault(name, []).append((t - arrival) * 1e3)
         if name != "verdict":
             continue
         seen = set()
@@ -205,7 +215,7 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
             if other not in seen:
                 seen.add(other)
                 gaps.setdefault(other, []).append((t2 - t) * 1e3)
-    return {k: sorted(v)[len(v) // 2] for k, v in sorted(gaps.items(), key=lambda kv: kv[0] != "head draft")}
+    return {k: sorted(v)[len(v) // 2] for k, v in sorted(gaps.items(), key=lambda kv: not kv[0].startswith("head"))}
 
 
 def _static_chain_drafts(llm) -> None:
@@ -240,6 +250,8 @@ class _Clock:
             graphs = getattr(llm.proposer, "graphs", None)
             if graphs is not None:
                 self._undo.append(self._wrap(graphs, "_draft", "graphed"))
+                if hasattr(graphs, "run_from_device"):  # a tree drafted from the device verdict: one graph too
+                    self._undo.append(self._wrap(graphs, "run_from_device", "graphed"))
             self._undo.append(self._wrap(vtree, "greedy_path", "graphed"))
 
     def _wrap(self, obj, name: str, part: str):

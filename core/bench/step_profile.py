@@ -67,6 +67,8 @@ def profile_steps(llm, prompts: list, params) -> dict:
         undo.append(t.wrap(loop.target, "move_kv", "verify"))
     if loop.proposer is not None:
         undo += [t.wrap(loop.proposer, "propose", "draft"), t.wrap(loop.proposer, "observe", "draft")]
+        if hasattr(loop.proposer, "draft_from_verdict"):  # trees drafted from the device verdict
+            undo.append(t.wrap(loop.proposer, "draft_from_verdict", "draft"))
     try:
         outs = llm.generate(prompts, params)
     finally:
