@@ -468,9 +468,15 @@ def test_bench_runs_the_baseline_again_after_every_config_to_show_the_drift(tiny
     cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
     for interleave in (False, True):
         made.clear()
+        events = []
         res = methods.compare([cfg], groups, params, make, warmup_tokens=2, interleave=interleave,
-                              baseline_again=True)
+                              baseline_again=True, after=lambda llm, r: events.append(r.name),
+                              measured=lambda rs: events.append(len(rs)))
         assert [r.name for r in res] == ["autoregressive", methods.method_name(cfg), methods.AGAIN]
+        # interleaved, every timed figure is handed over before the first (slow) after-work: a run
+        # cut short during the step profiles keeps them (one session lost a whole run that way)
+        names = [r.name for r in res]
+        assert events == ([3] + names if interleave else names)
         assert made == [None, cfg, None]  # a fresh engine for the repeat
         again = res[-1]
         assert again.config is None and again.total.outputs == res[0].total.outputs

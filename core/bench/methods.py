@@ -208,10 +208,13 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
             warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
             after: Callable[[Any, MethodResult], Any] | None = None,
             errors: list | None = None, interleave: bool = False, pooled: bool = False,
-            baseline_again: bool = False) -> list[MethodResult]:
+            baseline_again: bool = False, measured: Callable[[list[MethodResult]], Any] | None = None
+            ) -> list[MethodResult]:
     """Baseline (no speculation) first, then each config; one engine at a time.
     ``baseline_again``: a fresh baseline engine once more after every config, named
     :data:`AGAIN`; its speedup is the run's drift (the same work measured twice).
+    ``measured(results)`` (interleaved runs): called once every config's timed runs are
+    done, before any ``after``, so a caller can keep every figure before slow after-work.
     ``after(llm, result)`` runs once a config is measured, before its engine goes.
     With ``errors`` (a list), a config that fails is recorded there as (config, message)
     and the comparison goes on with the next one (a long benchmark is not lost to one
@@ -224,7 +227,7 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
         if pooled:
             raise ValueError("interleave runs each group through every engine in turn: it cannot pool the groups")
         return _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
-                                    baseline_again)
+                                    baseline_again, measured)
     results = []
     for cfg, again in _runs(configs, baseline_again):
         llm = None
@@ -291,7 +294,7 @@ def _runs(configs, baseline_again: bool) -> list[tuple[dict | None, bool]]:
 
 
 def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
-                         baseline_again: bool = False) -> list[MethodResult]:
+                         baseline_again: bool = False, measured=None) -> list[MethodResult]:
     engines = []  # (config, engine, name, counters before)
     for cfg, again in _runs(configs, baseline_again):
         try:
@@ -307,11 +310,12 @@ def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progr
             if progress:
                 progress(f"{name}: {cat} ({len(prompts)} prompts)")
             out[cat] = run_group(llm, prompts, params)
-    results = []
-    for (cfg, llm, name, before), out in zip(engines, outs):
-        results.append(_result(llm, name, cfg, out, before))
+    results = [_result(llm, name, cfg, out, before) for (cfg, llm, name, before), out in zip(engines, outs)]
+    if measured is not None:  # every timed figure exists now, before any (slow) after-work
+        measured(results)
+    for (cfg, llm, name, before), result in zip(engines, results):
         if after is not None:
-            after(llm, results[-1])
+            after(llm, result)
     engines.clear()
     gc.collect()
     return results

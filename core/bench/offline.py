@@ -126,17 +126,24 @@ def run(args) -> int:
     if args.profile:
         from speculum.bench.step_profile import profile_steps as profile
 
+    measured: list = []  # interleaved: every config's timed figures, known before the first profile
+
     def after(llm, result):
         if profile is not None:
             result.extra["profile"] = profile(llm, _profile_prompts(groups, args.batch_size), params)
         done.append(result)  # the JSON so far, so a run cut short keeps what it measured
-        _write(args, done, devices, partial=True)
+        _write(args, measured or done, devices, partial=True)
+
+    def all_measured(results):
+        measured[:] = results
+        _write(args, results, devices, partial=True)
 
     errors: list = []  # a method that fails is reported and skipped: the others' figures stand
     results = methods.compare([json.loads(m) for m in args.method], groups, params, make,
                               warmup_tokens=args.max_tokens if args.warmup_tokens is None else args.warmup_tokens,
                               after=after, errors=errors, interleave=args.interleave, pooled=_pooled(args),
-                              baseline_again=args.baseline_again)
+                              baseline_again=args.baseline_again,
+                              measured=all_measured)
     print(methods.table(results, greedy=args.temperature == 0))
     if args.profile:
         from speculum.bench.step_profile import profile_table
