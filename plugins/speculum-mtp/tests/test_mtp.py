@@ -26,6 +26,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+#: a KV budget that forces preemption with trees: 20 blocks of the target's cache and the head's (bytes per token)
+KV_TIGHT = 20 * 16 * (512 + 256)
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +206,39 @@ def test_tree_drafts_follow_the_module_along_every_path(target, trained, tree):
 def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
     """--init-from: a run with a learning rate of 0 exports the checkpoint it started from."""
     assert_training_starts_from("mtp", target, trained, tmp_path / "again", ())
+
+
+def test_mtp_trees_drafted_from_the_device_verdict_change_nothing(target, trained):
+    """Overlapped greedy steps (forced on: a CPU engine does not overlap) with an MTP head
+    drafting token trees: each next tree starts from the verdict still on the device
+    (``VerdictDrafter``), is settled by observe, taken by the plan ahead or rewound when an
+    abort or a join changes the batch. Outputs equal plain decoding, and drafts and
+    acceptance equal a run without overlap on the same schedule."""
+    from speculum.testing import assert_drafting_ahead_changes_nothing
+    spec = {"method": "mtp", "model": str(trained), "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def build(overlap: bool):
+        llm = make_llm(target, spec, max_num_seqs=4)
+        llm.loop.overlap = overlap
+        return llm
+    plain = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params)]
+    _, loop = assert_drafting_ahead_changes_nothing(build, prompts, params, plain)
+    assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+
+
+def test_mtp_trees_drafted_from_the_verdict_under_preemption(target, trained):
+    """The same with a KV budget that forces preemption (rows leave and come back while
+    trees are drafted from the verdict): outputs equal plain decoding."""
+    spec = {"method": "mtp", "model": str(trained), "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=KV_TIGHT, max_model_len=256,
+              max_num_seqs=8)
+    llm.loop.overlap = True
+    outs = llm.generate(prompts, params)
+    llm.scheduler.check()
+    assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10
+    plain = make_llm(target, max_num_seqs=8).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
