@@ -301,6 +301,18 @@ def assert_drafting_ahead_changes_nothing(build, prompts: list, params, plain: l
     return (drafts_off, acc_off), llm.loop
 
 
+def assert_overlap_changes_nothing(make_llm, target, spec: dict, prompts: list, params, max_num_seqs: int = 4):
+    """:func:`assert_drafting_ahead_changes_nothing` for the engines ``make_llm(target, spec,
+    max_num_seqs=...)`` with overlap forced on and off, against plain decoding
+    (``make_llm(target)``). Returns what that function returns."""
+    def build(overlap: bool):
+        llm = make_llm(target, spec, max_num_seqs=max_num_seqs)
+        llm.loop.overlap = overlap
+        return llm
+    plain = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params)]
+    return assert_drafting_ahead_changes_nothing(build, prompts, params, plain)
+
+
 def reference_tree_paths(spec, topk) -> set[tuple[int, ...]]:
     """The token paths of the tree ``spec`` (a :class:`speculum.tree.TreeSpec`) drafted in
     plain Python: ``topk(path, width)`` gives (log-probs, token ids) of the ``width`` best

@@ -15,7 +15,7 @@ from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
 from speculum.proposers.tree import topk_logprobs
 from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
-                              assert_drafting_ahead_changes_nothing, record_drafts, record_trees, tiny_model_dir,
+                              assert_overlap_changes_nothing, record_drafts, record_trees, tiny_model_dir,
                               train_tiny, assert_training_starts_from)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import detect, load_medusa, medusa_state, save_medusa
@@ -206,14 +206,7 @@ def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained, tre
     schedule."""
     spec = {"method": "medusa", "model": str(trained), **(tree or {"num_speculative_tokens": 3})}
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-
-    def build(overlap: bool):
-        llm = make_llm(target, spec, max_num_seqs=4)
-        llm.loop.overlap = overlap
-        return llm
-
-    plain = [o.outputs[0].token_ids for o in make_llm(target).generate(PROMPTS, params)]
-    _, loop = assert_drafting_ahead_changes_nothing(build, PROMPTS, params, plain)
+    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS, params)
     assert loop.rewindable
 
 

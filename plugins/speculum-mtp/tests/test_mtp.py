@@ -214,17 +214,11 @@ def test_mtp_trees_drafted_from_the_device_verdict_change_nothing(target, traine
     (``VerdictDrafter``), is settled by observe, taken by the plan ahead or rewound when an
     abort or a join changes the batch. Outputs equal plain decoding, and drafts and
     acceptance equal a run without overlap on the same schedule."""
-    from speculum.testing import assert_drafting_ahead_changes_nothing
+    from speculum.testing import assert_overlap_changes_nothing
     spec = {"method": "mtp", "model": str(trained), "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-
-    def build(overlap: bool):
-        llm = make_llm(target, spec, max_num_seqs=4)
-        llm.loop.overlap = overlap
-        return llm
-    plain = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params)]
-    _, loop = assert_drafting_ahead_changes_nothing(build, prompts, params, plain)
+    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, prompts, params)
     assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
 
 
