@@ -36,6 +36,7 @@ import torch
 
 from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
+from speculum.interfaces import KVCacheFull
 from speculum.kv import blocks_for
 from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size, topk_logprobs
 from speculum.tree import TreeSpec, tree_attention_mask
@@ -261,12 +262,19 @@ class HeadTreeGraphs(HeadDraftGraphs):
         [Q] at head-cache positions ``bases[b]`` on, then drafts its tree; the host does not
         know ``count`` (the verdict of the step that made them is still being copied), so
         every row is given room for the longest outcome (``Q`` catch-up positions and the
-        tree region): :meth:`settle` cuts each back once the counts are known."""
+        tree region): :meth:`settle` cuts each back once the counts are known. Raises
+        :class:`~speculum.interfaces.KVCacheFull` (every row cut back to its base) when the
+        cache cannot hold that."""
         alloc, Q, E = self.cache.allocator, self.Q, self.extra
         R = len(seq_ids)
-        for sid, base in zip(seq_ids, bases):
-            alloc.truncate(sid, base)
-            alloc.allocate(sid, Q + E)
+        try:
+            for sid, base in zip(seq_ids, bases):
+                alloc.truncate(sid, base)
+                alloc.allocate(sid, Q + E)
+        except KVCacheFull:  # no room for the longest outcome: every row as before the catch-up
+            for sid, base in zip(seq_ids, bases):
+                alloc.truncate(sid, min(base, alloc.length(sid)))
+            raise
         Bb = bucket(R)
         need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
         nb = 1 << max(0, need - 1).bit_length()

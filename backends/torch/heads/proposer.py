@@ -41,7 +41,7 @@ from speculum.backends.torch.heads.cache import HeadKVCache
 from speculum.backends.torch.heads.graph import HeadDraftGraphs, HeadTreeGraphs, greedy_tokens
 from speculum.devices import on_device
 from speculum.errors import ConfigError
-from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback, Verdict
+from speculum.interfaces import Draft, KVCacheFull, ProposeBatch, SequenceView, StepFeedback, Verdict
 from speculum.proposers.head_checkpoint import find_shipped_head, read_config, shipped_names, target_fingerprint
 from speculum.proposers.tree import region_size, tree_rows, unpack_tree
 from speculum.sampling import SamplingBatch, processed_probs, sample_rows
@@ -423,7 +423,10 @@ class ChainHeadProposer:
             feats = self.head.features(gather_path(hidden_states, verdict.path))[:, :Q]
             count = verdict.num_accepted.to(self.device, torch.int64) + 1
             tokens = verdict.token_ids[:, :Q].to(self.device)
-            out = self.graphs.run_from_device(list(seq_ids), bases, feats, tokens, count)
+            try:
+                out = self.graphs.run_from_device(list(seq_ids), bases, feats, tokens, count)
+            except KVCacheFull:  # the longest outcome does not fit now: draft after the copy, as usual
+                return False
         self._launched = _Launched(tuple(seq_ids), dict(zip(seq_ids, bases)), feats, out)
         self._before = {}  # the last propose was verified: nothing of it to take back
         return True

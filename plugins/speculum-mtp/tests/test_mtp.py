@@ -236,3 +236,31 @@ def test_mtp_trees_drafted_from_the_verdict_under_preemption(target, trained):
     assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10
     plain = make_llm(target, max_num_seqs=8).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_full_head_cache_makes_the_tree_wait_for_the_verdict(target, trained):
+    """When the head cache cannot hold the longest outcome (``KVCacheFull`` from the
+    drafting from the verdict), that step's tree is drafted after the verdict's copy as
+    before: outputs still equal plain decoding, and the other steps still draft early."""
+    from speculum.interfaces import KVCacheFull
+    spec = {"method": "mtp", "model": str(trained), "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = make_llm(target, spec, max_num_seqs=4)
+    llm.loop.overlap = True
+    graphs, calls = llm.proposer.graphs, []
+    inner = graphs.run_from_device
+
+    def every_other(seq_ids, bases, *a):
+        calls.append(1)
+        if len(calls) % 2:
+            for sid, base in zip(seq_ids, bases):  # as a full allocator leaves them: cut back to the base
+                graphs.cache.allocator.truncate(sid, base)
+            raise KVCacheFull("no room (test)")
+        return inner(seq_ids, bases, *a)
+    graphs.run_from_device = every_other
+    outs = llm.generate(prompts, params)
+    plain = make_llm(target).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert len(calls) > 4 and llm.loop.drafted_from_verdict == len(calls) // 2 and llm.loop.from_verdict
+    assert llm.metrics.num_accepted_tokens > 0
