@@ -60,7 +60,9 @@ class HeadDraftGraphs:
         #: head-cache positions a step appends per row after its catch-up positions
         self.extra = k - 1
         #: (batch bucket, block bucket) -> (graph, its feature input x [Bb, Q, H])
-        self._graphs: dict[tuple[int, int], tuple[StaticGraph, torch.Tensor]] = {}
+        #: (and (batch bucket, block bucket, "device") -> (graph, its inputs x, tokens, counts):
+        #: drafting from a verdict on the device, HeadTreeGraphs.run_from_device)
+        self._graphs: dict[tuple, tuple[StaticGraph, torch.Tensor | tuple[torch.Tensor, ...]]] = {}
         self._pool = GraphPool()
 
     def fits(self, counts: Sequence[int]) -> bool:
