@@ -188,7 +188,7 @@ class VerdictDrafter(RewindableProposer, Protocol):
     verifier ran, then waits for the verdict's copy to the host; the drafting runs on the
     device meanwhile, instead of after the host's bookkeeping of the step. The loop then
     calls :meth:`~Proposer.observe` as usual (which settles the drafts for the accepted
-    counts) and either the next :meth:`~Proposer.propose` for the same sequences, which
+    counts; the hidden states were handed over already, so that feedback carries none) and either the next :meth:`~Proposer.propose` for the same sequences, which
     returns those drafts, or :meth:`~RewindableProposer.rewind`, which takes them back.
     """
 

@@ -252,7 +252,9 @@ class DraftVerifyLoop:
         if tree is not None:
             self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
                              [not r[1] or b in failed_rows for b, r in enumerate(both)])
-            if hidden:  # the accepted path's states in path order, as for a chain
+            if launched:  # the proposer drafted every row from the verdict and read the states then
+                hidden = {}
+            elif hidden:  # the accepted path's states in path order, as for a chain
                 hidden = gather_path(hidden, verdict.path)
             if any(s.params.logprobs is not None for s in seqs):  # logits along the path, in path order
                 cols = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1).clamp_min(0)

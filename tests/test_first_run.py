@@ -428,11 +428,11 @@ def test_bench_offline_samples_with_a_seed_per_prompt_the_same_in_every_config(t
     def args(**kw):
         return argparse.Namespace(**{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "max_tokens": 8,
                                      **kw})
-    assert offline._params(args(), SamplingParams).temperature == 0
-    sampled = offline._params(args(temperature=0.8, top_p=0.9, seed=7), SamplingParams)
+    assert offline._params(args()).temperature == 0
+    sampled = offline._params(args(temperature=0.8, top_p=0.9, seed=7))
     assert (sampled.temperature, sampled.top_p, sampled.seed) == (0.8, 0.9, 7)
     assert [p.seed for p in methods.per_request(sampled, 3)] == [7, 8, 9]
-    assert methods.per_request(offline._params(args(), SamplingParams), 3).seed is None  # greedy: one params
+    assert methods.per_request(offline._params(args()), 3).seed is None  # greedy: one params
 
     groups = {"a": [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [9, 10, 11]}]}
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)

@@ -232,8 +232,7 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
     for cfg, again in _runs(configs, baseline_again):
         llm = None
         try:
-            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, pooled)
-            name = AGAIN if again else name
+            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, pooled, again)
             results.append(run_method(llm, groups, params, name, cfg, progress, pooled=pooled))
             if after is not None:
                 after(llm, results[-1])
@@ -247,8 +246,8 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
 
 
 def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_tokens: int,
-           pooled: bool = False) -> tuple[Any, str]:
-    """A config's engine, warmed untimed, and its name.
+           pooled: bool = False, again: bool = False) -> tuple[Any, str]:
+    """A config's engine, warmed untimed, and its name (:data:`AGAIN` for the repeated baseline).
 
     CUDA graphs are captured per batch size and context bucket the first time one occurs,
     and a short run timed with those captures in it measures them, not the steps. One at a
@@ -271,7 +270,7 @@ def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_t
             if len(every) > width:
                 llm.generate(every[-1:], short)
     resolved = llm.speculative_config.method if llm.speculative_config else None
-    return llm, method_name(cfg, resolved)
+    return llm, AGAIN if again else method_name(cfg, resolved)
 
 
 def _skip(cfg: dict | None, exc: Exception, errors: list | None) -> None:
@@ -298,8 +297,7 @@ def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progr
     engines = []  # (config, engine, name, counters before)
     for cfg, again in _runs(configs, baseline_again):
         try:
-            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens)
-            name = AGAIN if again else name
+            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, again=again)
         except Exception as exc:
             _skip(cfg, exc, errors)
             continue

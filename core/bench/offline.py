@@ -98,7 +98,6 @@ def _pooled(args) -> bool:
 
 def run(args) -> int:
     from speculum.bench import methods
-    from speculum.sampling import SamplingParams
 
     groups = _prompts(args)
     if args.temperature < 0:
@@ -106,7 +105,7 @@ def run(args) -> int:
     if args.temperature > 0 and args.batch_invariant:
         raise SystemExit("bench offline: --batch-invariant checks bitwise identity of greedy outputs; "
                          "drop --temperature (or the flag)")
-    params = _params(args, SamplingParams)
+    params = _params(args)
     opts = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
                 cuda_graphs=not args.enforce_eager, threads=args.threads, overlap=not args.no_overlap)
     if args.batch_invariant:
@@ -174,10 +173,12 @@ def run(args) -> int:
     return 1 if errors or broken else 0
 
 
-def _params(args, SamplingParams):
+def _params(args):
     """Greedy params, or (``--temperature`` > 0) sampled ones seeded ``--seed``: request ``i``
     of a call gets ``seed + i`` (:func:`speculum.bench.methods.per_request`), so a prompt is
     sampled with the same seed in every config."""
+    from speculum.sampling import SamplingParams
+
     if args.temperature == 0:
         return SamplingParams(temperature=0, max_tokens=args.max_tokens)
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

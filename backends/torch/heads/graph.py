@@ -162,9 +162,7 @@ class HeadDraftGraphs:
         R = len(seq_ids)
         for sid, n in zip(seq_ids, counts):
             alloc.allocate(sid, int(n) + self.extra)
-        Bb = bucket(R)
-        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
-        nb = 1 << max(0, need - 1).bit_length()  # power-of-two block buckets
+        Bb, nb = self._buckets(seq_ids)
         meta_np = self._meta(seq_ids, tokens, counts, Bb, nb)
         H = feats[0].shape[-1]
         with torch.inference_mode():
@@ -180,6 +178,13 @@ class HeadDraftGraphs:
             for b, (f, n) in enumerate(zip(feats, counts)):
                 x[b, :n] = f
             return graph.replay()[:R]
+
+    def _buckets(self, seq_ids) -> tuple[int, int]:
+        """(batch bucket, power-of-two block bucket) of a propose over ``seq_ids``, whose
+        head-cache positions are allocated already: the key of its graph."""
+        alloc = self.cache.allocator
+        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
+        return bucket(len(seq_ids)), 1 << max(0, need - 1).bit_length()
 
     def _capture(self, Bb: int, nb: int, H: int, meta_size: int) -> tuple[StaticGraph, torch.Tensor]:
         x = torch.zeros(Bb, self.Q, H, dtype=self.dtype, device=self.device)
@@ -277,9 +282,7 @@ class HeadTreeGraphs(HeadDraftGraphs):
             for sid, base in zip(seq_ids, bases):
                 alloc.truncate(sid, min(base, alloc.length(sid)))
             raise
-        Bb = bucket(R)
-        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
-        nb = 1 << max(0, need - 1).bit_length()
+        Bb, nb = self._buckets(seq_ids)
         meta_np = self._meta_device(seq_ids, Bb, nb)
         H = feats.shape[-1]
         with torch.inference_mode():

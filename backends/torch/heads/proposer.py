@@ -261,8 +261,8 @@ class ChainHeadProposer:
             self.pending[seq.seq_id] = self.head.features(hidden_states)  # [len - 1, H]
 
     def remove_request(self, seq_id: int) -> None:
-        if self._launched is not None and seq_id in self._launched.bases:
-            self._launched.bases.pop(seq_id)  # the batch changed: the next propose takes these back
+        if self._launched is not None:
+            self._launched.bases.pop(seq_id, None)  # the batch changed: the next propose takes these back
         self.cache.remove(seq_id)
         self.pending.pop(seq_id, None)
         self.backlog.pop(seq_id, None)
@@ -398,9 +398,12 @@ class ChainHeadProposer:
             self._take_back(self._launched)
             self._launched = None
         for sid in seq_ids:
-            before = self._before.pop(sid, None)
-            if before is None or sid not in self.pending:
-                continue
+            self._restore(sid)
+
+    def _restore(self, sid: int) -> None:
+        """A sequence's pending states and head-cache length as before the last propose (if it had one)."""
+        before = self._before.pop(sid, None)
+        if before is not None and sid in self.pending:
             self.pending[sid], length = before
             self.cache.truncate(sid, length)
 
@@ -449,11 +452,9 @@ class ChainHeadProposer:
         pending states back (as observe() would have left them), every row its head cache
         as before the catch-up."""
         for sid, base in launched.bases.items():
-            if sid in launched.observed:
-                before = self._before.pop(sid, None)
-                if before is not None:
-                    self.pending[sid] = before[0]
-            if sid in self.pending:
+            if sid in launched.observed:  # _settle remembered (its states, base)
+                self._restore(sid)
+            elif sid in self.pending:
                 self.cache.truncate(sid, base)
 
     def _fold(self, seq_id: int) -> None:
@@ -464,12 +465,12 @@ class ChainHeadProposer:
                 self.pending[seq_id] = torch.cat([self.pending[seq_id]] + [f[b, :n] for f, b, n in backlog])
 
     def observe(self, feedback: StepFeedback) -> None:
+        rows = [b for b, (sid, a) in enumerate(zip(feedback.seq_ids, feedback.num_accepted)) if not self._settle(sid, a)]
+        if not rows:  # every row was drafted from its verdict already (the loop then hands no states)
+            return
         hs = feedback.hidden_states
         if hs is None:
             raise RuntimeError(f"{type(self).__name__} got no hidden states from the verify step")
-        rows = [b for b, (sid, a) in enumerate(zip(feedback.seq_ids, feedback.num_accepted)) if not self._settle(sid, a)]
-        if not rows:  # every row was drafted from its verdict already
-            return
         with torch.inference_mode():
             feats = self.head.features(hs)  # [B, k+1, H]
             # the states of the accepted positions, copied once for every row (the target's
