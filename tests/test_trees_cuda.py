@@ -89,11 +89,12 @@ def test_graphed_tree_drafting_is_lossless_and_matches_eager(target, heads, meth
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
         assert llm.metrics.num_tree_steps > 0
         runs[graphs] = seen
-        if graphs and method != "medusa":
+        if graphs:
             assert llm.proposer.graphs._graphs, "no tree draft graph was captured"
             # overlap is on by default on CUDA: the next trees start from the verdict on the device
             assert llm.loop.drafted_from_verdict > 0
-            assert any(k[-1] == "device" for k in llm.proposer.graphs._graphs), "no graph drafts from the device"
+            if method != "medusa":  # (Medusa's tree function takes a state: one graph for both)
+                assert any(k[-1] == "device" for k in llm.proposer.graphs._graphs), "no graph drafts from the device"
     assert len(runs[False]) == len(runs[True])
     same = sum(a[1] == b[1] and a[2] == b[2] for a, b in zip(runs[False], runs[True]))
     assert same >= 0.95 * len(runs[True])  # fp32 on GPU: padded shapes may flip a rare near-tie

@@ -10,6 +10,11 @@ With a token tree in the config, the tree's nodes at depth ``d`` are top-k token
 head ``d - 1`` (Medusa's own tree decoding): a static tree (``speculative_token_tree``,
 Medusa's ``medusa_choices``) or a dynamic one ranked by summed log-probabilities of the
 heads; deterministic nodes for every request (``probs=None``).
+
+Trees are drafted from the verdict still on the device (:class:`~speculum.interfaces.VerdictDrafter`):
+the state of each row's last accepted node is gathered by the verdict's accepted count and
+path, and the heads' tree function runs on it before the host has read the verdict; observe
+then keeps that state, and the next propose of the same rows returns those trees.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import attrs
 import torch
 
 from speculum.backends.torch.heads import TargetParts, head_checkpoint_path, pick_tokens
 from speculum.errors import ConfigError
-from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
+from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback, Verdict
 from speculum.proposers.tree import tree_rows, unpack_tree
 from speculum.tree import TokenTree, TreeSpec
 from speculum_medusa.formats import load_medusa
@@ -30,6 +36,19 @@ from speculum_medusa.graph import MedusaGraphs
 log = logging.getLogger(__name__)
 
 HEADS = Path(__file__).resolve().parent / "heads"
+
+
+@attrs.define(eq=False)
+class _Launched:
+    """Trees drafted from a verdict still on the device (:meth:`MedusaProposer.draft_from_verdict`)."""
+
+    #: the rows, in order, and the state each was drafted from [R, H]
+    seq_ids: tuple[int, ...]
+    x: torch.Tensor
+    #: the drafting function's packed trees [R, 3N + N*N]
+    out: torch.Tensor
+    #: rows whose observe has kept their state
+    observed: set[int] = attrs.field(factory=set)
 
 
 class MedusaProposer:
@@ -50,6 +69,8 @@ class MedusaProposer:
         #: eager elsewhere): trees always, chains of the config's k for greedy requests
         self.graphs = MedusaGraphs(heads, min(k or heads.num_heads, heads.num_heads), tree, self.device,
                                    use_graphs=cuda_graphs)
+        #: trees drafted from a verdict not yet on the host, until the next propose or rewind
+        self._launched: _Launched | None = None
 
     @classmethod
     def from_context(cls, ctx) -> "MedusaProposer":
@@ -76,15 +97,37 @@ class MedusaProposer:
 
     def remove_request(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
+        if self._launched is not None and seq_id in self._launched.seq_ids:
+            self._launched = None  # the batch changed: those trees are for another step
 
     def rewind(self, seq_ids) -> None:
         """Nothing to take back: :meth:`propose` reads each sequence's last state and
         changes nothing (:class:`~speculum.interfaces.RewindableProposer`, so the loop may
-        draft the next step ahead)."""
+        draft the next step ahead); trees drafted from a verdict are dropped (observe kept
+        each row's state already)."""
+        self._launched = None
+
+    def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict, hidden_states: dict[int, torch.Tensor]) -> bool:
+        """Start the next trees of ``seq_ids`` from the verify step's states at each row's
+        last accepted node, found on the device from ``verdict`` (its accepted count and
+        path), before the host reads it (:class:`~speculum.interfaces.VerdictDrafter`).
+        Trees only, for rows that drafted this step."""
+        if (self.tree is None or verdict.path is None or not hidden_states or self._launched is not None
+                or any(self.last.get(sid) is None for sid in seq_ids)):
+            return False
+        with torch.inference_mode():
+            x = last_accepted_state(hidden_states[-1], verdict)
+            out = self.graphs.run(x)
+        self._launched = _Launched(tuple(seq_ids), x, out)
+        return True
 
     def propose(self, batch: ProposeBatch) -> Draft:
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
+        launched, self._launched = self._launched, None
+        if (launched is not None and launched.seq_ids == tuple(s.seq_id for s in seqs)
+                and launched.observed == set(launched.seq_ids)):  # drafted from the verdict already
+            return self._tree_draft(B, list(range(B)), launched.out)
         rows = [b for b, s in enumerate(seqs) if self.last.get(s.seq_id) is not None]
         if not rows:
             return Draft(token_ids=torch.full((B, k), -1, dtype=torch.int64, device=self.device), lengths=[0] * B)
@@ -118,17 +161,37 @@ class MedusaProposer:
         return Draft(token_ids=token_ids, probs=q, lengths=lengths)
 
     def _propose_tree(self, B: int, rows: list[int], x: torch.Tensor) -> Draft:
+        return self._tree_draft(B, rows, self.graphs.run(x))
+
+    def _tree_draft(self, B: int, rows: list[int], packed: torch.Tensor) -> Draft:
+        """The Draft of the drafting function's packed trees of ``rows`` (of ``B``)."""
         spec = self.tree
         N = spec.num_nodes
-        tokens, parents, depth, anc = tree_rows(B, N, rows, unpack_tree(self.graphs.run(x), N), self.device)
+        tokens, parents, depth, anc = tree_rows(B, N, rows, unpack_tree(packed, N), self.device)
         in_rows = set(rows)
         lengths = [N if b in in_rows else 0 for b in range(B)]
         tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
         return Draft(token_ids=tokens, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:
+        launched = self._launched
+        if feedback.hidden_states is None and launched is not None:  # drafted from the verdict: keep its states
+            where = {sid: i for i, sid in enumerate(launched.seq_ids)}
+            for sid in feedback.seq_ids:
+                self.last[sid] = launched.x[where[sid]]
+                launched.observed.add(sid)
+            return
         h = feedback.hidden_states[-1]  # [B, k+1, H]
         acc = torch.tensor(feedback.num_accepted, dtype=torch.int64).to(h.device, non_blocking=True)  # no synchronisation
         last = h[torch.arange(h.shape[0], device=h.device), acc].clone()  # the state that made the new token
         for b, sid in enumerate(feedback.seq_ids):
             self.last[sid] = last[b]
+
+
+def last_accepted_state(h: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+    """[B, H]: the verify step's state (``h`` [B, N+1, H], tree columns) at each row's last
+    accepted node (the root when none was accepted), chosen on the device: the value
+    :meth:`MedusaProposer.observe` keeps from the same step's states in path order."""
+    cols = torch.nn.functional.pad(verdict.path.to(h.device) + 1, (1, 0))  # [B, D+1]: root, path columns
+    col = cols.gather(1, verdict.num_accepted.to(h.device, torch.int64).view(-1, 1))  # [B, 1]
+    return h.gather(1, col.unsqueeze(-1).expand(-1, 1, h.shape[-1])).squeeze(1)

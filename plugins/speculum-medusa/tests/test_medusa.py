@@ -208,6 +208,43 @@ def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained, tre
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
     _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS, params)
     assert loop.rewindable
+    # trees: each next tree drafted from the verdict still on the device (VerdictDrafter)
+    assert (loop.drafted_from_verdict > 10) if tree else loop.drafted_from_verdict == 0, loop.drafted_from_verdict
+
+
+def test_trees_drafted_from_the_verdict_under_preemption(target, trained):
+    """Overlap forced on with a KV budget that forces preemption: rows leave and come back
+    while their trees are drafted from the device verdict; outputs equal plain decoding."""
+    spec = {"method": "medusa", "model": str(trained), **TREE_CONFIGS["static"]}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # target 2 layers, K and V, 2 heads x 16 dims, fp32: 512 bytes per token (no draft cache)
+    llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=20 * 16 * 512, max_model_len=256,
+              max_num_seqs=8)
+    llm.loop.overlap = True
+    outs = llm.generate(prompts, params)
+    llm.scheduler.check()
+    assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10
+    plain = make_llm(target, max_num_seqs=8).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_the_state_drafted_from_is_the_one_observe_keeps(trained, parts):
+    """last_accepted_state (device-side, from tree columns and the verdict) picks, bit for
+    bit, the state observe() keeps from the same step's states in path order."""
+    from speculum.interfaces import Verdict
+    from speculum.tree import gather_path
+    from speculum_medusa.proposer import last_accepted_state
+    g = torch.Generator().manual_seed(0)
+    B, N, H = 3, 6, parts.hidden_size
+    h = torch.randn(B, N + 1, H, generator=g)
+    path = torch.tensor([[0, 2, -1, -1, -1, -1], [-1] * 6, [1, 3, 4, -1, -1, -1]])  # [B, N] nodes, -1 padded
+    acc = torch.tensor([2, 0, 3])
+    v = Verdict(token_ids=torch.zeros(B, 4, dtype=torch.int64), num_accepted=acc, path=path)
+    got = last_accepted_state(h, v)
+    along = gather_path({-1: h}, path)[-1]
+    assert torch.equal(got, along[torch.arange(B), acc])
+    assert torch.equal(got[1], h[1, 0]) and torch.equal(got[2], h[2, 5])
 
 
 def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
