@@ -20,7 +20,7 @@
 # these trees for every method instead of the sweep's best (Medusa: depth capped at its 4 heads).
 # HEAD_KERNELS=torch: the heads draft on plain torch kernels (the "before" of 72e1646).
 # MEDUSA_TREE=FILE: b1b also runs the static Medusa tree of scripts/medusa_tree.py's JSON FILE.
-# NGRAM=0: b16 without its n-gram config.
+# NGRAM=0: b1 and b16 without their n-gram config; METHODS: b1's head methods (default all four).
 # Every part but tests prints its table and writes JSON to $OUT; b1a, b1b and b16 also the step
 # profile (--profile) of every config.
 # Report and figure: python scripts/trees_report.py <the JSON files> (on the lead's machine).
@@ -123,7 +123,8 @@ EOF
 b1)
   # all four head methods in one run with one autoregressive baseline and n-gram (the issue's
   # "in one run"; ~8 minutes for 11 configs on the H200: b1a and b1b together, one baseline less)
-  ARGS=(--method "{\"method\":\"ngram\",$K}"); heads eagle eagle3 mtp medusa
+  # (METHODS="medusa" NGRAM=0: one method's chain and trees against autoregressive decoding)
+  ARGS=(); [ "${NGRAM:-1}" = 1 ] && ARGS=(--method "{\"method\":\"ngram\",$K}"); heads ${METHODS:-eagle eagle3 mtp medusa}
   run --batch-size 1 --prompts-per-category ${PPC:-10} --profile "${IL[@]}" "${ARGS[@]}" --json $OUT/trees_b1${TAG}.json ;;
 b1a)
   ARGS=(--method "{\"method\":\"ngram\",$K}"); heads eagle eagle3
