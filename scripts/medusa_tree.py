@@ -12,10 +12,15 @@ prefixes (a child is never more frequent than its parent: the set is a tree).
 This script answers calibration prompts with the target (greedy, never MT-bench: the
 training prompts by default), reads the heads' ranks along the answers
 (teacher-forced), and prints that tree as a ``speculative_token_tree`` config, with the
-acceptance length it expects on the calibration answers, against the chain and the
-dynamic tree of the same budget on the same positions where computable:
+acceptance length it expects on the calibration answers against the chain. With
+``--eval-prompts FILE`` it answers those prompts too and reports, on their answers, the
+chain, this tree, the dynamic trees of ``--topk`` (the proposer's own EAGLE-2 rule over
+the heads' log-probabilities, same node count) and the best static tree for those answers
+themselves (an upper bound for any static tree there, not a config to ship):
 
     python scripts/medusa_tree.py --num-prompts 64 --nodes 32 --json medusa_tree.json
+    python scripts/medusa_tree.py --prompts self_prompts.jsonl --num-prompts 160 --nodes 31 \\
+        --eval-prompts mt_bench.jsonl --eval-num-prompts 80
     speculum bench offline --method "$(python -c 'import json;print(json.dumps(json.load(open("medusa_tree.json"))["config"]))')"
 """
 
@@ -30,6 +35,93 @@ from pathlib import Path
 import torch
 
 
+def read_chats(path: str, n: int, seed: int | None) -> list[list[dict]]:
+    """The first ``n`` prompts of a JSONL file (``prompt``, or MT-bench's ``turns``: the first
+    turn) as one-turn chats, shuffled with ``seed`` first (None: file order)."""
+    rows = [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]
+    if seed is not None:
+        random.Random(seed).shuffle(rows)
+    return [[{"role": "user", "content": r["prompt"] if "prompt" in r else r["turns"][0]}] for r in rows[:n]]
+
+
+def head_ranks(llm, heads, chats, max_tokens: int, depth: int, width: int):
+    """Greedy answers to ``chats``, then per answer position with a token two ahead: the
+    ranks of the true tokens under heads ``0..depth-1`` ([P, depth], -1: beyond ``width`` or
+    past the answer) and each head's top-``width`` log-probabilities ([P, depth, width])."""
+    from speculum import SamplingParams
+    outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens))
+    runner = llm.target  # teacher-forced states from the engine's own target (idle between calls)
+    ranks, top = [], []
+    for n, o in enumerate(outs):
+        toks = list(o.prompt_token_ids) + list(o.token_ids)
+        P, T = len(o.prompt_token_ids), len(o.prompt_token_ids) + len(o.token_ids)
+        sid = 10**9 + n  # ids past the engine's own requests
+        h = runner.add(sid, toks, hidden_layers=(-1,))[-1]  # [len, H]: h[t] produced toks[t + 1]
+        runner.remove(sid)
+        with torch.inference_mode():  # the heads on the answer's states only: [D, len - P + 1, V]
+            logits = torch.stack([heads.logits(i, h[P - 1:]) for i in range(depth)]).float()
+            top.append(logits.log_softmax(-1).topk(width, dim=-1).values[:, : max(T - P - 1, 0)].transpose(0, 1))
+        for t in range(P - 1, T - 2):  # states inside the answer with a token 2 ahead
+            row = []
+            for i in range(depth):
+                j = t + i + 2
+                r = int((logits[i, t - P + 1] > logits[i, t - P + 1, toks[j]]).sum()) if j < T else width
+                row.append(r if r < width else -1)
+            ranks.append(row)
+    return torch.tensor(ranks, dtype=torch.int64).view(-1, depth), torch.cat(top) if top else torch.zeros(0, depth, width)
+
+
+def prefix_counts(ranks: torch.Tensor) -> Counter:
+    """How many positions' rank tuples start with each path (a path stops at the first -1)."""
+    counts: Counter = Counter()
+    for row in ranks.tolist():
+        for d in range(len(row)):
+            if row[d] < 0:
+                break
+            counts[tuple(row[: d + 1])] += 1
+    return counts
+
+
+def best_static(counts: Counter, nodes: int) -> list[tuple[int, ...]]:
+    """The ``nodes`` most frequent rank prefixes (shorter first on ties): a tree."""
+    best = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[:nodes]
+    return sorted((p for p, _ in best), key=lambda p: (len(p), p))
+
+
+def accepted(row: list[int], paths: set) -> int:
+    """Draft tokens a tree of rank ``paths`` accepts at a position whose true ranks are ``row``."""
+    a = 0
+    while a < len(row) and row[a] >= 0 and tuple(row[: a + 1]) in paths:
+        a += 1
+    return a
+
+
+def dynamic_paths(lp: torch.Tensor, topk: int, nodes: int) -> set:
+    """The rank paths of the dynamic tree the proposer drafts from top log-probs ``lp``
+    [depth, >= topk] (EAGLE-2, ``speculum.proposers.tree.dynamic_tree``: expand the frontier's
+    top-k, keep the top-k by summed log-probability as the next frontier, then the best
+    ``nodes`` of all candidates, earlier candidates first on ties; Medusa's children do not
+    depend on their parent)."""
+    cands = [(float(lp[0, r]), (r,)) for r in range(topk)]
+    front = list(cands)
+    for lvl in range(1, lp.shape[0]):
+        new = [(s + min(float(lp[lvl, r]), 0.0), p + (r,)) for s, p in front for r in range(topk)]
+        cands += new
+        front = sorted(new, key=lambda x: -x[0])[:topk]
+    order = sorted(range(len(cands)), key=lambda i: (-cands[i][0], i))[:nodes]
+    return {cands[i][1] for i in order}
+
+
+def mal(ranks: torch.Tensor, trees) -> float:
+    """Mean acceptance length (accepted drafts + 1) over the positions of ``ranks``; ``trees``:
+    one set of paths for all, or a function of the position's index giving its set."""
+    if not len(ranks):
+        return 1.0
+    rows = ranks.tolist()
+    get = trees if callable(trees) else (lambda i: trees)
+    return 1 + sum(accepted(r, get(i)) for i, r in enumerate(rows)) / len(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target (default: the default model)")
@@ -37,14 +129,18 @@ def main() -> int:
     ap.add_argument("--prompts", default=None, help="JSONL with 'prompt' (default: the training prompts)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--nodes", type=int, default=32, help="tree nodes (num_draft_tokens)")
+    ap.add_argument("--nodes", type=int, default=32, help="tree nodes (num_draft_tokens - 1)")
     ap.add_argument("--depth", type=int, default=None, help="deepest level (default: every head)")
     ap.add_argument("--max-rank", type=int, default=16, help="ranks past this count as a miss")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-prompts", default=None,
+                    help="JSONL ('prompt', or MT-bench's 'turns'): report the trees on these answers too")
+    ap.add_argument("--eval-num-prompts", type=int, default=80)
+    ap.add_argument("--topk", default="8,16", help="dynamic trees compared on --eval-prompts (tree_topk values)")
     ap.add_argument("--json", default=None, help="write the config and the counts here")
     args = ap.parse_args()
 
-    from speculum import LLM, SamplingParams
+    from speculum import LLM
     from speculum.datasets import train_prompts_path
 
     spec = {"method": "medusa", "num_speculative_tokens": 1}
@@ -53,51 +149,35 @@ def main() -> int:
     llm = LLM(args.model, speculative_config=spec, device="cpu", dtype="float32", max_num_seqs=16)
     heads = llm.proposer.heads
     D = min(args.depth or heads.num_heads, heads.num_heads)
-    rows = [json.loads(line) for line in Path(args.prompts or train_prompts_path()).read_text().split("\n") if line.strip()]
-    random.Random(args.seed).shuffle(rows)
-    chats = [[{"role": "user", "content": r["prompt"]}] for r in rows[: args.num_prompts]]
-    outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    runner = llm.target  # teacher-forced states from the engine's own target (idle between calls)
-    counts: Counter = Counter()
-    positions = 0
-    for n, o in enumerate(outs):
-        toks = list(o.prompt_token_ids) + list(o.token_ids)
-        P = len(o.prompt_token_ids)
-        sid = 10**9 + n  # ids past the engine's own requests
-        h = runner.add(sid, toks, hidden_layers=(-1,))[-1]  # [len, H]: h[t] produced toks[t + 1]
-        runner.remove(sid)
-        with torch.inference_mode():  # the heads on the answer's states only: [D, len - P + 1, V]
-            logits = torch.stack([heads.logits(i, h[P - 1:]) for i in range(D)])
-        for t in range(P - 1, len(toks) - 2):  # states inside the answer with a token 2 ahead
-            ranks = []
-            for i in range(D):
-                j = t + i + 2
-                if j >= len(toks):
-                    break
-                row = logits[i, t - P + 1]
-                r = int((row > row[toks[j]]).sum())
-                if r >= args.max_rank:
-                    break
-                ranks.append(r)
-            positions += 1
-            for d in range(1, len(ranks) + 1):
-                counts[tuple(ranks[:d])] += 1
-    best = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[: args.nodes]
-    paths = sorted((p for p, _ in best), key=lambda p: (len(p), p))
-    expected = 1 + sum(c for _, c in best) / max(positions, 1)
-    chain = 1 + sum(counts.get(tuple([0] * d), 0) for d in range(1, D + 1)) / max(positions, 1)
+    chats = read_chats(args.prompts or train_prompts_path(), args.num_prompts, args.seed)
+    ranks, _ = head_ranks(llm, heads, chats, args.max_tokens, D, args.max_rank)
+    counts = prefix_counts(ranks)
+    paths = best_static(counts, args.nodes)
+    chain = {tuple([0] * d) for d in range(1, D + 1)}
+    expected, chain_mal = mal(ranks, set(paths)), mal(ranks, chain)
     config = {"method": "medusa", "speculative_token_tree": [list(p) for p in paths]}
     if args.heads:
         config["model"] = args.heads
-    print(f"{len(outs)} answers, {positions} positions; expected acceptance length on them: "
-          f"chain k={D} {chain:.2f}, this {len(paths)}-node tree {expected:.2f}")
+    print(f"{len(chats)} answers, {len(ranks)} positions; expected acceptance length on them: "
+          f"chain k={D} {chain_mal:.3f}, this {len(paths)}-node tree {expected:.3f}")
     print("depths:", dict(sorted(Counter(len(p) for p in paths).items())))
     print(json.dumps(config))
+    report = {"config": config, "positions": len(ranks), "expected": expected, "chain": chain_mal,
+              "counts": {",".join(map(str, p)): c for p, c in counts.most_common(200)}}
+    if args.eval_prompts:
+        ev, lp = head_ranks(llm, heads, read_chats(args.eval_prompts, args.eval_num_prompts, None),
+                            args.max_tokens, D, args.max_rank)
+        own = set(best_static(prefix_counts(ev), len(paths)))
+        got = {"positions": len(ev), "chain": mal(ev, chain), "static": mal(ev, set(paths)),
+               "static_on_these_answers": mal(ev, own)}
+        for k in (int(x) for x in args.topk.split(",") if x):
+            if k <= args.max_rank:
+                got[f"dynamic_top{k}"] = mal(ev, lambda i, k=k: dynamic_paths(lp[i], k, len(paths)))
+        print(f"on {args.eval_prompts} ({len(ev)} positions): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in got.items() if k != "positions"))
+        report["eval"] = {"prompts": args.eval_prompts, **got}
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": config, "positions": positions, "expected": expected,
-                                               "chain": chain, "counts": {",".join(map(str, p)): c
-                                                                          for p, c in counts.most_common(200)}},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 

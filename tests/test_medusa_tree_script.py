@@ -1,0 +1,69 @@
+"""scripts/medusa_tree.py: its static tree and its model of the proposer's dynamic tree."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from speculum.proposers.tree import dynamic_tree
+from speculum.tree import TreeSpec
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "medusa_tree.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("medusa_tree", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Ranks:
+    """An Expander whose candidates' token ids are their ranks: head ``level``'s top
+    log-probs ``lp[level]`` for every parent (Medusa: children do not depend on the parent)."""
+
+    def __init__(self, lp: torch.Tensor):
+        self.lp, self.device = lp, torch.device("cpu")
+
+    def root(self, width):
+        return self.lp[0, :width].view(1, -1), torch.arange(width).view(1, -1)
+
+    def expand(self, level, parent, tokens, vis, slots, width):
+        F = tokens.shape[1]
+        return (self.lp[level, :width].view(1, 1, -1).expand(1, F, -1),
+                torch.arange(width).view(1, 1, -1).expand(1, F, -1))
+
+
+def _paths(tokens: torch.Tensor, parents: torch.Tensor) -> set:
+    out = {}
+    for i, (t, p) in enumerate(zip(tokens[0].tolist(), parents[0].tolist())):
+        out[i] = (out[p] if p >= 0 else ()) + (t,)
+    return set(out.values())
+
+
+def test_dynamic_paths_are_the_proposers_dynamic_tree():
+    """The script's tree for each position is the one the proposer drafts (EAGLE-2 over the
+    heads' log-probs), checked on random log-probabilities for three budgets."""
+    mod = _module()
+    g = torch.Generator().manual_seed(0)
+    for topk, depth, nodes in ((4, 3, 10), (8, 4, 31), (16, 4, 31)):
+        for _ in range(20):
+            lp = (torch.randn(depth, 50, generator=g) * 2).log_softmax(-1).topk(topk, dim=-1).values  # no ties
+            tokens, parents = dynamic_tree(_Ranks(lp), TreeSpec.dynamic(topk, depth, nodes + 1))
+            assert _paths(tokens, parents) == mod.dynamic_paths(lp, topk, nodes)
+
+
+def test_static_tree_is_the_most_frequent_prefixes_and_its_acceptance_counts_them():
+    mod = _module()
+    ranks = torch.tensor([[0, 0, 1], [0, 1, -1], [1, 0, 0], [0, 0, 0], [2, -1, -1], [-1, 0, 0]])
+    counts = mod.prefix_counts(ranks)
+    assert counts == Counter({(0,): 3, (0, 0): 2, (1,): 1, (2,): 1, (0, 1): 1, (0, 0, 1): 1, (0, 0, 0): 1,
+                              (1, 0): 1, (1, 0, 0): 1})
+    paths = mod.best_static(counts, 3)
+    assert paths == [(0,), (1,), (0, 0)]
+    # accepted drafts per row: 2, 1, 1, 2, 0, 0 -> MAL 1 + 6/6
+    assert mod.mal(ranks, set(paths)) == 2.0
+    assert mod.mal(ranks, {(0,), (0, 0), (0, 0, 0)}) == 1 + (2 + 1 + 0 + 3 + 0 + 0) / 6
