@@ -376,6 +376,27 @@ def tight_kv_options(bytes_per_token: int, tokens: int, block_size: int = 4) -> 
     return dict(block_size=block_size, kv_cache_memory=bytes_per_token * tokens)
 
 
+def assert_trees_from_verdict_under_preemption(target, spec: dict, kv_cache_memory: int) -> None:
+    """Overlap forced on (a CPU engine does not overlap) with a KV budget that forces
+    preemption: eight repeating prompts of 6-18 tokens x 40 greedy tokens, rows leave and
+    come back while their trees are drafted from the device verdict
+    (:class:`~speculum.interfaces.VerdictDrafter`); the scheduler's books balance, more than
+    ten steps drafted from the verdict, and outputs equal plain decoding."""
+    from speculum.engine import LLM
+    from speculum.sampling import SamplingParams
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=kv_cache_memory, max_model_len=256,
+              max_num_seqs=8)
+    llm.loop.overlap = True
+    outs = llm.generate(prompts, params)
+    llm.scheduler.check()
+    assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10
+    plain = LLM(str(target), device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=8).generate(
+        prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
 def assert_tree_greedy_lossless_under_preemption(target, spec: dict, bytes_per_token: int, tokens: int = 160):
     """Six 20-token prompts x 40 greedy tokens with a KV budget of about ``tokens`` tokens
     (``bytes_per_token`` for all cache groups together, fp32 on the CPU): sequences are

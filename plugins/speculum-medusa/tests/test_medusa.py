@@ -215,18 +215,10 @@ def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained, tre
 def test_trees_drafted_from_the_verdict_under_preemption(target, trained):
     """Overlap forced on with a KV budget that forces preemption: rows leave and come back
     while their trees are drafted from the device verdict; outputs equal plain decoding."""
+    from speculum.testing import assert_trees_from_verdict_under_preemption
     spec = {"method": "medusa", "model": str(trained), **TREE_CONFIGS["static"]}
-    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     # target 2 layers, K and V, 2 heads x 16 dims, fp32: 512 bytes per token (no draft cache)
-    llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=20 * 16 * 512, max_model_len=256,
-              max_num_seqs=8)
-    llm.loop.overlap = True
-    outs = llm.generate(prompts, params)
-    llm.scheduler.check()
-    assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10
-    plain = make_llm(target, max_num_seqs=8).generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert_trees_from_verdict_under_preemption(target, spec, 20 * 16 * 512)
 
 
 def test_the_state_drafted_from_is_the_one_observe_keeps(trained, parts):

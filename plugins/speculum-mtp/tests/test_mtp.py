@@ -225,17 +225,9 @@ def test_mtp_trees_drafted_from_the_device_verdict_change_nothing(target, traine
 def test_mtp_trees_drafted_from_the_verdict_under_preemption(target, trained):
     """The same with a KV budget that forces preemption (rows leave and come back while
     trees are drafted from the verdict): outputs equal plain decoding."""
+    from speculum.testing import assert_trees_from_verdict_under_preemption
     spec = {"method": "mtp", "model": str(trained), "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
-    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=KV_TIGHT, max_model_len=256,
-              max_num_seqs=8)
-    llm.loop.overlap = True
-    outs = llm.generate(prompts, params)
-    llm.scheduler.check()
-    assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10
-    plain = make_llm(target, max_num_seqs=8).generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert_trees_from_verdict_under_preemption(target, spec, KV_TIGHT)
 
 
 def test_a_full_head_cache_makes_the_tree_wait_for_the_verdict(target, trained):
