@@ -481,6 +481,10 @@ def test_bench_runs_the_baseline_again_after_every_config_to_show_the_drift(tiny
         again = res[-1]
         assert again.config is None and again.total.outputs == res[0].total.outputs
         assert again.speedup(res[0]) > 0 and again.as_dict(res[0])["total"]["identical"] is True
+        from speculum.bench.offline import drift_lines
+        drift, against = drift_lines(res, again)
+        assert f"{again.speedup(res[0]):.3f}x its first run" in drift
+        assert against == f"against the repeated baseline: {res[1].name} {res[1].speedup(again):.2f}x"
     assert [r.name for r in methods.compare([cfg], groups, params, make, warmup_tokens=2)] == \
         ["autoregressive", methods.method_name(cfg)]  # off by default
 
