@@ -385,7 +385,8 @@ def test_the_warm_up_fills_the_batch_with_the_longest_prompts(tiny_llama):
     that ran the very same plain steps differed 2.4x on the H200). The warm-up now answers
     as many of the longest prompts as the batch holds, then the shortest, untimed; pooled,
     it answers every prompt once, untimed (the longest prompts alone still left batch sizes
-    and contexts for the timed run to capture: 1.0 to 1.8 s for the same plain steps)."""
+    and contexts for the timed run to capture: 1.0 to 1.8 s for the same plain steps). Then
+    every other prompt's prefill, one token each."""
     from speculum import LLM
     from speculum.bench import methods
 
@@ -404,13 +405,14 @@ def test_the_warm_up_fills_the_batch_with_the_longest_prompts(tiny_llama):
 
     methods.compare([], groups, params, make(3), warmup_tokens=2)
     assert calls[:2] == [[9, 7, 4], [2]]  # the warm-up: the three longest (the batch's width), the shortest
+    assert calls[2] == [3]  # then the others' prefills (one token each): no prefill shape is first met timed
     calls.clear()
     methods.compare([], groups, params, make(3), warmup_tokens=2, pooled=True)
     # pooled: the warm-up is every prompt at once (the batch walks down through each size), untimed
     assert len(calls) == 2 and sorted(calls[0]) == sorted(calls[1]) == [2, 3, 4, 7, 9]
     calls.clear()
     methods.compare([], groups, params, make(1), warmup_tokens=2)
-    assert calls[:2] == [[9], [2]]  # batch 1: the longest prompt, then the shortest
+    assert calls[:3] == [[9], [2], [7, 4, 3]]  # batch 1: the longest prompt, the shortest, the others' prefills
     calls.clear()
     methods.compare([], {"a": groups["a"][:1]}, params, make(1), warmup_tokens=2)
     assert calls == [[3], [3]]  # one prompt: warmed once, then timed
