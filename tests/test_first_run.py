@@ -245,7 +245,8 @@ def test_train_writes_every_file_with_one_mode(tmp_path, tiny_llama):
 def test_each_engine_is_warmed_on_the_longest_prompt_for_the_tokens_asked():
     """`bench offline` warms every engine before timing it: the longest prompt, then the
     shortest, for --warmup-tokens (default --max-tokens), so what is built per context
-    length is built before the clock runs; 0 skips the warm-up."""
+    length is built before the clock runs, then the other prompts' prefills; 0 skips the
+    warm-up."""
     import attrs as _attrs
 
     from speculum.bench import methods
@@ -261,9 +262,10 @@ def test_each_engine_is_warmed_on_the_longest_prompt_for_the_tokens_asked():
     groups = {"a": ["short", "a much longer prompt"], "b": ["mid prompt"]}
     params = SamplingParams(temperature=0, max_tokens=64)
     llm, _ = methods._start(lambda cfg: Fake(), None, groups, params, 256)
-    assert llm.calls == [(["a much longer prompt"], 64), (["short"], 64)]
+    # then the other prompts' prefills, one token each
+    assert llm.calls == [(["a much longer prompt"], 64), (["short"], 64), (["mid prompt"], 1)]
     llm, _ = methods._start(lambda cfg: Fake(), None, groups, _attrs.evolve(params, max_tokens=300), 256)
-    assert llm.calls == [(["a much longer prompt"], 256), (["short"], 256)]
+    assert llm.calls == [(["a much longer prompt"], 256), (["short"], 256), (["mid prompt"], 1)]
     llm, _ = methods._start(lambda cfg: Fake(), None, groups, params, 0)
     assert llm.calls == []
 
