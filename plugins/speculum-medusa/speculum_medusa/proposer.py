@@ -192,6 +192,6 @@ def last_accepted_state(h: torch.Tensor, verdict: Verdict) -> torch.Tensor:
     """[B, H]: the verify step's state (``h`` [B, N+1, H], tree columns) at each row's last
     accepted node (the root when none was accepted), chosen on the device: the value
     :meth:`MedusaProposer.observe` keeps from the same step's states in path order."""
-    cols = torch.nn.functional.pad(verdict.path.to(h.device) + 1, (1, 0))  # [B, D+1]: root, path columns
+    cols = torch.nn.functional.pad(verdict.path.to(h.device) + 1, (1, 0))  # [B, N+1]: the root, then the path's columns
     col = cols.gather(1, verdict.num_accepted.to(h.device, torch.int64).view(-1, 1))  # [B, 1]
     return h.gather(1, col.unsqueeze(-1).expand(-1, 1, h.shape[-1])).squeeze(1)
