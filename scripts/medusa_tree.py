@@ -98,18 +98,16 @@ def accepted(row: list[int], paths: set) -> int:
 
 def dynamic_paths(lp: torch.Tensor, topk: int, nodes: int) -> set:
     """The rank paths of the dynamic tree the proposer drafts from top log-probs ``lp``
-    [depth, >= topk] (EAGLE-2, ``speculum.proposers.tree.dynamic_tree``: expand the frontier's
-    top-k, keep the top-k by summed log-probability as the next frontier, then the best
-    ``nodes`` of all candidates, earlier candidates first on ties; Medusa's children do not
-    depend on their parent)."""
-    cands = [(float(lp[0, r]), (r,)) for r in range(topk)]
-    front = list(cands)
-    for lvl in range(1, lp.shape[0]):
-        new = [(s + min(float(lp[lvl, r]), 0.0), p + (r,)) for s, p in front for r in range(topk)]
-        cands += new
-        front = sorted(new, key=lambda x: -x[0])[:topk]
-    order = sorted(range(len(cands)), key=lambda i: (-cands[i][0], i))[:nodes]
-    return {cands[i][1] for i in order}
+    [depth, >= topk] (EAGLE-2, ``speculum.proposers.tree.dynamic_tree``, as
+    :func:`speculum.testing.reference_tree_paths` draws it in plain Python): token ids are
+    ranks, and Medusa's children do not depend on their parent, only on their depth."""
+    from speculum.testing import reference_tree_paths
+    from speculum.tree import TreeSpec
+
+    def children(path, width):  # deeper levels clamped at 0 as the proposer's cumulative score is
+        v = lp[len(path), :width]
+        return (v if not path else v.clamp_max(0)), range(width)
+    return reference_tree_paths(TreeSpec.dynamic(topk, lp.shape[0], nodes + 1), children)
 
 
 def mal(ranks: torch.Tensor, trees) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from speculum.proposers.tree import dynamic_tree
+from speculum.testing import tree_token_paths
 from speculum.tree import TreeSpec
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "medusa_tree.py"
@@ -37,13 +38,6 @@ class _Ranks:
                 torch.arange(width).view(1, 1, -1).expand(1, F, -1))
 
 
-def _paths(tokens: torch.Tensor, parents: torch.Tensor) -> set:
-    out = {}
-    for i, (t, p) in enumerate(zip(tokens[0].tolist(), parents[0].tolist())):
-        out[i] = (out[p] if p >= 0 else ()) + (t,)
-    return set(out.values())
-
-
 def test_dynamic_paths_are_the_proposers_dynamic_tree():
     """The script's tree for each position is the one the proposer drafts (EAGLE-2 over the
     heads' log-probs), checked on random log-probabilities for three budgets."""
@@ -53,7 +47,7 @@ def test_dynamic_paths_are_the_proposers_dynamic_tree():
         for _ in range(20):
             lp = (torch.randn(depth, 50, generator=g) * 2).log_softmax(-1).topk(topk, dim=-1).values  # no ties
             tokens, parents = dynamic_tree(_Ranks(lp), TreeSpec.dynamic(topk, depth, nodes + 1))
-            assert _paths(tokens, parents) == mod.dynamic_paths(lp, topk, nodes)
+            assert tree_token_paths(tokens[0].tolist(), parents[0].tolist()) == mod.dynamic_paths(lp, topk, nodes)
 
 
 def test_static_tree_is_the_most_frequent_prefixes_and_its_acceptance_counts_them():

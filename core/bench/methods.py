@@ -254,8 +254,10 @@ def _start(make_llm, cfg: dict | None, groups: dict[str, list], params, warmup_t
     time, the warm-up answers the longest prompt (as many of the longest as the batch holds)
     and then the shortest one (the contexts below the longest prompt: on the H200 the first
     category a config ran was often its slowest, 2-5x under the others at 2 questions per
-    category), then every prompt for one token (each prefill shape met once before timing:
-    a repeated baseline ran 1.11-1.20x the first on the H200, which met them timed). ``pooled`` (every question at once above batch 1): the warm-up is the timed
+    category), then every other prompt for one token (each prefill shape met once before
+    timing, by every engine: the first engine met them timed, a suspect for a repeated
+    baseline running 1.11-1.20x the first on the H200).
+    ``pooled`` (every question at once above batch 1): the warm-up is the timed
     run itself, once, untimed: as rows finish the batch walks down through every size, each
     at its own contexts, which the longest prompts alone did not reach (2026-12-02, batch 16:
     configs running the very same plain steps still measured 1.0 to 1.8 s)."""

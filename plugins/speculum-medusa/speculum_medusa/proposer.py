@@ -133,7 +133,7 @@ class MedusaProposer:
             return Draft(token_ids=torch.full((B, k), -1, dtype=torch.int64, device=self.device), lengths=[0] * B)
         x = torch.stack([self.last[seqs[b].seq_id] for b in rows])  # [R, H]
         if self.tree is not None:
-            return self._propose_tree(B, rows, x)
+            return self._tree_draft(B, rows, self.graphs.run(x))
         sample = self.sample and not batch.sampling.all_greedy
         probs = None
         if not sample and not batch.sampling.needs_processing and k <= self.graphs.k:
@@ -159,9 +159,6 @@ class MedusaProposer:
             q = torch.zeros(B, k, probs.shape[-1], dtype=probs.dtype, device=self.device)
             q[idx] = probs
         return Draft(token_ids=token_ids, probs=q, lengths=lengths)
-
-    def _propose_tree(self, B: int, rows: list[int], x: torch.Tensor) -> Draft:
-        return self._tree_draft(B, rows, self.graphs.run(x))
 
     def _tree_draft(self, B: int, rows: list[int], packed: torch.Tensor) -> Draft:
         """The Draft of the drafting function's packed trees of ``rows`` (of ``B``)."""
