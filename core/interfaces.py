@@ -188,8 +188,12 @@ class VerdictDrafter(RewindableProposer, Protocol):
     verifier ran, then waits for the verdict's copy to the host; the drafting runs on the
     device meanwhile, instead of after the host's bookkeeping of the step. The loop then
     calls :meth:`~Proposer.observe` as usual (which settles the drafts for the accepted
-    counts; the hidden states were handed over already, so that feedback carries none) and either the next :meth:`~Proposer.propose` for the same sequences, which
-    returns those drafts, or :meth:`~RewindableProposer.rewind`, which takes them back.
+    counts; the hidden states were handed over already, so that feedback carries none)
+    and either the next :meth:`~Proposer.propose` for the same sequences, which returns
+    those drafts, or :meth:`~RewindableProposer.rewind`, which takes them back. The
+    verdict is a chain's (``path`` None: the accepted drafts are the first columns) or a
+    tree's (``path``: the accepted nodes); a proposer that drafts only one of them
+    returns False for the other.
     """
 
     def draft_from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,

@@ -90,10 +90,10 @@ class DraftVerifyLoop:
         self.wants_hidden = isinstance(proposer, HiddenStateProposer)
         #: a stateful proposer that can take back a propose may draft the next step ahead
         self.rewindable = self.stateful and isinstance(proposer, RewindableProposer)
-        #: ... and one that drafts a tree from a verdict still on the device starts the next
-        #: step's drafting before the host reads that verdict (:class:`VerdictDrafter`)
+        #: ... and one that drafts from a verdict still on the device starts the next step's
+        #: drafting (chain or tree) before the host reads that verdict (:class:`VerdictDrafter`)
         #: (``SPECULUM_DRAFT_FROM_VERDICT=0`` in the environment: after the copy, as before; a benchmark's "before")
-        self.from_verdict = (self.rewindable and self.trees and isinstance(proposer, VerdictDrafter)
+        self.from_verdict = (self.rewindable and isinstance(proposer, VerdictDrafter)
                              and os.environ.get("SPECULUM_DRAFT_FROM_VERDICT", "1") != "0")
         #: steps whose next drafts started from the device verdict
         self.drafted_from_verdict = 0
@@ -237,7 +237,7 @@ class DraftVerifyLoop:
         # the host synchronisation of the step (greedy verification has synced already);
         # the copy is queued before a forward run ahead, so it does not wait for that one
         to_host = _to_host(verdict, finite)
-        # the next trees start drafting on the device now, while the verdict is copied and read
+        # the next drafts start on the device now, while the verdict is copied and read
         launched = self._draft_from_verdict(seqs, plan, verdict, out, ahead, failed_rows)
         if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
             self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
@@ -252,13 +252,13 @@ class DraftVerifyLoop:
         if tree is not None:
             self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
                              [not r[1] or b in failed_rows for b, r in enumerate(both)])
-            if launched:  # the proposer drafted every row from the verdict and read the states then
-                hidden = {}
-            elif hidden:  # the accepted path's states in path order, as for a chain
+            if hidden and not launched:  # the accepted path's states in path order, as for a chain
                 hidden = gather_path(hidden, verdict.path)
             if any(s.params.logprobs is not None for s in seqs):  # logits along the path, in path order
                 cols = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1).clamp_min(0)
                 raw = raw.gather(1, cols.to(raw.device).unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
+        if launched:  # the proposer drafted every row from the verdict and read the states then
+            hidden = {}
         scored = self._logprobs(seqs, raw, verdict)
         new_lengths = []
         for b, s in enumerate(seqs):
@@ -398,11 +398,12 @@ class DraftVerifyLoop:
 
     def _draft_from_verdict(self, seqs: list[Sequence], plan: "_Plan", verdict: Verdict, out: ForwardOutput,
                             ahead: bool, failed_rows: dict) -> bool:
-        """Start the next step's trees from this step's verdict on the device, before the
-        host waits for its copy (:class:`VerdictDrafter`), when the next step will be drafted
-        ahead anyway (:meth:`_may_plan_ahead`) and every row drafted this step. Its observe
-        settles them, its plan ahead takes them; otherwise they are rewound."""
-        if not (self.from_verdict and self.overlap and ahead and not failed_rows and verdict.path is not None
+        """Start the next step's drafts (chains or trees) from this step's verdict on the
+        device, before the host waits for its copy (:class:`VerdictDrafter`), when the next
+        step will be drafted ahead anyway (:meth:`_may_plan_ahead`) and every row drafted
+        this step. Its observe settles them, its plan ahead takes them; otherwise they are
+        rewound."""
+        if not (self.from_verdict and self.overlap and ahead and not failed_rows and plan.k
                 and out.hidden_states and len(plan.rows) == len(seqs) and self._may_plan_ahead(seqs)):
             return False
         try:

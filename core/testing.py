@@ -206,23 +206,31 @@ def assert_shipped_head_lossless(method: str, baseline: list, num_prompts: int, 
     assert m.num_accepted_tokens > 0 and m.mean_acceptance_length > 1.05, m.as_dict()  # it drafts for this target
 
 
+def use_static_chain_drafts(llm):
+    """Give a chain-head engine's proposer the static greedy drafting function, run eagerly:
+    what a GPU replays as a CUDA graph (a CPU engine drafts chains with the eager loop).
+    Returns the function's object."""
+    from speculum.backends.torch.heads import HeadDraftGraphs
+    p = llm.proposer
+    p.graphs = HeadDraftGraphs(p.head, p.cache, llm.speculative_config.num_speculative_tokens, p.dtype, p.device,
+                               use_graphs=False)
+    return p.graphs
+
+
 def assert_static_draft_matches_eager(make_llm, spec: dict, prompts, params) -> None:
     """A chain-head method's static-shape greedy draft (what a GPU replays as a CUDA graph)
     proposes exactly the eager loop's drafts, step for step, and output equals plain
     decoding. ``make_llm(spec)`` builds an engine on the CPU (``spec=None``: no speculation)."""
     import torch
 
-    from speculum.backends.torch.heads import HeadDraftGraphs
-    k = spec["num_speculative_tokens"]
     runs = []
     for static in (False, True):
         llm = make_llm(spec)
-        p = llm.proposer
         calls = []
         if static:
-            p.graphs = HeadDraftGraphs(p.head, p.cache, k, p.dtype, p.device, use_graphs=False)
-            inner = p.graphs.run
-            p.graphs.run = lambda *a: calls.append(1) or inner(*a)
+            graphs = use_static_chain_drafts(llm)
+            inner = graphs.run
+            graphs.run = lambda *a: calls.append(1) or inner(*a)
         seen = record_drafts(llm)
         outs = llm.generate(prompts, params)
         runs.append(([o.token_ids for o in outs], seen, len(calls)))
@@ -283,16 +291,35 @@ def run_with_an_abort_and_a_join(llm, prompts: list, params) -> tuple[dict, int,
     return outs, llm.stats.num_drafts, llm.stats.num_accepted_tokens
 
 
+def verified_drafts(llm) -> list:
+    """The list to which each verify step of ``llm``'s loop appends the draft token ids it
+    checks ([B, k] as lists): a wrapper on the verifier, installed on the first call."""
+    verifier = llm.loop.verifier
+    if not hasattr(verifier, "_seen"):
+        seen, inner = [], verifier.verify
+
+        def verify(logits, draft, sampling):
+            seen.append(draft.token_ids.tolist())
+            return inner(logits, draft, sampling)
+
+        verifier.verify, verifier._seen = verify, seen
+    return verifier._seen
+
+
 def assert_drafting_ahead_changes_nothing(build, prompts: list, params, plain: list | None = None):
     """The overlap tests' check: ``build(overlap)`` makes an engine (a CPU engine does not
     overlap unless told: ``llm.loop.overlap = overlap``); :func:`run_with_an_abort_and_a_join`
     runs once with overlap and once without. Outputs must be equal (and equal ``plain``,
     plain decoding's token ids per prompt, for the requests that finish), drafts and
     accepted tokens equal with some accepted, more than 10 steps used ahead and at least 2
-    dropped. Returns (drafts, accepted) without overlap and the overlapped run's loop, for a
-    wrong variant to differ from and the caller's own checks."""
-    on, drafts_on, acc_on = run_with_an_abort_and_a_join(llm := build(True), prompts, params)
-    off, drafts_off, acc_off = run_with_an_abort_and_a_join(build(False), prompts, params)
+    dropped, and every step verified the same draft tokens. Returns (drafts, accepted)
+    without overlap and the overlapped run's loop, for a wrong variant to differ from and
+    the caller's own checks."""
+    llm, other = build(True), build(False)
+    steps_on, steps_off = verified_drafts(llm), verified_drafts(other)
+    on, drafts_on, acc_on = run_with_an_abort_and_a_join(llm, prompts, params)
+    off, drafts_off, acc_off = run_with_an_abort_and_a_join(other, prompts, params)
+    assert steps_on == steps_off and len(steps_on) > 10
     assert on == off
     if plain is not None:
         assert on == {f"r{i}": plain[i] for i in (0, 2, 3)}
@@ -376,12 +403,13 @@ def tight_kv_options(bytes_per_token: int, tokens: int, block_size: int = 4) -> 
     return dict(block_size=block_size, kv_cache_memory=bytes_per_token * tokens)
 
 
-def assert_trees_from_verdict_under_preemption(target, spec: dict, kv_cache_memory: int) -> None:
+def assert_drafts_from_verdict_under_preemption(target, spec: dict, kv_cache_memory: int) -> None:
     """Overlap forced on (a CPU engine does not overlap) with a KV budget that forces
     preemption: eight repeating prompts of 6-18 tokens x 40 greedy tokens, rows leave and
-    come back while their trees are drafted from the device verdict
-    (:class:`~speculum.interfaces.VerdictDrafter`); the scheduler's books balance, more than
-    ten steps drafted from the verdict, and outputs equal plain decoding."""
+    come back while their chains or trees are drafted from the device verdict
+    (:class:`~speculum.interfaces.VerdictDrafter`; a chain head gets its static function,
+    :func:`use_static_chain_drafts`); the scheduler's books balance, more than ten steps
+    drafted from the verdict, and outputs equal plain decoding."""
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
@@ -389,6 +417,8 @@ def assert_trees_from_verdict_under_preemption(target, spec: dict, kv_cache_memo
     llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=kv_cache_memory, max_model_len=256,
               max_num_seqs=8)
     llm.loop.overlap = True
+    if llm.speculative_config.tree is None and getattr(llm.proposer, "graphs", True) is None:
+        use_static_chain_drafts(llm)
     outs = llm.generate(prompts, params)
     llm.scheduler.check()
     assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10

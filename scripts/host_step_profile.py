@@ -158,8 +158,8 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
     (the copy waited for in ``DraftVerifyLoop.step``) to the next call of the head's drafting
     function (``head draft``) and of the target model's forward (``target forward``) in the
     same step: the work the GPU waits through when the next step is launched from the host.
-    Trees drafted from the device verdict (:class:`speculum.interfaces.VerdictDrafter`) are
-    launched before it reaches the host: ``head draft from the verdict`` is then negative.
+    Chains and trees drafted from the device verdict (:class:`speculum.interfaces.VerdictDrafter`)
+    are launched before it reaches the host: ``head draft from the verdict`` is then negative.
     Off CUDA the timed calls run their compute inline, so read the launch times only."""
     import speculum.loop as loop_mod
     marks: list[tuple[str, float]] = []
@@ -222,11 +222,11 @@ def _static_chain_drafts(llm) -> None:
     """Off CUDA a head drafts chains eagerly step by step; a GPU replays its static drafting
     function (``HeadDraftGraphs``) instead: run that function here too (eagerly), so the
     host work measured is the GPU's."""
-    from speculum.backends.torch.heads import graph as hg
+    from speculum.testing import use_static_chain_drafts
     p = llm.proposer
     if (llm.target.device.type != "cuda" and isinstance(getattr(p, "graphs", 0), type(None))
             and getattr(p, "tree", 0) is None and llm.loop.k):
-        p.graphs = hg.HeadDraftGraphs(p.head, p.cache, llm.loop.k, p.dtype, p.device, use_graphs=False)
+        use_static_chain_drafts(llm)
 
 
 class _Clock:

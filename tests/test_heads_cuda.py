@@ -42,6 +42,9 @@ def test_graphed_drafting_is_lossless_and_matches_eager(target, heads, method):
     llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
     assert all((llms[g].proposer.graphs is not None) == g for g in (False, True))
     assert sum(same) >= 0.95 * len(same)  # fp32 on GPU: padded shapes may flip a rare near-tie
+    # overlap is on by default on CUDA: the graphed chains start from the verdict on the device
+    assert llms[True].loop.drafted_from_verdict > 0 and llms[False].loop.drafted_from_verdict == 0
+    assert any(k[-1] == "device" for k in llms[True].proposer.graphs._graphs), "no graph drafts from the device"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("speculum_medusa") is None, reason="needs speculum-medusa")
@@ -55,3 +58,4 @@ def test_graphed_medusa_drafting_is_lossless_and_matches_eager(target, tmp_path_
     llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
     assert all(llms[g].proposer.graphs.use_graphs == g for g in (False, True))
     assert sum(same) >= 0.95 * len(same)
+    assert all(llms[g].loop.drafted_from_verdict > 0 for g in (False, True))  # chains and trees, from the verdict

@@ -22,6 +22,12 @@ a region of the head cache after the catch-up positions. The function returns th
 tree's tokens, parents, depths and ancestor matrix, so no tree bookkeeping is left for
 the host.
 
+From a verdict still on the device (:meth:`HeadDraftGraphs.run_from_device`, chains and
+trees alike): each row's number of pending positions (the accepted count plus one) and
+their tokens come as device tensors, the metadata holds every position the row may use,
+and the function picks its columns from them, so the next drafts start before the host
+has read the verdict.
+
 Padding: padded columns and rows write their K/V into the cache's scratch block 0 and
 their outputs are ignored; positions past a row's valid ones are masked out of
 attention by position, as in the eager path.
@@ -61,7 +67,7 @@ class HeadDraftGraphs:
         self.extra = k - 1
         #: (batch bucket, block bucket) -> (graph, its feature input x [Bb, Q, H])
         #: (and (batch bucket, block bucket, "device") -> (graph, its inputs x, tokens, counts):
-        #: drafting from a verdict on the device, HeadTreeGraphs.run_from_device)
+        #: drafting from a verdict on the device, :meth:`run_from_device`)
         self._graphs: dict[tuple, tuple[StaticGraph, torch.Tensor | tuple[torch.Tensor, ...]]] = {}
         self._pool = GraphPool()
 
@@ -141,9 +147,14 @@ class HeadDraftGraphs:
         return out[rows, last], cpos[rows, last], dpos, dwsl, read, keys
 
     def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
-        """The static function: features x [Bb, Q, H] and metadata -> draft ids [Bb, k]."""
+        """The static function: features x [Bb, Q, H] and metadata -> drafts (:meth:`_after`)."""
+        return self._after(*self._catch_up(x, meta, Bb, nb, max(self.extra, 1)))
+
+    def _after(self, h, _pos, dpos, dwsl, read, keys) -> torch.Tensor:
+        """What follows the catch-up (its outputs, see :meth:`_catch_up`): ``k`` greedy draft
+        steps, each feeding the head its own output -> draft ids [Bb, k]."""
         k, pools, head = self.k, self.cache.pools, self.head
-        h, _, dpos, dwsl, read, keys = self._catch_up(x, meta, Bb, nb, max(k - 1, 1))
+        Bb = h.shape[0]
         drafts = []
         for i in range(k):
             tok = greedy_tokens(head, h)
@@ -178,6 +189,81 @@ class HeadDraftGraphs:
             for b, (f, n) in enumerate(zip(feats, counts)):
                 x[b, :n] = f
             return graph.replay()[:R]
+
+    # -- drafting from a verdict still on the device ------------------------------------
+    def run_from_device(self, seq_ids: Sequence[int], bases: Sequence[int], feats: torch.Tensor,
+                        tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` with the pending states, tokens and counts still on the device.
+
+        Row ``b`` catches up on the first ``count[b]`` of ``feats[b]`` [Q, H] / ``tokens[b]``
+        [Q] at head-cache positions ``bases[b]`` on, then drafts its chain or tree; the host
+        does not know ``count`` (the verdict of the step that made them is still being
+        copied), so every row is given room for the longest outcome (``Q`` catch-up
+        positions and the draft positions after them): :meth:`settle` cuts each back once
+        the counts are known. Raises :class:`~speculum.interfaces.KVCacheFull` (every row
+        cut back to its base) when the cache cannot hold that."""
+        alloc, Q, E = self.cache.allocator, self.Q, self.extra
+        R = len(seq_ids)
+        try:
+            for sid, base in zip(seq_ids, bases):
+                alloc.truncate(sid, base)
+                alloc.allocate(sid, Q + E)
+        except KVCacheFull:  # no room for the longest outcome: every row as before the catch-up
+            for sid, base in zip(seq_ids, bases):
+                alloc.truncate(sid, min(base, alloc.length(sid)))
+            raise
+        Bb, nb = self._buckets(seq_ids)
+        meta_np = self._meta_device(seq_ids, Bb, nb)
+        H = feats.shape[-1]
+        with torch.inference_mode():
+            if not self.use_graphs:
+                x = torch.zeros(Bb, Q, H, dtype=self.dtype, device=self.device)
+                toks = torch.zeros(Bb, Q, dtype=torch.int64, device=self.device)
+                c = torch.ones(Bb, dtype=torch.int64, device=self.device)
+                x[:R], toks[:R], c[:R] = feats[:, :Q], tokens[:, :Q], count
+                meta = torch.from_numpy(meta_np).to(self.device)
+                return self._after(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(E, 1)))[:R]
+            key = (Bb, nb, "device")
+            graph, (x, toks, c) = self._graphs.get(key) or self._capture_device(key, H, meta_np.size)
+            graph.host()[:] = meta_np
+            graph.upload()
+            x[:R].copy_(feats[:, :Q])
+            toks[:R].copy_(tokens[:, :Q])
+            c[:R].copy_(count)
+            return graph.replay()[:R]
+
+    def settle(self, seq_id: int, base: int, count: int) -> None:
+        """The head-cache length of a row drafted by :meth:`run_from_device` once its
+        ``count`` is known: its catch-up positions and the draft positions after them."""
+        self.cache.allocator.truncate(seq_id, base + count + self.extra)
+
+    def _meta_device(self, seq_ids, Bb: int, nb: int) -> np.ndarray:
+        """``[fpos | fwsl | blk]``: every position of each row's allocated catch-up and draft
+        positions (``Q + extra`` from its base), their write slots, its block table; padding
+        rows zeros (the scratch block)."""
+        alloc, bs, W = self.cache.allocator, self.cache.allocator.block_size, self.Q + self.extra
+        fpos, fwsl, blk = [], [], []
+        for sid in seq_ids:
+            table = alloc.block_table(sid)
+            start = alloc.length(sid) - W
+            p = range(start, start + W)
+            fpos += p
+            fwsl += [table[i // bs] * bs + i % bs for i in p]
+            blk += [*table, *[0] * (nb - len(table))]
+        rows = Bb - len(seq_ids)
+        return np.array(fpos + [0] * (rows * W) + fwsl + [0] * (rows * W) + blk + [0] * (rows * nb), dtype=np.int64)
+
+    def _capture_device(self, key, H: int, meta_size: int):
+        Bb, nb, _ = key
+        x = torch.zeros(Bb, self.Q, H, dtype=self.dtype, device=self.device)
+        toks = torch.zeros(Bb, self.Q, dtype=torch.int64, device=self.device)
+        c = torch.ones(Bb, dtype=torch.int64, device=self.device)
+        meta = torch.zeros(meta_size, dtype=torch.int64, device=self.device)
+        entry = (self._pool.capture(
+            lambda: self._after(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(self.extra, 1))), meta),
+            (x, toks, c))
+        self._graphs[key] = entry
+        return entry
 
     def _buckets(self, seq_ids) -> tuple[int, int]:
         """(batch bucket, power-of-two block bucket) of a propose over ``seq_ids``, whose
@@ -253,84 +339,7 @@ class HeadTreeGraphs(HeadDraftGraphs):
         self.extra = region_size(tree)
         self.plan = StaticPlan(tree, self.device) if tree.is_static else None
 
-    def _draft(self, x: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int) -> torch.Tensor:
-        return self._expand(*self._catch_up(x, meta, Bb, nb, max(self.extra, 1)))
-
-    def _expand(self, h, pos, rpos, rwsl, read, _keys) -> torch.Tensor:
+    def _after(self, h, pos, rpos, rwsl, read, _keys) -> torch.Tensor:
+        """The tree after the catch-up: packed [Bb, 3N + N*N] (see the class doc)."""
         ex = HeadExpander(self.head, self.cache.pools, read, h, pos, rpos[:, 0], rwsl)
         return packed_tree(*draft_tree(ex, self.tree, self.plan))
-
-    # -- drafting from a verdict still on the device ------------------------------------
-    def run_from_device(self, seq_ids: Sequence[int], bases: Sequence[int], feats: torch.Tensor,
-                        tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """:meth:`run` with the pending states, tokens and counts still on the device.
-
-        Row ``b`` catches up on the first ``count[b]`` of ``feats[b]`` [Q, H] / ``tokens[b]``
-        [Q] at head-cache positions ``bases[b]`` on, then drafts its tree; the host does not
-        know ``count`` (the verdict of the step that made them is still being copied), so
-        every row is given room for the longest outcome (``Q`` catch-up positions and the
-        tree region): :meth:`settle` cuts each back once the counts are known. Raises
-        :class:`~speculum.interfaces.KVCacheFull` (every row cut back to its base) when the
-        cache cannot hold that."""
-        alloc, Q, E = self.cache.allocator, self.Q, self.extra
-        R = len(seq_ids)
-        try:
-            for sid, base in zip(seq_ids, bases):
-                alloc.truncate(sid, base)
-                alloc.allocate(sid, Q + E)
-        except KVCacheFull:  # no room for the longest outcome: every row as before the catch-up
-            for sid, base in zip(seq_ids, bases):
-                alloc.truncate(sid, min(base, alloc.length(sid)))
-            raise
-        Bb, nb = self._buckets(seq_ids)
-        meta_np = self._meta_device(seq_ids, Bb, nb)
-        H = feats.shape[-1]
-        with torch.inference_mode():
-            if not self.use_graphs:
-                x = torch.zeros(Bb, Q, H, dtype=self.dtype, device=self.device)
-                toks = torch.zeros(Bb, Q, dtype=torch.int64, device=self.device)
-                c = torch.ones(Bb, dtype=torch.int64, device=self.device)
-                x[:R], toks[:R], c[:R] = feats[:, :Q], tokens[:, :Q], count
-                meta = torch.from_numpy(meta_np).to(self.device)
-                return self._expand(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(E, 1)))[:R]
-            key = (Bb, nb, "device")
-            graph, (x, toks, c) = self._graphs.get(key) or self._capture_device(key, H, meta_np.size)
-            graph.host()[:] = meta_np
-            graph.upload()
-            x[:R].copy_(feats[:, :Q])
-            toks[:R].copy_(tokens[:, :Q])
-            c[:R].copy_(count)
-            return graph.replay()[:R]
-
-    def settle(self, seq_id: int, base: int, count: int) -> None:
-        """The head-cache length of a row drafted by :meth:`run_from_device` once its
-        ``count`` is known: its catch-up positions and the tree region after them."""
-        self.cache.allocator.truncate(seq_id, base + count + self.extra)
-
-    def _meta_device(self, seq_ids, Bb: int, nb: int) -> np.ndarray:
-        """``[fpos | fwsl | blk]``: every position of each row's allocated catch-up and tree
-        region (``Q + extra`` from its base), their write slots, its block table; padding
-        rows zeros (the scratch block)."""
-        alloc, bs, W = self.cache.allocator, self.cache.allocator.block_size, self.Q + self.extra
-        fpos, fwsl, blk = [], [], []
-        for sid in seq_ids:
-            table = alloc.block_table(sid)
-            start = alloc.length(sid) - W
-            p = range(start, start + W)
-            fpos += p
-            fwsl += [table[i // bs] * bs + i % bs for i in p]
-            blk += [*table, *[0] * (nb - len(table))]
-        rows = Bb - len(seq_ids)
-        return np.array(fpos + [0] * (rows * W) + fwsl + [0] * (rows * W) + blk + [0] * (rows * nb), dtype=np.int64)
-
-    def _capture_device(self, key, H: int, meta_size: int):
-        Bb, nb, _ = key
-        x = torch.zeros(Bb, self.Q, H, dtype=self.dtype, device=self.device)
-        toks = torch.zeros(Bb, self.Q, dtype=torch.int64, device=self.device)
-        c = torch.ones(Bb, dtype=torch.int64, device=self.device)
-        meta = torch.zeros(meta_size, dtype=torch.int64, device=self.device)
-        entry = (self._pool.capture(
-            lambda: self._expand(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(self.extra, 1))), meta),
-            (x, toks, c))
-        self._graphs[key] = entry
-        return entry

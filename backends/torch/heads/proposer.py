@@ -178,14 +178,14 @@ def pick_tokens(logits: torch.Tensor, rows: Sequence[int], sampling: SamplingBat
 
 @attrs.define(eq=False)
 class _Launched:
-    """Tree drafts launched from a verdict still on the device (:meth:`ChainHeadProposer.draft_from_verdict`)."""
+    """Drafts launched from a verdict still on the device (:meth:`ChainHeadProposer.draft_from_verdict`)."""
 
     seq_ids: tuple[int, ...]
     #: per sequence, its head-cache length before the catch-up
     bases: dict[int, int]
     #: [R, Q, H] the catch-up's true features (row order of seq_ids)
     feats: torch.Tensor
-    #: the drafting function's packed trees [R, 3N + N*N]
+    #: the drafting function's output: chains [R, k], or packed trees [R, 3N + N*N]
     out: torch.Tensor
     #: sequences whose accepted count observe() has applied
     observed: set[int] = attrs.field(factory=set)
@@ -222,7 +222,7 @@ class ChainHeadProposer:
         self.graphs = None
         #: the tree drafted each step (None: chains); trees always use the static function
         self.tree = tree
-        #: trees drafted from a verdict not yet on the host, until the next propose or rewind
+        #: drafts made from a verdict not yet on the host, until the next propose or rewind
         self._launched: _Launched | None = None
         if tree is not None:
             self.graphs = HeadTreeGraphs(head, cache, tree, self.dtype, self.device, use_graphs=cuda_graphs)
@@ -273,11 +273,25 @@ class ChainHeadProposer:
         positions, ctx = self.cache.prepare(seq_ids, counts, tokens.shape[1])
         return self.head(feats, tokens, positions, ctx)
 
+    def _take_launched(self, seqs) -> torch.Tensor | None:
+        """The drafts :meth:`draft_from_verdict` launched for exactly ``seqs``, every row
+        observed since; anything else launched is taken back. Clears the launch."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return None
+        if tuple(s.seq_id for s in seqs) == launched.seq_ids and launched.observed == set(launched.seq_ids):
+            return launched.out
+        self._take_back(launched)
+        return None
+
     def propose(self, batch: ProposeBatch) -> Draft:
         if self.tree is not None:
             return self._propose_tree(batch)
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
+        out = self._take_launched(seqs)
+        if out is not None:  # drafted from the verdict already (greedy, every row)
+            return Draft(token_ids=out[:, :k], lengths=[k] * B)
         for s in seqs:
             self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
@@ -345,15 +359,11 @@ class ChainHeadProposer:
         """A token tree per sequence (the rows with pending target states)."""
         seqs, spec, graphs = batch.seqs, self.tree, self.graphs
         B, N, dev = len(seqs), spec.num_nodes, self.device
-        launched, self._launched = self._launched, None
-        if launched is not None:
-            sids = tuple(s.seq_id for s in seqs)
-            if sids == launched.seq_ids and launched.observed == set(sids):  # drafted from the verdict already
-                token_ids, parents, depth, anc = tree_rows(B, N, list(range(B)), unpack_tree(launched.out, N), dev)
-                tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth,
-                                 max_children=spec.max_children)
-                return Draft(token_ids=token_ids, lengths=[N] * B, tree=tree)
-            self._take_back(launched)
+        packed = self._take_launched(seqs)
+        if packed is not None:  # drafted from the verdict already
+            token_ids, parents, depth, anc = tree_rows(B, N, list(range(B)), unpack_tree(packed, N), dev)
+            tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
+            return Draft(token_ids=token_ids, lengths=[N] * B, tree=tree)
         for s in seqs:
             self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
@@ -410,20 +420,24 @@ class ChainHeadProposer:
     # -- drafting from a verdict still on the device (VerdictDrafter) ------------------------
     def draft_from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,
                            hidden_states: dict[int, torch.Tensor]) -> bool:
-        """Start the next trees of ``seq_ids`` now, from the device verdict of the step just
+        """Start the next drafts of ``seq_ids`` now, from the device verdict of the step just
         verified (:class:`~speculum.interfaces.VerdictDrafter`): the catch-up runs over the
-        accepted path's states and tokens, as many as the verdict accepted plus one, which
-        only the device knows yet. Trees only, and only for rows whose pending states this
-        step's propose consumed (the usual step: no backlog, not a first step)."""
-        if self.tree is None or verdict.path is None or not hidden_states or self._launched is not None:
+        accepted drafts' states and tokens (a tree's along its accepted path), as many as the
+        verdict accepted plus one, which only the device knows yet. Greedy drafting by the
+        static function (trees; chains where it drafts them: CUDA graphs), and only for rows
+        whose pending states this step's propose consumed (the usual step: no backlog, not
+        a first step)."""
+        if (self.graphs is None or (self.tree is not None and verdict.path is None) or not hidden_states
+                or self._launched is not None):
             return False
         if any(sid not in self.pending or self.pending[sid] is not None or self.backlog.get(sid) for sid in seq_ids):
             return False
         Q = self.graphs.Q
         bases = [n - 1 for n in lengths]  # the head caches the positions made from true features: 0 .. length - 2
         with torch.inference_mode():
-            # the path's states as observe() gets them (the same features, bit for bit), first Q columns
-            feats = self.head.features(gather_path(hidden_states, verdict.path))[:, :Q]
+            # the accepted states as observe() gets them (the same features, bit for bit), first Q columns
+            states = hidden_states if verdict.path is None else gather_path(hidden_states, verdict.path)
+            feats = self.head.features(states)[:, :Q]
             count = verdict.num_accepted.to(self.device, torch.int64) + 1
             tokens = verdict.token_ids[:, :Q].to(self.device)
             try:
@@ -478,6 +492,9 @@ class ChainHeadProposer:
             kept = feats[:, : max(feedback.num_accepted, default=0) + 1].clone()
         for b in rows:
             sid, a, new_len = feedback.seq_ids[b], feedback.num_accepted[b], feedback.new_lengths[b]
+            # this step's drafts were verified: nothing of them to take back (a later rewind
+            # concerns only the propose that follows, which may leave this row to another part)
+            self._before.pop(sid, None)
             prev = self.pending.get(sid)
             if prev is not None and prev.shape[0] > 0:
                 # no propose for this row this step (speculation length 0, or another

@@ -363,8 +363,10 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
     # an abort drops the step drafted ahead (the batch changes); a join drops it too
     plain = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params)]
     off, loop = assert_drafting_ahead_changes_nothing(build, prompts, params, plain)
-    if static == "tree":  # the next trees started from the verdict on the device, settled or rewound after
+    if static:  # the static function's chains and trees started from the verdict on the device, settled or rewound
         assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+    else:  # the eager chain loop drafts after the verdict's copy
+        assert loop.drafted_from_verdict == 0, loop.drafted_from_verdict
     _, drafts_bad, acc_bad = run_with_an_abort_and_a_join(build(True, rewind=False), prompts, params)
     assert (drafts_bad, acc_bad) != off
 

@@ -11,10 +11,11 @@ head ``d - 1`` (Medusa's own tree decoding): a static tree (``speculative_token_
 Medusa's ``medusa_choices``) or a dynamic one ranked by summed log-probabilities of the
 heads; deterministic nodes for every request (``probs=None``).
 
-Trees are drafted from the verdict still on the device (:class:`~speculum.interfaces.VerdictDrafter`):
-the state of each row's last accepted node is gathered by the verdict's accepted count and
-path, and the heads' tree function runs on it before the host has read the verdict; observe
-then keeps that state, and the next propose of the same rows returns those trees.
+Greedy drafts (trees, and chains of the config's k) are made from the verdict still on the
+device (:class:`~speculum.interfaces.VerdictDrafter`): the state of each row's last accepted
+position is gathered by the verdict's accepted count (and a tree's path), and the heads'
+static function runs on it before the host has read the verdict; observe then keeps that
+state, and the next propose of the same rows returns those drafts.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ HEADS = Path(__file__).resolve().parent / "heads"
 
 @attrs.define(eq=False)
 class _Launched:
-    """Trees drafted from a verdict still on the device (:meth:`MedusaProposer.draft_from_verdict`)."""
+    """Drafts made from a verdict still on the device (:meth:`MedusaProposer.draft_from_verdict`)."""
 
     #: the rows, in order, and the state each was drafted from [R, H]
     seq_ids: tuple[int, ...]
     x: torch.Tensor
-    #: the drafting function's packed trees [R, 3N + N*N]
+    #: the drafting function's output: chains [R, k], or packed trees [R, 3N + N*N]
     out: torch.Tensor
     #: rows whose observe has kept their state
     observed: set[int] = attrs.field(factory=set)
@@ -69,7 +70,7 @@ class MedusaProposer:
         #: eager elsewhere): trees always, chains of the config's k for greedy requests
         self.graphs = MedusaGraphs(heads, min(k or heads.num_heads, heads.num_heads), tree, self.device,
                                    use_graphs=cuda_graphs)
-        #: trees drafted from a verdict not yet on the host, until the next propose or rewind
+        #: drafts made from a verdict not yet on the host, until the next propose or rewind
         self._launched: _Launched | None = None
 
     @classmethod
@@ -108,11 +109,11 @@ class MedusaProposer:
         self._launched = None
 
     def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict, hidden_states: dict[int, torch.Tensor]) -> bool:
-        """Start the next trees of ``seq_ids`` from the verify step's states at each row's
-        last accepted node, found on the device from ``verdict`` (its accepted count and
-        path), before the host reads it (:class:`~speculum.interfaces.VerdictDrafter`).
-        Trees only, for rows that drafted this step."""
-        if (self.tree is None or verdict.path is None or not hidden_states or self._launched is not None
+        """Start the next drafts of ``seq_ids`` from the verify step's states at each row's
+        last accepted position, found on the device from ``verdict`` (its accepted count and
+        a tree's path), before the host reads it (:class:`~speculum.interfaces.VerdictDrafter`).
+        For rows that drafted this step."""
+        if ((self.tree is not None and verdict.path is None) or not hidden_states or self._launched is not None
                 or any(self.last.get(sid) is None for sid in seq_ids)):
             return False
         with torch.inference_mode():
@@ -127,6 +128,8 @@ class MedusaProposer:
         launched, self._launched = self._launched, None
         if (launched is not None and launched.seq_ids == tuple(s.seq_id for s in seqs)
                 and launched.observed == set(launched.seq_ids)):  # drafted from the verdict already
+            if self.tree is None:
+                return Draft(token_ids=launched.out[:, :k], lengths=[k] * B)
             return self._tree_draft(B, list(range(B)), launched.out)
         rows = [b for b, s in enumerate(seqs) if self.last.get(s.seq_id) is not None]
         if not rows:
@@ -186,9 +189,11 @@ class MedusaProposer:
 
 
 def last_accepted_state(h: torch.Tensor, verdict: Verdict) -> torch.Tensor:
-    """[B, H]: the verify step's state (``h`` [B, N+1, H], tree columns) at each row's last
-    accepted node (the root when none was accepted), chosen on the device: the value
-    :meth:`MedusaProposer.observe` keeps from the same step's states in path order."""
-    cols = torch.nn.functional.pad(verdict.path.to(h.device) + 1, (1, 0))  # [B, N+1]: the root, then the path's columns
-    col = cols.gather(1, verdict.num_accepted.to(h.device, torch.int64).view(-1, 1))  # [B, 1]
+    """[B, H]: the verify step's state (``h`` [B, N+1, H], a chain's or a tree's columns) at
+    each row's last accepted position (the root when none was accepted), chosen on the
+    device: the value :meth:`MedusaProposer.observe` keeps from the same step's states (a
+    tree's in path order)."""
+    col = verdict.num_accepted.to(h.device, torch.int64).view(-1, 1)  # [B, 1]: a chain's column
+    if verdict.path is not None:  # a tree's: the root, then the path's columns
+        col = torch.nn.functional.pad(verdict.path.to(h.device) + 1, (1, 0)).gather(1, col)
     return h.gather(1, col.unsqueeze(-1).expand(-1, 1, h.shape[-1])).squeeze(1)

@@ -208,26 +208,40 @@ def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
     assert_training_starts_from("mtp", target, trained, tmp_path / "again", ())
 
 
-def test_mtp_trees_drafted_from_the_device_verdict_change_nothing(target, trained):
+#: an MTP chain (drafted by the static function, as a GPU does: ``use_static_chain_drafts``) and a tree
+FROM_VERDICT = {"chain": {"num_speculative_tokens": 3},
+                "tree": {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}}
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_mtp_drafts_made_from_the_device_verdict_change_nothing(target, trained, shape):
     """Overlapped greedy steps (forced on: a CPU engine does not overlap) with an MTP head
-    drafting token trees: each next tree starts from the verdict still on the device
-    (``VerdictDrafter``), is settled by observe, taken by the plan ahead or rewound when an
-    abort or a join changes the batch. Outputs equal plain decoding, and drafts and
+    drafting chains or token trees: each next draft starts from the verdict still on the
+    device (``VerdictDrafter``), is settled by observe, taken by the plan ahead or rewound
+    when an abort or a join changes the batch. Outputs equal plain decoding, and drafts and
     acceptance equal a run without overlap on the same schedule."""
-    from speculum.testing import assert_overlap_changes_nothing
-    spec = {"method": "mtp", "model": str(trained), "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
+    from speculum.testing import assert_overlap_changes_nothing, use_static_chain_drafts
+    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, prompts, params)
+
+    def build(target, spec=None, **kw):
+        llm = make_llm(target, spec, **kw)
+        if spec is not None and shape == "chain":
+            use_static_chain_drafts(llm)
+        return llm
+
+    _, loop = assert_overlap_changes_nothing(build, target, spec, prompts, params)
     assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
 
 
-def test_mtp_trees_drafted_from_the_verdict_under_preemption(target, trained):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_mtp_drafts_made_from_the_verdict_under_preemption(target, trained, shape):
     """The same with a KV budget that forces preemption (rows leave and come back while
-    trees are drafted from the verdict): outputs equal plain decoding."""
-    from speculum.testing import assert_trees_from_verdict_under_preemption
-    spec = {"method": "mtp", "model": str(trained), "tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
-    assert_trees_from_verdict_under_preemption(target, spec, KV_TIGHT)
+    their drafts are made from the verdict): outputs equal plain decoding."""
+    from speculum.testing import assert_drafts_from_verdict_under_preemption
+    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
+    assert_drafts_from_verdict_under_preemption(target, spec, KV_TIGHT)
 
 
 def test_a_full_head_cache_makes_the_tree_wait_for_the_verdict(target, trained):
