@@ -75,3 +75,5 @@ class DraftModelProposer:
 
     def observe(self, feedback: StepFeedback) -> None:
         rollback(self.runner, feedback.seq_ids, feedback.num_accepted, feedback.new_lengths)
+        for sid in feedback.seq_ids:  # verified: a later rewind concerns only the propose that follows
+            self._before.pop(sid, None)
