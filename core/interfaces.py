@@ -197,10 +197,12 @@ class VerdictDrafter(RewindableProposer, Protocol):
     """
 
     def draft_from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,
-                           hidden_states: dict[int, torch.Tensor]) -> bool:
+                           hidden_states: dict[int, torch.Tensor]) -> Draft | None:
         """Launch the next drafts of ``seq_ids`` (their lengths before this step's tokens)
         from ``verdict`` and the verify step's ``hidden_states`` (columns as the target
-        computed them); False when it cannot (nothing launched)."""
+        computed them) and return them (every row, tensors still being computed: the loop
+        may launch the target's next forward on them before the verdict reaches the host);
+        None when it cannot (nothing launched)."""
 
 
 @runtime_checkable

@@ -97,6 +97,13 @@ class DraftVerifyLoop:
                              and os.environ.get("SPECULUM_DRAFT_FROM_VERDICT", "1") != "0")
         #: steps whose next drafts started from the device verdict
         self.drafted_from_verdict = 0
+        #: ... and whose next chain verify forward was launched from it too, before the host
+        #: read the verdict (a runner with ``forward_from_verdict``); off unless
+        #: ``SPECULUM_FORWARD_FROM_VERDICT=1`` (not measured on a GPU yet)
+        self.forward_from_verdict = (self.from_verdict and getattr(target, "forwards_from_verdict", False)
+                                     and os.environ.get("SPECULUM_FORWARD_FROM_VERDICT", "0") == "1")
+        #: steps whose next forward was launched from the device verdict
+        self.forwards_from_verdict = 0
         self._said: set[str] = set()
         #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
         self.failures: dict[str, int] = {}
@@ -239,6 +246,8 @@ class DraftVerifyLoop:
         to_host = _to_host(verdict, finite)
         # the next drafts start on the device now, while the verdict is copied and read
         launched = self._draft_from_verdict(seqs, plan, verdict, out, ahead, failed_rows)
+        # ... and the target's next forward on them, when the runner can place it from the device
+        vf = self._forward_from_verdict(seqs, verdict, launched) if launched is not None else None
         if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
             self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
         if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
@@ -270,8 +279,12 @@ class DraftVerifyLoop:
                        "overflow: try dtype='float32' or bfloat16 instead of float16)")
                 continue
             # KV kept: old tokens plus the accepted drafts (the new last token has none yet);
-            # without drafts there is nothing to drop (and a forward run ahead holds one more)
-            if drafted[b] or tree is not None:
+            # without drafts there is nothing to drop (and a forward run ahead holds one more);
+            # a forward launched from the verdict holds its tokens after them
+            if vf is not None:
+                vf.bases[s.seq_id] = old_len + a
+                self.target.truncate(s.seq_id, old_len + a + vf.q)
+            elif drafted[b] or tree is not None:
                 self.target.truncate(s.seq_id, old_len + a)
             s.metrics.record_step(drafted[b], a, depths[b] if tree is not None and drafted[b] else None)
             if asked[b]:
@@ -295,12 +308,14 @@ class DraftVerifyLoop:
                 next_k = self._chosen[1] if self._chosen is not None else self._choose_next(seqs)
             if next_k and self._may_plan_ahead(seqs):
                 planned = True
-                self._plan_ahead(seqs, next_k)  # the next step's drafts and forward, before the engine's work
+                self._plan_ahead(seqs, next_k, vf)  # the next step's drafts and forward, before the engine's work
             elif not next_k and k and self._may_run_ahead(seqs, failed_rows):
                 # a plain step follows this speculative one: its forward on each row's new last token
                 last = on_device([[s.token_ids[-1]] for s in seqs], self.target.device)
                 self._run_ahead(seqs, last)
-        if launched and not planned:  # drafts started from the verdict that no step will verify
+        if launched is not None and not planned:  # drafts started from the verdict that no step will verify
+            if vf is not None:
+                self._drop_verdict_forward(seqs, vf)
             self._rewind([s.seq_id for s in seqs if not s.finished])
         # a step that dropped work launched ahead for it (a switch the policy did not foresee,
         # a batch that changed) also paid for that work: its cycle is not what its kind costs
@@ -382,12 +397,20 @@ class DraftVerifyLoop:
                         and not s.finished for s in seqs)
                 and any(s.speculative and self._cap(s) for s in seqs))
 
-    def _plan_ahead(self, seqs: list[Sequence], k_step: int) -> None:
+    def _plan_ahead(self, seqs: list[Sequence], k_step: int, vf: "_VerdictForward | None" = None) -> None:
         """Draft the next step now and launch its forward; :meth:`step` takes both if the
-        same sequences come back unchanged (:meth:`_claim_planned`)."""
+        same sequences come back unchanged (:meth:`_claim_planned`). ``vf``: that forward,
+        launched from the verdict already, taken when the plan is what it was launched on."""
         # timed like any step's drafting (a policy that reads drafting times learns the steady
         # state from these, not only from the first steps after an admission or a switch)
         plan = self._plan(seqs, self._sampling(seqs), k_step, timing=True)
+        if vf is not None:
+            # the same drafts (the proposer returned what it launched), every row all of them
+            if (plan.draft is vf.draft and not any(s.finished for s in seqs)
+                    and all(n == vf.q for n in plan.num_tokens)):
+                self._ahead = _Ahead(tuple(s.seq_id for s in seqs), vf.bases, vf.out, plan, k_step)
+                return
+            self._drop_verdict_forward(seqs, vf)
         launched = None
         if not any(s.finished for s in seqs):  # else the proposer failed a row: the batch changes anyway
             launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens, plan.draft.tree)
@@ -397,7 +420,7 @@ class DraftVerifyLoop:
             self._rewind([s.seq_id for s in seqs if not s.finished])
 
     def _draft_from_verdict(self, seqs: list[Sequence], plan: "_Plan", verdict: Verdict, out: ForwardOutput,
-                            ahead: bool, failed_rows: dict) -> bool:
+                            ahead: bool, failed_rows: dict) -> Draft | None:
         """Start the next step's drafts (chains or trees) from this step's verdict on the
         device, before the host waits for its copy (:class:`VerdictDrafter`), when the next
         step will be drafted ahead anyway (:meth:`_may_plan_ahead`) and every row drafted
@@ -405,7 +428,7 @@ class DraftVerifyLoop:
         rewound."""
         if not (self.from_verdict and self.overlap and ahead and not failed_rows and plan.k
                 and out.hidden_states and len(plan.rows) == len(seqs) and self._may_plan_ahead(seqs)):
-            return False
+            return None
         try:
             launched = self.proposer.draft_from_verdict([s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],
                                                         verdict, out.hidden_states)
@@ -413,9 +436,50 @@ class DraftVerifyLoop:
             self.from_verdict = False
             self._once("proposer", f"proposer {type(self.proposer).__name__}.draft_from_verdict failed ({exc!r}); "
                                    "the next drafts wait for the verdict on the host again")
-            return False
-        self.drafted_from_verdict += bool(launched)
-        return bool(launched)
+            return None
+        self.drafted_from_verdict += launched is not None
+        return launched
+
+    def _forward_from_verdict(self, seqs: list[Sequence], verdict: Verdict, draft: Draft) -> "_VerdictForward | None":
+        """Launch the next chain verify forward on the new tokens and the drafts just launched
+        from the verdict, with both still on the device (the runner places each row from its
+        accepted count: ``forward_from_verdict``). The step's bookkeeping then keeps its K/V
+        and the plan ahead takes it (:meth:`_plan_ahead`), or it is dropped."""
+        if not (self.forward_from_verdict and draft.tree is None and verdict.path is None):
+            return None
+        k = self._policy_k(seqs)  # a fixed k (drafting from the verdict plans ahead only then)
+        if not k or draft.token_ids.shape[1] < k:
+            return None
+        B, dev = len(seqs), self.target.device
+        acc = verdict.num_accepted.to(dev, torch.int64)
+        first = verdict.token_ids.to(dev).gather(1, acc.view(B, 1))  # each row's new token
+        ids = torch.cat([first, draft.token_ids[:, :k].to(dev)], dim=1)
+        sids = [s.seq_id for s in seqs]
+        before = [self.target.length(sid) for sid in sids]
+        try:
+            out = self.target.forward_from_verdict(sids, [len(s.token_ids) for s in seqs], acc, ids,
+                                                   self.hidden_layers)
+        except Exception as exc:  # the forward waits for the host again
+            for sid, n in zip(sids, before):
+                if self.target.length(sid) > n:
+                    self.target.truncate(sid, n)
+            self.forward_from_verdict = False
+            self._once("runner", f"runner {type(self.target).__name__}.forward_from_verdict failed ({exc!r}); "
+                                 "the next forward waits for the verdict on the host again")
+            return None
+        if out is None:  # no room for the longest outcome now
+            return None
+        self.forwards_from_verdict += 1
+        return _VerdictForward(draft, out, k + 1)
+
+    def _drop_verdict_forward(self, seqs: list[Sequence], vf: "_VerdictForward") -> None:
+        """A forward launched from the verdict that no step will use: each row still running
+        keeps only its own K/V (the bookkeeping recorded its length in ``vf.bases``)."""
+        self.ahead_dropped += 1
+        for s in seqs:
+            base = vf.bases.get(s.seq_id)
+            if base is not None and not s.finished and self.target.length(s.seq_id) > base:
+                self.target.truncate(s.seq_id, base)
 
     def _claim_planned(self, seqs: list[Sequence], k_step: int) -> "_Ahead | None":
         """The step drafted and launched ahead by :meth:`_plan_ahead`, if it is this step:
@@ -682,6 +746,18 @@ class _Ahead:
     out: ForwardOutput
     plan: _Plan | None = None
     k_step: int = 0
+
+
+@attrs.define
+class _VerdictForward:
+    """The next chain verify forward, launched from the device verdict: the drafts it was
+    launched on, its output, its tokens per row, and each row's KV length before it (filled
+    in once the host has read the accepted counts)."""
+
+    draft: Draft
+    out: ForwardOutput
+    q: int
+    bases: dict[int, int] = attrs.field(factory=dict)
 
 
 def _keep_states(out: ForwardOutput) -> ForwardOutput:

@@ -403,13 +403,16 @@ def tight_kv_options(bytes_per_token: int, tokens: int, block_size: int = 4) -> 
     return dict(block_size=block_size, kv_cache_memory=bytes_per_token * tokens)
 
 
-def assert_drafts_from_verdict_under_preemption(target, spec: dict, kv_cache_memory: int) -> None:
+def assert_drafts_from_verdict_under_preemption(target, spec: dict, kv_cache_memory: int,
+                                                forward_from_verdict: bool = False) -> None:
     """Overlap forced on (a CPU engine does not overlap) with a KV budget that forces
     preemption: eight repeating prompts of 6-18 tokens x 40 greedy tokens, rows leave and
     come back while their chains or trees are drafted from the device verdict
     (:class:`~speculum.interfaces.VerdictDrafter`; a chain head gets its static function,
     :func:`use_static_chain_drafts`); the scheduler's books balance, more than ten steps
-    drafted from the verdict, and outputs equal plain decoding."""
+    drafted from the verdict, and outputs equal plain decoding. ``forward_from_verdict``: a
+    chain's next verify forward is launched from the verdict too (more than ten of them used,
+    some dropped)."""
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
@@ -419,9 +422,12 @@ def assert_drafts_from_verdict_under_preemption(target, spec: dict, kv_cache_mem
     llm.loop.overlap = True
     if llm.speculative_config.tree is None and getattr(llm.proposer, "graphs", True) is None:
         use_static_chain_drafts(llm)
+    llm.loop.forward_from_verdict = forward_from_verdict
     outs = llm.generate(prompts, params)
     llm.scheduler.check()
     assert llm.num_preemptions > 0 and llm.loop.drafted_from_verdict > 10
+    if forward_from_verdict:
+        assert llm.loop.forwards_from_verdict > 10, llm.loop.forwards_from_verdict
     plain = LLM(str(target), device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=8).generate(
         prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

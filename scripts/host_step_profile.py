@@ -159,7 +159,8 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
     function (``head draft``) and of the target model's forward (``target forward``) in the
     same step: the work the GPU waits through when the next step is launched from the host.
     Chains and trees drafted from the device verdict (:class:`speculum.interfaces.VerdictDrafter`)
-    are launched before it reaches the host: ``head draft from the verdict`` is then negative.
+    are launched before it reaches the host: ``head draft from the verdict`` is then negative,
+    and so is ``target forward from the verdict`` (``SPECULUM_FORWARD_FROM_VERDICT=1``).
     Off CUDA the timed calls run their compute inline, so read the launch times only."""
     import speculum.loop as loop_mod
     marks: list[tuple[str, float]] = []
@@ -174,13 +175,22 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
             return rows
         return waited
 
+    inside = []  # set while the runner launches a forward from the verdict (its model call is that one)
+
     def mark(obj, name: str, label: str):
         inner = getattr(obj, name)
         had = name in vars(obj)
 
         def called(*a, **kw):
-            marks.append((label, time.perf_counter()))
-            return inner(*a, **kw)
+            if not inside:
+                marks.append((label, time.perf_counter()))
+            if label.startswith("target forward from"):
+                inside.append(1)
+            try:
+                return inner(*a, **kw)
+            finally:
+                if label.startswith("target forward from"):
+                    inside.pop()
         setattr(obj, name, called)
         return lambda: setattr(obj, name, inner) if had else delattr(obj, name)
 
@@ -188,6 +198,8 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
     model = getattr(llm.target, "model", None)
     if model is not None:
         undo.append(mark(model, "forward", "target forward"))
+    if getattr(llm.loop, "forward_from_verdict", False):
+        undo.append(mark(llm.target, "forward_from_verdict", "target forward from the verdict"))
     graphs = getattr(llm.proposer, "graphs", None)
     if graphs is not None:
         undo.append(mark(graphs, "run", "head draft"))
@@ -202,7 +214,7 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
             u()
     gaps: dict[str, list[float]] = {}
     for i, (name, t) in enumerate(marks):
-        if name == "head draft from the verdict":  # launched before the verdict: time until it arrives (negative)
+        if name.endswith("from the verdict"):  # launched before the verdict: time until it arrives (negative)
             arrival = next((t2 for other, t2 in marks[i + 1:] if other == "verdict"), None)
             if arrival is not None:
                 gaps.setdefault(name, []).append((t - arrival) * 1e3)

@@ -59,3 +59,18 @@ def test_graphed_medusa_drafting_is_lossless_and_matches_eager(target, tmp_path_
     assert all(llms[g].proposer.graphs.use_graphs == g for g in (False, True))
     assert sum(same) >= 0.95 * len(same)
     assert all(llms[g].loop.drafted_from_verdict > 0 for g in (False, True))  # chains and trees, from the verdict
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_graphed_chain_forward_from_the_verdict_is_lossless(target, heads, method, monkeypatch):
+    """``SPECULUM_FORWARD_FROM_VERDICT=1``: the next chain verify forward is a CUDA graph of its
+    own, launched from the device verdict (positions and write slots from the accepted count);
+    outputs equal plain decoding and such forwards ran."""
+    from speculum import LLM
+    monkeypatch.setenv("SPECULUM_FORWARD_FROM_VERDICT", "1")
+    spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
+    ref = LLM(str(target), device="cuda", dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
+    llm = LLM(str(target), spec, device="cuda", dtype="float32", max_num_seqs=4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [r.token_ids for r in ref]
+    assert llm.loop.forwards_from_verdict > 0 and llm.loop.drafted_from_verdict > 0
+    assert any(k[-1] == "verdict" for k in llm.loop.target._graphs), "no graph launched from the verdict"

@@ -63,11 +63,12 @@ def profile_steps(llm, prompts: list, params) -> dict:
     t = _Timer(llm.backend.device)
     undo = [t.wrap(loop, "step", "step"), t.wrap(loop.target, "forward", "verify"),
             t.wrap(loop.verifier, "verify", "verify")]
-    if hasattr(loop.target, "move_kv"):
-        undo.append(t.wrap(loop.target, "move_kv", "verify"))
+    for name in ("move_kv", "forward_from_verdict"):  # trees' path moves; a forward launched from the verdict
+        if hasattr(loop.target, name):
+            undo.append(t.wrap(loop.target, name, "verify"))
     if loop.proposer is not None:
         undo += [t.wrap(loop.proposer, "propose", "draft"), t.wrap(loop.proposer, "observe", "draft")]
-        if hasattr(loop.proposer, "draft_from_verdict"):  # trees drafted from the device verdict
+        if hasattr(loop.proposer, "draft_from_verdict"):  # drafts made from the device verdict
             undo.append(t.wrap(loop.proposer, "draft_from_verdict", "draft"))
     try:
         outs = llm.generate(prompts, params)

@@ -185,8 +185,8 @@ class _Launched:
     bases: dict[int, int]
     #: [R, Q, H] the catch-up's true features (row order of seq_ids)
     feats: torch.Tensor
-    #: the drafting function's output: chains [R, k], or packed trees [R, 3N + N*N]
-    out: torch.Tensor
+    #: the drafts (every row), as the next propose of the same rows returns them
+    draft: Draft
     #: sequences whose accepted count observe() has applied
     observed: set[int] = attrs.field(factory=set)
 
@@ -273,14 +273,14 @@ class ChainHeadProposer:
         positions, ctx = self.cache.prepare(seq_ids, counts, tokens.shape[1])
         return self.head(feats, tokens, positions, ctx)
 
-    def _take_launched(self, seqs) -> torch.Tensor | None:
+    def _take_launched(self, seqs) -> Draft | None:
         """The drafts :meth:`draft_from_verdict` launched for exactly ``seqs``, every row
         observed since; anything else launched is taken back. Clears the launch."""
         launched, self._launched = self._launched, None
         if launched is None:
             return None
         if tuple(s.seq_id for s in seqs) == launched.seq_ids and launched.observed == set(launched.seq_ids):
-            return launched.out
+            return launched.draft
         self._take_back(launched)
         return None
 
@@ -289,9 +289,10 @@ class ChainHeadProposer:
             return self._propose_tree(batch)
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
-        out = self._take_launched(seqs)
-        if out is not None:  # drafted from the verdict already (greedy, every row)
-            return Draft(token_ids=out[:, :k], lengths=[k] * B)
+        launched = self._take_launched(seqs)
+        if launched is not None:  # drafted from the verdict already (greedy, every row)
+            return launched if k == launched.token_ids.shape[1] else Draft(token_ids=launched.token_ids[:, :k],
+                                                                         lengths=[k] * B)
         for s in seqs:
             self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
@@ -359,11 +360,9 @@ class ChainHeadProposer:
         """A token tree per sequence (the rows with pending target states)."""
         seqs, spec, graphs = batch.seqs, self.tree, self.graphs
         B, N, dev = len(seqs), spec.num_nodes, self.device
-        packed = self._take_launched(seqs)
-        if packed is not None:  # drafted from the verdict already
-            token_ids, parents, depth, anc = tree_rows(B, N, list(range(B)), unpack_tree(packed, N), dev)
-            tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
-            return Draft(token_ids=token_ids, lengths=[N] * B, tree=tree)
+        launched = self._take_launched(seqs)
+        if launched is not None:  # drafted from the verdict already
+            return launched
         for s in seqs:
             self._fold(s.seq_id)
         rows = [b for b, s in enumerate(seqs) if self.pending.get(s.seq_id) is not None
@@ -419,19 +418,19 @@ class ChainHeadProposer:
 
     # -- drafting from a verdict still on the device (VerdictDrafter) ------------------------
     def draft_from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,
-                           hidden_states: dict[int, torch.Tensor]) -> bool:
+                           hidden_states: dict[int, torch.Tensor]) -> Draft | None:
         """Start the next drafts of ``seq_ids`` now, from the device verdict of the step just
         verified (:class:`~speculum.interfaces.VerdictDrafter`): the catch-up runs over the
         accepted drafts' states and tokens (a tree's along its accepted path), as many as the
         verdict accepted plus one, which only the device knows yet. Greedy drafting by the
         static function (trees; chains where it drafts them: CUDA graphs), and only for rows
         whose pending states this step's propose consumed (the usual step: no backlog, not
-        a first step)."""
+        a first step). Returns the drafts (still being computed) or None."""
         if (self.graphs is None or (self.tree is not None and verdict.path is None) or not hidden_states
                 or self._launched is not None):
-            return False
+            return None
         if any(sid not in self.pending or self.pending[sid] is not None or self.backlog.get(sid) for sid in seq_ids):
-            return False
+            return None
         Q = self.graphs.Q
         bases = [n - 1 for n in lengths]  # the head caches the positions made from true features: 0 .. length - 2
         with torch.inference_mode():
@@ -443,10 +442,18 @@ class ChainHeadProposer:
             try:
                 out = self.graphs.run_from_device(list(seq_ids), bases, feats, tokens, count)
             except KVCacheFull:  # the longest outcome does not fit now: draft after the copy, as usual
-                return False
-        self._launched = _Launched(tuple(seq_ids), dict(zip(seq_ids, bases)), feats, out)
+                return None
+        R = len(seq_ids)
+        if self.tree is None:
+            draft = Draft(token_ids=out, lengths=[out.shape[1]] * R)
+        else:
+            spec, N = self.tree, self.tree.num_nodes
+            token_ids, parents, depth, anc = tree_rows(R, N, list(range(R)), unpack_tree(out, N), self.device)
+            draft = Draft(token_ids=token_ids, lengths=[N] * R, tree=TokenTree(
+                parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children))
+        self._launched = _Launched(tuple(seq_ids), dict(zip(seq_ids, bases)), feats, draft)
         self._before = {}  # the last propose was verified: nothing of it to take back
-        return True
+        return draft
 
     def _settle(self, sid: int, num_accepted: int) -> bool:
         """observe() for a row drafted from its verdict: the accepted count cuts the head

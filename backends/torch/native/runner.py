@@ -6,6 +6,11 @@ a CUDA graph and replayed (:mod:`speculum.backends.torch.graphs`). Per-step host
 building one small int64 buffer (positions, write slots, block tables) and copying it to
 the device; there is no host synchronisation inside a forward.
 
+A chain's next verify forward can start from a verdict still on the device
+(:meth:`NativeRunner.forward_from_verdict`): each row's positions and write slots are
+made on the device from its accepted count, over a block table the host reserved for the
+longest outcome, so the forward is queued before the host has read the verdict.
+
 Token trees (``forward(..., tree=...)``): column ``c`` of a verify forward is written at
 the sequence's next logical slot as usual, but gets the position ``root + depth`` and
 attends to the context, the root and its own ancestors only. After verification
@@ -21,11 +26,12 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.native.model import NativeLlama
-from speculum.interfaces import ForwardOutput
+from speculum.interfaces import ForwardOutput, KVCacheFull
 from speculum.kv import PagedKVAllocator, blocks_for
 from speculum.tree import TokenTree, columns_of, tree_attention_mask
 
@@ -40,6 +46,8 @@ class NativeRunner:
 
     #: verifies token trees (``forward(..., tree=...)`` and :meth:`move_kv`)
     supports_trees = True
+    #: launches a chain's next verify forward from a device verdict (:meth:`forward_from_verdict`)
+    forwards_from_verdict = True
 
     def __init__(self, model: NativeLlama, name: str = "target", max_model_len: int | None = None,
                  cuda_graphs: bool = True, prefill_chunk: int = 512):
@@ -168,6 +176,82 @@ class NativeRunner:
         if self.cuda_graphs:
             return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols)
         return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols=cols)
+
+    def forward_from_verdict(self, seq_ids: Sequence[int], starts: Sequence[int], num_accepted: torch.Tensor,
+                             token_ids: torch.Tensor, hidden_layers: Sequence[int] = ()) -> ForwardOutput | None:
+        """The next chain verify forward of ``seq_ids`` while their last verdict is still on the
+        device: row ``b`` keeps ``starts[b] + num_accepted[b]`` positions ([B] on the device)
+        and appends ``token_ids[b]`` ([B, q] on the device: the verdict's new token, then the
+        next drafts) after them. The host does not know the counts yet, so each row's block
+        table is extended for the longest outcome (``q`` positions past its current length,
+        which covers every count of the verify just run); once it knows them the caller
+        truncates each row to ``start + count + q`` (what this forward wrote) or, dropping
+        it, to ``start + count``. None (nothing allocated or launched) when the cache has no
+        room for the longest outcome."""
+        B, q = token_ids.shape
+        before = [self.allocator.length(sid) for sid in seq_ids]
+        try:
+            for sid in seq_ids:
+                self.allocator.allocate(sid, q)
+        except KVCacheFull:  # every row as before
+            for sid, n in zip(seq_ids, before):
+                if self.allocator.length(sid) > n:
+                    self.allocator.truncate(sid, n)
+            return None
+        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
+        Bb = bucket(B, BATCH_BUCKETS) if self.cuda_graphs else B
+        nb = bucket(max(need, 1), self._block_buckets)
+        blk = np.zeros((Bb, nb), dtype=np.int64)
+        for b, sid in enumerate(seq_ids):
+            table = self.allocator.block_table(sid)
+            blk[b, : len(table)] = table
+        start = np.zeros(Bb, dtype=np.int64)
+        start[:B] = [int(n) for n in starts]
+        acc = num_accepted.to(self.device, torch.int64).view(B)
+        ids = token_ids.to(self.device, torch.int64).clamp(0, self.vocab_size - 1)
+        hidden_layers = tuple(hidden_layers)
+        if not self.cuda_graphs:
+            with torch.inference_mode():
+                logits, hidden = self._from_verdict(torch.from_numpy(blk).to(self.device),
+                                                    torch.from_numpy(start).to(self.device), acc, ids, hidden_layers)
+            return ForwardOutput(logits=logits, hidden_states=hidden)
+        key = (Bb, q, nb, hidden_layers, "verdict")
+        graph, (acc_buf, ids_buf) = self._graphs.get(key) or self._capture_from_verdict(key)
+        h = graph.host()
+        h[: Bb * nb] = blk.reshape(-1)
+        h[Bb * nb:] = start
+        graph.upload()
+        acc_buf.zero_()
+        ids_buf.zero_()
+        acc_buf[:B].copy_(acc)
+        ids_buf[:B].copy_(ids)
+        logits, hidden = graph.replay()
+        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()})
+
+    def _from_verdict(self, blk: torch.Tensor, start: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor,
+                      hidden_layers: tuple):
+        """The static function of :meth:`forward_from_verdict`: block tables [Bb, nb], starts
+        and accepted counts [Bb], tokens [Bb, q] -> the model's (logits, hidden states).
+        Padding rows (zero tables) write into the scratch block 0."""
+        Bb, q = ids.shape
+        bs, nb = self.block_size, blk.shape[1]
+        pos = (start + acc).view(Bb, 1) + torch.arange(q, device=ids.device).view(1, q)
+        wsl = blk.gather(1, (pos // bs).clamp_max(nb - 1)) * bs + pos % bs
+        return self.model(ids, pos, wsl, self._read_slots(blk), self.pools, hidden_layers, True, None)
+
+    def _capture_from_verdict(self, key):
+        Bb, q, nb, hidden_layers, _ = key
+        meta = torch.zeros(Bb * nb + Bb, dtype=torch.int64, device=self.device)
+        acc = torch.zeros(Bb, dtype=torch.int64, device=self.device)
+        ids = torch.zeros(Bb, q, dtype=torch.int64, device=self.device)
+
+        def run():
+            return self._from_verdict(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids, hidden_layers)
+
+        entry = (self._pool.capture(run, meta, staging=8), (acc, ids))
+        self._graphs[key] = entry
+        log.debug("%s: captured CUDA graph from the verdict for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
+        return entry
 
     def _eager(self, seq_ids, token_ids, num_tokens, hidden_layers, compute_logits=True, cols=None,
                fresh=False) -> ForwardOutput:

@@ -333,7 +333,8 @@ def test_sampled_requests_with_trees_are_deterministic_per_seed(target, trained)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-@pytest.mark.parametrize("static", [False, True, "tree"], ids=["eager", "static-draft", "tree"])
+@pytest.mark.parametrize("static", [False, True, "tree", "forward"],
+                         ids=["eager", "static-draft", "tree", "forward-from-verdict"])
 def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trained, method, static):
     """Overlapped steps with a head (forced on: a CPU engine does not overlap): each step's
     drafts (a chain or a token tree) and forward are made at the end of the step before,
@@ -341,7 +342,8 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
     An abort and a request joining drop a step drafted ahead, and the head rewinds it.
     Outputs equal plain decoding, and acceptance equals a run without overlap on the same
     schedule: the rewound head drafts exactly as if nothing had been drafted ahead. A head
-    that does not rewind (the wrong variant) accepts differently."""
+    that does not rewind (the wrong variant) accepts differently. "forward": the static
+    chain with its next verify forward launched from the device verdict too."""
     from speculum.backends.torch.heads import HeadDraftGraphs
     spec = {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3}
     if static == "tree":  # a token tree drafted ahead: its forward goes out with the tree
@@ -354,8 +356,9 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
         llm = make_llm(target, spec, max_num_seqs=4)
         llm.loop.overlap = overlap
         p = llm.proposer
-        if static is True:
+        if static in (True, "forward"):
             p.graphs = HeadDraftGraphs(p.head, p.cache, 3, p.dtype, p.device, use_graphs=False)
+        llm.loop.forward_from_verdict = static == "forward"
         if not rewind:
             p.rewind = lambda seq_ids: None
         return llm
@@ -365,6 +368,7 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
     off, loop = assert_drafting_ahead_changes_nothing(build, prompts, params, plain)
     if static:  # the static function's chains and trees started from the verdict on the device, settled or rewound
         assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+        assert (loop.forwards_from_verdict > 10) == (static == "forward"), loop.forwards_from_verdict
     else:  # the eager chain loop drafts after the verdict's copy
         assert loop.drafted_from_verdict == 0, loop.drafted_from_verdict
     _, drafts_bad, acc_bad = run_with_an_abort_and_a_join(build(True, rewind=False), prompts, params)

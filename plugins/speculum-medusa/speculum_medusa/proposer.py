@@ -46,8 +46,8 @@ class _Launched:
     #: the rows, in order, and the state each was drafted from [R, H]
     seq_ids: tuple[int, ...]
     x: torch.Tensor
-    #: the drafting function's output: chains [R, k], or packed trees [R, 3N + N*N]
-    out: torch.Tensor
+    #: the drafts (every row), as the next propose of the same rows returns them
+    draft: Draft
     #: rows whose observe has kept their state
     observed: set[int] = attrs.field(factory=set)
 
@@ -108,19 +108,23 @@ class MedusaProposer:
         each row's state already)."""
         self._launched = None
 
-    def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict, hidden_states: dict[int, torch.Tensor]) -> bool:
+    def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict,
+                           hidden_states: dict[int, torch.Tensor]) -> Draft | None:
         """Start the next drafts of ``seq_ids`` from the verify step's states at each row's
         last accepted position, found on the device from ``verdict`` (its accepted count and
         a tree's path), before the host reads it (:class:`~speculum.interfaces.VerdictDrafter`).
-        For rows that drafted this step."""
+        For rows that drafted this step. Returns the drafts (still being computed) or None."""
         if ((self.tree is not None and verdict.path is None) or not hidden_states or self._launched is not None
                 or any(self.last.get(sid) is None for sid in seq_ids)):
-            return False
+            return None
         with torch.inference_mode():
             x = last_accepted_state(hidden_states[-1], verdict)
             out = self.graphs.run(x)
-        self._launched = _Launched(tuple(seq_ids), x, out)
-        return True
+        R = len(seq_ids)
+        draft = Draft(token_ids=out, lengths=[out.shape[1]] * R) if self.tree is None else \
+            self._tree_draft(R, list(range(R)), out)
+        self._launched = _Launched(tuple(seq_ids), x, draft)
+        return draft
 
     def propose(self, batch: ProposeBatch) -> Draft:
         seqs, k = batch.seqs, batch.num_speculative_tokens
@@ -128,9 +132,9 @@ class MedusaProposer:
         launched, self._launched = self._launched, None
         if (launched is not None and launched.seq_ids == tuple(s.seq_id for s in seqs)
                 and launched.observed == set(launched.seq_ids)):  # drafted from the verdict already
-            if self.tree is None:
-                return Draft(token_ids=launched.out[:, :k], lengths=[k] * B)
-            return self._tree_draft(B, list(range(B)), launched.out)
+            d = launched.draft
+            return d if d.tree is not None or k == d.token_ids.shape[1] else \
+                Draft(token_ids=d.token_ids[:, :k], lengths=[k] * B)
         rows = [b for b, s in enumerate(seqs) if self.last.get(s.seq_id) is not None]
         if not rows:
             return Draft(token_ids=torch.full((B, k), -1, dtype=torch.int64, device=self.device), lengths=[0] * B)

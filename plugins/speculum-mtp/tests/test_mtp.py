@@ -235,13 +235,35 @@ def test_mtp_drafts_made_from_the_device_verdict_change_nothing(target, trained,
     assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_mtp_chain_forward_launched_from_the_verdict_changes_nothing(target, trained):
+    """The next chain verify forward launched from the device verdict as well
+    (``SPECULUM_FORWARD_FROM_VERDICT=1``: the runner places each row's tokens from its
+    accepted count): outputs equal plain decoding, every verified draft and acceptance equal
+    a run without overlap, through an abort and a join."""
+    from speculum.testing import assert_overlap_changes_nothing, use_static_chain_drafts
+    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT["chain"]}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def build(target, spec=None, **kw):
+        llm = make_llm(target, spec, **kw)
+        if spec is not None:
+            use_static_chain_drafts(llm)
+            llm.loop.forward_from_verdict = True  # used only where the loop overlaps
+        return llm
+
+    _, loop = assert_overlap_changes_nothing(build, target, spec, prompts, params)
+    assert loop.forwards_from_verdict > 10 and loop.drafted_from_verdict >= loop.forwards_from_verdict
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree", "chain+forward"])
 def test_mtp_drafts_made_from_the_verdict_under_preemption(target, trained, shape):
     """The same with a KV budget that forces preemption (rows leave and come back while
-    their drafts are made from the verdict): outputs equal plain decoding."""
+    their drafts, and with "+forward" the chain's next verify forward, are made from the
+    verdict): outputs equal plain decoding."""
     from speculum.testing import assert_drafts_from_verdict_under_preemption
-    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
-    assert_drafts_from_verdict_under_preemption(target, spec, KV_TIGHT)
+    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape.split("+")[0]]}
+    assert_drafts_from_verdict_under_preemption(target, spec, KV_TIGHT, forward_from_verdict="+" in shape)
 
 
 def test_a_full_head_cache_makes_the_tree_wait_for_the_verdict(target, trained):
