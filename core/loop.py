@@ -97,8 +97,8 @@ class DraftVerifyLoop:
                              and os.environ.get("SPECULUM_DRAFT_FROM_VERDICT", "1") != "0")
         #: steps whose next drafts started from the device verdict
         self.drafted_from_verdict = 0
-        #: ... and whose next chain verify forward was launched from it too, before the host
-        #: read the verdict (a runner with ``forward_from_verdict``); off unless
+        #: ... and whose next verify forward was launched from it too, before the host read
+        #: the verdict (a runner with ``forward_from_verdict``); off unless
         #: ``SPECULUM_FORWARD_FROM_VERDICT=1`` (not measured on a GPU yet)
         self.forward_from_verdict = (self.from_verdict and getattr(target, "forwards_from_verdict", False)
                                      and os.environ.get("SPECULUM_FORWARD_FROM_VERDICT", "0") == "1")
@@ -259,8 +259,9 @@ class DraftVerifyLoop:
         hidden = out.hidden_states
         raw = out.logits
         if tree is not None:
-            self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
-                             [not r[1] or b in failed_rows for b, r in enumerate(both)])
+            if vf is None:  # (a forward launched from the verdict has moved the paths on the device)
+                self._keep_paths(seqs, accepted, [r[2 + width:] for r in both],
+                                 [not r[1] or b in failed_rows for b, r in enumerate(both)])
             if hidden and not launched:  # the accepted path's states in path order, as for a chain
                 hidden = gather_path(hidden, verdict.path)
             if any(s.params.logprobs is not None for s in seqs):  # logits along the path, in path order
@@ -441,13 +442,16 @@ class DraftVerifyLoop:
         return launched
 
     def _forward_from_verdict(self, seqs: list[Sequence], verdict: Verdict, draft: Draft) -> "_VerdictForward | None":
-        """Launch the next chain verify forward on the new tokens and the drafts just launched
-        from the verdict, with both still on the device (the runner places each row from its
-        accepted count: ``forward_from_verdict``). The step's bookkeeping then keeps its K/V
-        and the plan ahead takes it (:meth:`_plan_ahead`), or it is dropped."""
-        if not (self.forward_from_verdict and draft.tree is None and verdict.path is None):
+        """Launch the next verify forward on the new tokens and the drafts just launched from
+        the verdict (a chain, or a tree's nodes), with both still on the device (the runner
+        moves a tree's accepted path into place and places each row from its accepted count:
+        ``forward_from_verdict``). The step's bookkeeping then keeps its K/V and the plan
+        ahead takes it (:meth:`_plan_ahead`), or it is dropped."""
+        if not (self.forward_from_verdict and (draft.tree is None) == (verdict.path is None)):
             return None
         k = self._policy_k(seqs)  # a fixed k (drafting from the verdict plans ahead only then)
+        if draft.tree is not None:
+            k = draft.token_ids.shape[1]  # a tree is verified whole
         if not k or draft.token_ids.shape[1] < k:
             return None
         B, dev = len(seqs), self.target.device
@@ -458,7 +462,7 @@ class DraftVerifyLoop:
         before = [self.target.length(sid) for sid in sids]
         try:
             out = self.target.forward_from_verdict(sids, [len(s.token_ids) for s in seqs], acc, ids,
-                                                   self.hidden_layers)
+                                                   self.hidden_layers, path=verdict.path, tree=draft.tree)
         except Exception as exc:  # the forward waits for the host again
             for sid, n in zip(sids, before):
                 if self.target.length(sid) > n:
@@ -750,7 +754,7 @@ class _Ahead:
 
 @attrs.define
 class _VerdictForward:
-    """The next chain verify forward, launched from the device verdict: the drafts it was
+    """The next verify forward, launched from the device verdict: the drafts it was
     launched on, its output, its tokens per row, and each row's KV length before it (filled
     in once the host has read the accepted counts)."""
 

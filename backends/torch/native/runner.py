@@ -6,10 +6,11 @@ a CUDA graph and replayed (:mod:`speculum.backends.torch.graphs`). Per-step host
 building one small int64 buffer (positions, write slots, block tables) and copying it to
 the device; there is no host synchronisation inside a forward.
 
-A chain's next verify forward can start from a verdict still on the device
-(:meth:`NativeRunner.forward_from_verdict`): each row's positions and write slots are
-made on the device from its accepted count, over a block table the host reserved for the
-longest outcome, so the forward is queued before the host has read the verdict.
+The next verify forward (a chain's or a tree's) can start from a verdict still on the
+device (:meth:`NativeRunner.forward_from_verdict`): a tree's accepted path is moved into
+place and each row's positions and write slots are made on the device from its accepted
+count, over a block table the host reserved for the longest outcome, so the forward is
+queued before the host has read the verdict.
 
 Token trees (``forward(..., tree=...)``): column ``c`` of a verify forward is written at
 the sequence's next logical slot as usual, but gets the position ``root + depth`` and
@@ -46,7 +47,7 @@ class NativeRunner:
 
     #: verifies token trees (``forward(..., tree=...)`` and :meth:`move_kv`)
     supports_trees = True
-    #: launches a chain's next verify forward from a device verdict (:meth:`forward_from_verdict`)
+    #: launches the next verify forward from a device verdict (:meth:`forward_from_verdict`)
     forwards_from_verdict = True
 
     def __init__(self, model: NativeLlama, name: str = "target", max_model_len: int | None = None,
@@ -178,16 +179,19 @@ class NativeRunner:
         return self._eager(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols=cols)
 
     def forward_from_verdict(self, seq_ids: Sequence[int], starts: Sequence[int], num_accepted: torch.Tensor,
-                             token_ids: torch.Tensor, hidden_layers: Sequence[int] = ()) -> ForwardOutput | None:
-        """The next chain verify forward of ``seq_ids`` while their last verdict is still on the
+                             token_ids: torch.Tensor, hidden_layers: Sequence[int] = (),
+                             path: torch.Tensor | None = None, tree: TokenTree | None = None) -> ForwardOutput | None:
+        """The next verify forward of ``seq_ids`` while their last verdict is still on the
         device: row ``b`` keeps ``starts[b] + num_accepted[b]`` positions ([B] on the device)
         and appends ``token_ids[b]`` ([B, q] on the device: the verdict's new token, then the
-        next drafts) after them. The host does not know the counts yet, so each row's block
-        table is extended for the longest outcome (``q`` positions past its current length,
-        which covers every count of the verify just run); once it knows them the caller
-        truncates each row to ``start + count + q`` (what this forward wrote) or, dropping
-        it, to ``start + count``. None (nothing allocated or launched) when the cache has no
-        room for the longest outcome."""
+        next drafts, or the next ``tree``'s nodes) after them. A tree verdict's accepted nodes
+        (``path`` [B, N], -1 padded) are first moved into place, as :meth:`move_kv` does from
+        the host. The host does not know the counts yet, so each row's block table is
+        extended for the longest outcome (``q`` positions past its current length, which
+        covers every count of the verify just run); once it knows them the caller truncates
+        each row to ``start + count + q`` (what this forward wrote) or, dropping it, to
+        ``start + count``. None (nothing allocated or launched) when the cache has no room
+        for the longest outcome."""
         B, q = token_ids.shape
         before = [self.allocator.length(sid) for sid in seq_ids]
         try:
@@ -207,48 +211,77 @@ class NativeRunner:
             blk[b, : len(table)] = table
         start = np.zeros(Bb, dtype=np.int64)
         start[:B] = [int(n) for n in starts]
-        acc = num_accepted.to(self.device, torch.int64).view(B)
-        ids = token_ids.to(self.device, torch.int64).clamp(0, self.vocab_size - 1)
+        dev = self.device
+        acc = num_accepted.to(dev, torch.int64).view(B)
+        ids = token_ids.to(dev, torch.int64).clamp(0, self.vocab_size - 1)
+        path = None if path is None else path.to(dev, torch.int64)
+        cols = None if tree is None else (tree.depth.to(dev), tree.ancestors.to(dev))
         hidden_layers = tuple(hidden_layers)
         if not self.cuda_graphs:
             with torch.inference_mode():
-                logits, hidden = self._from_verdict(torch.from_numpy(blk).to(self.device),
-                                                    torch.from_numpy(start).to(self.device), acc, ids, hidden_layers)
+                logits, hidden = self._from_verdict(torch.from_numpy(blk).to(dev), torch.from_numpy(start).to(dev),
+                                                    acc, ids, hidden_layers, path, cols)
             return ForwardOutput(logits=logits, hidden_states=hidden)
-        key = (Bb, q, nb, hidden_layers, "verdict")
-        graph, (acc_buf, ids_buf) = self._graphs.get(key) or self._capture_from_verdict(key)
+        key = (Bb, q, nb, hidden_layers, tree is not None, 0 if path is None else path.shape[1], "verdict")
+        graph, bufs = self._graphs.get(key) or self._capture_from_verdict(key)
         h = graph.host()
         h[: Bb * nb] = blk.reshape(-1)
         h[Bb * nb:] = start
         graph.upload()
+        acc_buf, ids_buf, path_buf, tree_bufs = bufs
         acc_buf.zero_()
         ids_buf.zero_()
         acc_buf[:B].copy_(acc)
         ids_buf[:B].copy_(ids)
+        if path_buf is not None:
+            path_buf.fill_(-1)
+            path_buf[:B].copy_(path)
+        if tree_bufs is not None:
+            tree_bufs[0][:B].copy_(cols[0])
+            tree_bufs[1][:B].copy_(cols[1])
         logits, hidden = graph.replay()
         return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()})
 
     def _from_verdict(self, blk: torch.Tensor, start: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor,
-                      hidden_layers: tuple):
+                      hidden_layers: tuple, path: torch.Tensor | None = None, cols=None):
         """The static function of :meth:`forward_from_verdict`: block tables [Bb, nb], starts
-        and accepted counts [Bb], tokens [Bb, q] -> the model's (logits, hidden states).
-        Padding rows (zero tables) write into the scratch block 0."""
+        and accepted counts [Bb], tokens [Bb, q], the last tree's accepted nodes [Bb, N] (or
+        None), the next tree's (depths, ancestors) (or None) -> the model's (logits, hidden
+        states). Padding rows (zero tables) read and write the scratch block 0."""
         Bb, q = ids.shape
-        bs, nb = self.block_size, blk.shape[1]
-        pos = (start + acc).view(Bb, 1) + torch.arange(q, device=ids.device).view(1, q)
-        wsl = blk.gather(1, (pos // bs).clamp_max(nb - 1)) * bs + pos % bs
-        return self.model(ids, pos, wsl, self._read_slots(blk), self.pools, hidden_layers, True, None)
+        bs, nb, dev = self.block_size, blk.shape[1], ids.device
+
+        def slots(p: torch.Tensor) -> torch.Tensor:  # logical positions [Bb, n] -> cache slots
+            return blk.gather(1, (p // bs).clamp_max(nb - 1)) * bs + p % bs
+
+        if path is not None and path.shape[1]:  # node i was written at start + i; depth d belongs at start + d - 1
+            d = torch.arange(path.shape[1], device=dev).view(1, -1)
+            src = start.view(Bb, 1) + torch.where(d < acc.view(Bb, 1), path.clamp_min(0), d)  # others: in place
+            dst = start.view(Bb, 1) + d
+            self.kv.index_copy_(1, slots(dst).reshape(-1), self.kv.index_select(1, slots(src).reshape(-1)))
+        pos = (start + acc).view(Bb, 1) + torch.arange(q, device=dev).view(1, q)
+        wsl, read, mask = slots(pos), self._read_slots(blk), None
+        if cols is not None:
+            pos, read, mask = self._tree(pos, read, cols)
+        return self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask)
 
     def _capture_from_verdict(self, key):
-        Bb, q, nb, hidden_layers, _ = key
-        meta = torch.zeros(Bb * nb + Bb, dtype=torch.int64, device=self.device)
-        acc = torch.zeros(Bb, dtype=torch.int64, device=self.device)
-        ids = torch.zeros(Bb, q, dtype=torch.int64, device=self.device)
+        Bb, q, nb, hidden_layers, tree, width, _ = key
+        dev = self.device
+        meta = torch.zeros(Bb * nb + Bb, dtype=torch.int64, device=dev)
+        acc = torch.zeros(Bb, dtype=torch.int64, device=dev)
+        ids = torch.zeros(Bb, q, dtype=torch.int64, device=dev)
+        path = torch.full((Bb, width), -1, dtype=torch.int64, device=dev) if width else None
+        tree_bufs = None
+        if tree:  # node depths [Bb, N] and ancestors [Bb, N, N]; a chain until filled
+            chain = TokenTree.chain(Bb, q - 1, dev)
+            tree_bufs = (chain.depth.contiguous(), chain.ancestors.contiguous())
 
         def run():
-            return self._from_verdict(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids, hidden_layers)
+            return self._from_verdict(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids, hidden_layers, path,
+                                      tree_bufs)
 
-        entry = (self._pool.capture(run, meta, staging=8), (acc, ids))
+        entry = (self._pool.capture(run, meta, staging=8), (acc, ids, path, tree_bufs))
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph from the verdict for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
         return entry

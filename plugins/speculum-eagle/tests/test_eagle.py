@@ -333,8 +333,8 @@ def test_sampled_requests_with_trees_are_deterministic_per_seed(target, trained)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-@pytest.mark.parametrize("static", [False, True, "tree", "forward"],
-                         ids=["eager", "static-draft", "tree", "forward-from-verdict"])
+@pytest.mark.parametrize("static", [False, True, "tree", "forward", "tree+forward"],
+                         ids=["eager", "static-draft", "tree", "forward-from-verdict", "tree-forward-from-verdict"])
 def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trained, method, static):
     """Overlapped steps with a head (forced on: a CPU engine does not overlap): each step's
     drafts (a chain or a token tree) and forward are made at the end of the step before,
@@ -343,10 +343,10 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
     Outputs equal plain decoding, and acceptance equals a run without overlap on the same
     schedule: the rewound head drafts exactly as if nothing had been drafted ahead. A head
     that does not rewind (the wrong variant) accepts differently. "forward": the static
-    chain with its next verify forward launched from the device verdict too."""
+    chain (or the tree) with its next verify forward launched from the device verdict too."""
     from speculum.backends.torch.heads import HeadDraftGraphs
     spec = {"method": method, "model": str(trained[method]), "num_speculative_tokens": 3}
-    if static == "tree":  # a token tree drafted ahead: its forward goes out with the tree
+    if static in ("tree", "tree+forward"):  # a token tree drafted ahead: its forward goes out with the tree
         spec = {"method": method, "model": str(trained[method]), "tree_topk": 3, "tree_depth": 3,
                 "num_draft_tokens": 8}
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
@@ -358,7 +358,7 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
         p = llm.proposer
         if static in (True, "forward"):
             p.graphs = HeadDraftGraphs(p.head, p.cache, 3, p.dtype, p.device, use_graphs=False)
-        llm.loop.forward_from_verdict = static == "forward"
+        llm.loop.forward_from_verdict = static in ("forward", "tree+forward")
         if not rewind:
             p.rewind = lambda seq_ids: None
         return llm
@@ -368,7 +368,7 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target, trai
     off, loop = assert_drafting_ahead_changes_nothing(build, prompts, params, plain)
     if static:  # the static function's chains and trees started from the verdict on the device, settled or rewound
         assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
-        assert (loop.forwards_from_verdict > 10) == (static == "forward"), loop.forwards_from_verdict
+        assert (loop.forwards_from_verdict > 10) == (static in ("forward", "tree+forward")), loop.forwards_from_verdict
     else:  # the eager chain loop drafts after the verdict's copy
         assert loop.drafted_from_verdict == 0, loop.drafted_from_verdict
     _, drafts_bad, acc_bad = run_with_an_abort_and_a_join(build(True, rewind=False), prompts, params)

@@ -196,9 +196,10 @@ def test_tree_deeper_than_the_heads_is_a_config_error(target, trained):
                           "num_draft_tokens": 8})
 
 
+@pytest.mark.parametrize("forward", [False, True], ids=["", "forward-from-verdict"])
 @pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 7}],
                          ids=["chain", "tree"])
-def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained, tree):
+def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained, tree, forward):
     """Overlapped steps (forced on: a CPU engine does not overlap): Medusa's propose changes
     no state, so it is rewindable for free and each step (a chain or a token tree) is drafted
     from the verdict of the step before, still on the device. An abort and a join drop a
@@ -206,8 +207,15 @@ def test_steps_are_drafted_ahead_and_rewinds_change_nothing(target, trained, tre
     without overlap on the same schedule."""
     spec = {"method": "medusa", "model": str(trained), **(tree or {"num_speculative_tokens": 3})}
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS, params)
+
+    def build(target, spec=None, **kw):  # forward: the next verify forward launched from the verdict too
+        llm = make_llm(target, spec, **kw)
+        llm.loop.forward_from_verdict = forward and spec is not None
+        return llm
+
+    _, loop = assert_overlap_changes_nothing(build, target, spec, PROMPTS, params)
     assert loop.rewindable
+    assert (loop.forwards_from_verdict > 10) == forward, loop.forwards_from_verdict
     # each next chain or tree drafted from the verdict still on the device (VerdictDrafter)
     assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
 

@@ -235,20 +235,23 @@ def test_mtp_drafts_made_from_the_device_verdict_change_nothing(target, trained,
     assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
 
 
-def test_mtp_chain_forward_launched_from_the_verdict_changes_nothing(target, trained):
-    """The next chain verify forward launched from the device verdict as well
-    (``SPECULUM_FORWARD_FROM_VERDICT=1``: the runner places each row's tokens from its
-    accepted count): outputs equal plain decoding, every verified draft and acceptance equal
-    a run without overlap, through an abort and a join."""
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_mtp_forward_launched_from_the_verdict_changes_nothing(target, trained, shape):
+    """The next verify forward launched from the device verdict as well
+    (``SPECULUM_FORWARD_FROM_VERDICT=1``: the runner moves a tree's accepted path into place
+    and places each row's tokens from its accepted count): outputs equal plain decoding,
+    every verified draft and acceptance equal a run without overlap, through an abort and a
+    join."""
     from speculum.testing import assert_overlap_changes_nothing, use_static_chain_drafts
-    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT["chain"]}
+    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
 
     def build(target, spec=None, **kw):
         llm = make_llm(target, spec, **kw)
         if spec is not None:
-            use_static_chain_drafts(llm)
+            if shape == "chain":
+                use_static_chain_drafts(llm)
             llm.loop.forward_from_verdict = True  # used only where the loop overlaps
         return llm
 
@@ -256,7 +259,7 @@ def test_mtp_chain_forward_launched_from_the_verdict_changes_nothing(target, tra
     assert loop.forwards_from_verdict > 10 and loop.drafted_from_verdict >= loop.forwards_from_verdict
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree", "chain+forward"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "chain+forward", "tree+forward"])
 def test_mtp_drafts_made_from_the_verdict_under_preemption(target, trained, shape):
     """The same with a KV budget that forces preemption (rows leave and come back while
     their drafts, and with "+forward" the chain's next verify forward, are made from the
