@@ -72,6 +72,7 @@ def test_main_command_runs_from_a_copy_without_shared(tmp_path):
     assert spec["config"]["method"] == "ngram" and spec["total"]["identical"] is True
     assert sum(spec["steps_per_k"]) > 0 and set(spec["categories"]) == {"writing", "roleplay"}
     assert spec["steps_run_ahead"] == spec["steps_dropped_ahead"] == 0  # a CPU engine does not overlap
+    assert spec["drafted_from_verdict"] == spec["forwards_from_verdict"] == 0
 
 
 # ------------------------------------------------------------------------------ threads

@@ -163,15 +163,18 @@ def run_pooled(llm, groups: dict[str, list], params) -> tuple[dict[str, GroupRes
     return out, seconds
 
 
-def _counters(llm) -> tuple[list[int], int, int]:
-    """What :func:`_result` reports as differences: steps per k, forwards run ahead and used, dropped."""
-    return list(llm.loop.k_counts), llm.loop.ahead_used, llm.loop.ahead_dropped
+def _counters(llm) -> tuple[list[int], int, int, int, int]:
+    """What :func:`_result` reports as differences: steps per k, forwards run ahead and used,
+    dropped, steps whose next drafts and whose next forward were launched from the device verdict."""
+    loop = llm.loop
+    return list(loop.k_counts), loop.ahead_used, loop.ahead_dropped, loop.drafted_from_verdict, \
+        loop.forwards_from_verdict
 
 
 def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
-            before: tuple[list[int], int, int], seconds: float | None = None) -> MethodResult:
+            before: tuple[list[int], int, int, int, int], seconds: float | None = None) -> MethodResult:
     """``seconds``: the wall time of a pooled run (else the sum of the groups' times)."""
-    k_before, used, dropped = before
+    k_before, used, dropped, drafted_fv, forwards_fv = before
     total = GroupResult()
     texts: list[str] = []
     for g in out.values():
@@ -182,7 +185,11 @@ def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
         total.seconds = seconds
     steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
     # overlapped steps: forwards (with their drafts) made during the step before, used or dropped
-    extra = {"steps_run_ahead": llm.loop.ahead_used - used, "steps_dropped_ahead": llm.loop.ahead_dropped - dropped}
+    loop = llm.loop
+    extra = {"steps_run_ahead": loop.ahead_used - used, "steps_dropped_ahead": loop.ahead_dropped - dropped,
+             # ... of which the next drafts, and the next verify forward, started from the device verdict
+             "drafted_from_verdict": loop.drafted_from_verdict - drafted_fv,
+             "forwards_from_verdict": loop.forwards_from_verdict - forwards_fv}
     return MethodResult(name, config, out, total, texts, extra=extra, steps_per_k=steps_per_k)
 
 
