@@ -243,6 +243,58 @@ def test_tree_forward_equals_chain_forwards_and_moves_kv(runners, kind):
         runner.remove(sid)
 
 
+@pytest.mark.parametrize("nxt_tree", [False, True], ids=["then-chain", "then-tree"])
+@pytest.mark.parametrize("verified", ["tree", "chain"])
+def test_forward_from_verdict_equals_the_host_path(runners, verified, nxt_tree):
+    """``NativeRunner.forward_from_verdict``: with the accepted counts (and a tree's path) as
+    device tensors it moves the path's K/V, places the next forward (a chain, or a tree) after
+    each row's accepted tokens, and gives the logits of fresh causal forwards; truncated to
+    what it wrote, the cache then continues as if everything had gone through the host."""
+    runner = runners["native"]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 2, 13)]
+    sids = [200, 201, 202]
+    runner.add_many(sids, [p[:-1] for p in prompts])
+    last = torch.tensor([[p[-1]] for p in prompts])
+    if verified == "tree":
+        parents = [[-1, -1, 0, 0, 1, 3, -1, 5], [-1, 0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 2, 2, 4, 1, 1]]
+        nodes = torch.randint(3, 500, (3, 8), generator=g)
+        runner.forward(sids, torch.cat([last, nodes], dim=1), [9, 9, 9], tree=TokenTree(torch.tensor(parents)))
+        accepted = {0: [1, 4], 1: [0, 1, 2], 2: [0, 2, 4, 5]}  # row 2: sources overlap destinations
+        path = torch.full((3, 8), -1, dtype=torch.int64)
+        for b, p in accepted.items():
+            path[b, : len(p)] = torch.tensor(p)
+        kept = {b: [int(nodes[b, j]) for j in p] for b, p in accepted.items()}
+    else:
+        drafts = torch.randint(3, 500, (3, 4), generator=g)
+        runner.forward(sids, torch.cat([last, drafts], dim=1), [5, 5, 5])
+        kept = {b: drafts[b, :a].tolist() for b, a in enumerate((2, 0, 4))}
+        path = None
+    acc = torch.tensor([len(kept[b]) for b in range(3)])
+    q = 4
+    ids = torch.randint(3, 500, (3, q), generator=g)  # each row's new token, then the next drafts or nodes
+    tree = TokenTree(torch.tensor([[-1, 0, 0]] * 3)) if nxt_tree else None  # nodes 1, 2 both under node 0
+    out = runner.forward_from_verdict(sids, [len(p) for p in prompts], acc, ids, path=path, tree=tree).logits
+    native = runners["native"]
+    for b in range(3):
+        ctx = prompts[b] + kept[b]
+        paths = [[0], [0, 1], [0, 2]] if nxt_tree else [[0], [0, 1], [0, 1, 2]]
+        assert (out[b, 0] - chain_logits(native, ctx + [int(ids[b, 0])])).abs().max().item() < 1e-4
+        for c, cols in enumerate(paths, start=1):
+            seq = ctx + [int(ids[b, 0])] + [int(ids[b, i + 1]) for i in cols]
+            assert (out[b, c] - chain_logits(native, seq)).abs().max().item() < 1e-4, (verified, b, c)
+    # keep the new token and the first next draft, as a host would after the next verify
+    for b, sid in enumerate(sids):
+        runner.truncate(sid, len(prompts[b]) + int(acc[b]) + 2)
+    nxt = torch.randint(3, 500, (3, 1), generator=g)
+    got = runner.forward(sids, nxt, [1, 1, 1]).logits[:, 0]
+    for b in range(3):
+        seq = prompts[b] + kept[b] + [int(ids[b, 0]), int(ids[b, 1]), int(nxt[b, 0])]
+        assert (got[b] - chain_logits(native, seq)).abs().max().item() < 1e-4, (verified, b)
+    for sid in sids:
+        runner.remove(sid)
+
+
 _ids = itertools.count(10_000)
 
 
