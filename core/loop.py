@@ -247,7 +247,7 @@ class DraftVerifyLoop:
         # the next drafts start on the device now, while the verdict is copied and read
         launched = self._draft_from_verdict(seqs, plan, verdict, out, ahead, failed_rows)
         # ... and the target's next forward on them, when the runner can place it from the device
-        vf = self._forward_from_verdict(seqs, verdict, launched) if launched is not None else None
+        vf = self._forward_from_verdict(seqs, verdict, launched, failed_rows) if launched is not None else None
         if self.overlap and ahead and not k_step and self.length.varies and not failed_rows:
             self._choose_next(seqs)  # nothing was asked of the proposer: this step teaches the policy nothing
         if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
@@ -441,12 +441,15 @@ class DraftVerifyLoop:
         self.drafted_from_verdict += launched is not None
         return launched
 
-    def _forward_from_verdict(self, seqs: list[Sequence], verdict: Verdict, draft: Draft) -> "_VerdictForward | None":
+    def _forward_from_verdict(self, seqs: list[Sequence], verdict: Verdict, draft: Draft,
+                              failed_rows: dict[int, str]) -> "_VerdictForward | None":
         """Launch the next verify forward on the new tokens and the drafts just launched from
         the verdict (a chain, or a tree's nodes), with both still on the device (the runner
         moves a tree's accepted path into place and places each row from its accepted count:
         ``forward_from_verdict``). The step's bookkeeping then keeps its K/V and the plan
-        ahead takes it (:meth:`_plan_ahead`), or it is dropped."""
+        ahead takes it (:meth:`_plan_ahead`), or it is dropped. If the runner raises on a
+        tree step, the path's K/V may have moved already: those rows fail (``failed_rows``)
+        rather than risk a second move, and the feature is turned off."""
         if not (self.forward_from_verdict and (draft.tree is None) == (verdict.path is None)):
             return None
         k = self._policy_k(seqs)  # a fixed k (drafting from the verdict plans ahead only then)
@@ -470,6 +473,9 @@ class DraftVerifyLoop:
             self.forward_from_verdict = False
             self._once("runner", f"runner {type(self.target).__name__}.forward_from_verdict failed ({exc!r}); "
                                  "the next forward waits for the verdict on the host again")
+            if verdict.path is not None:
+                for b in range(B):
+                    failed_rows.setdefault(b, f"the verify forward launched from the verdict failed ({exc!r})")
             return None
         if out is None:  # no room for the longest outcome now
             return None

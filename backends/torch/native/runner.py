@@ -190,8 +190,10 @@ class NativeRunner:
         extended for the longest outcome (``q`` positions past its current length, which
         covers every count of the verify just run); once it knows them the caller truncates
         each row to ``start + count + q`` (what this forward wrote) or, dropping it, to
-        ``start + count``. None (nothing allocated or launched) when the cache has no room
-        for the longest outcome."""
+        ``start + count``. None (nothing allocated, moved or launched) when the cache has no
+        room for the longest outcome or no graph could be captured for the shape."""
+        if not self.forwards_from_verdict:
+            return None
         B, q = token_ids.shape
         before = [self.allocator.length(sid) for sid in seq_ids]
         try:
@@ -223,7 +225,18 @@ class NativeRunner:
                                                     acc, ids, hidden_layers, path, cols)
             return ForwardOutput(logits=logits, hidden_states=hidden)
         key = (Bb, q, nb, hidden_layers, tree is not None, 0 if path is None else path.shape[1], "verdict")
-        graph, bufs = self._graphs.get(key) or self._capture_from_verdict(key)
+        entry = self._graphs.get(key)
+        if entry is None:
+            try:  # (a capture runs on zeroed inputs: it moves and writes nothing but scratch slots)
+                entry = self._capture_from_verdict(key)
+            except Exception as exc:  # nothing launched: the caller goes on as before, and so do later steps
+                log.warning("%s: no CUDA graph for a forward from the verdict (%r); such forwards are off", self.name,
+                            exc)
+                self.forwards_from_verdict = False
+                for sid, n in zip(seq_ids, before):
+                    self.allocator.truncate(sid, n)
+                return None
+        graph, bufs = entry
         h = graph.host()
         h[: Bb * nb] = blk.reshape(-1)
         h[Bb * nb:] = start

@@ -259,6 +259,38 @@ def test_mtp_forward_launched_from_the_verdict_changes_nothing(target, trained, 
     assert loop.forwards_from_verdict > 10 and loop.drafted_from_verdict >= loop.forwards_from_verdict
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_failing_forward_from_the_verdict_is_turned_off(target, trained, shape):
+    """A runner whose forward from the verdict raises: the feature is off from then on and the
+    engine serves on. After a chain verify nothing was moved, so no request fails; after a
+    tree verify the path's K/V may have moved already, so that step's requests finish with
+    an error rather than risk a second move. Every other output equals plain decoding."""
+    from speculum.testing import use_static_chain_drafts
+    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = make_llm(target, spec, max_num_seqs=4)
+    if shape == "chain":
+        use_static_chain_drafts(llm)
+    llm.loop.overlap = llm.loop.forward_from_verdict = True
+    calls = []
+
+    def boom(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    llm.loop.target.forward_from_verdict = boom
+    outs = llm.generate(prompts, params)
+    plain = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params)]
+    assert calls == [1] and not llm.loop.forward_from_verdict
+    failed = [o.outputs[0].finish_reason == "error" for o in outs]
+    if shape == "tree":  # the step's three rows
+        assert all(failed) and all("launched from the verdict failed" in o.error for o in outs)
+    else:  # drafting from the verdict goes on
+        assert not any(failed) and llm.loop.drafted_from_verdict > 5
+        assert [o.outputs[0].token_ids for o in outs] == plain
+
+
 @pytest.mark.parametrize("shape", ["chain", "tree", "chain+forward", "tree+forward"])
 def test_mtp_drafts_made_from_the_verdict_under_preemption(target, trained, shape):
     """The same with a KV budget that forces preemption (rows leave and come back while
