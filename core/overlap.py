@@ -36,7 +36,7 @@ class Overlap:
         """Whether the next step is a plain decode of these rows whose forward may start now:
         no row will draft, no logprobs are read from this step's logits (the next forward
         overwrites them), no row failed. Hidden states a head still reads are copied first
-        (:func:`_keep_states`): a head's plain steps (``"auto"`` or a schedule switching
+        (:func:`speculum.loop._keep_states`): a head's plain steps (``"auto"`` or a schedule switching
         drafting off under load) overlap as decoding without speculation does.
 
         Under a length policy that varies k (``"auto"``, a batch-size schedule) the next
