@@ -33,11 +33,12 @@ class Overlap:
     """Methods of :class:`~speculum.loop.DraftVerifyLoop` that launch the next step's work ahead."""
 
     def _may_run_ahead(self, seqs: list[Sequence], failed_rows: dict) -> bool:
-        """Whether the next step is a plain decode of these rows whose forward may start now:
-        no row will draft, no logprobs are read from this step's logits (the next forward
-        overwrites them), no row failed. Hidden states a head still reads are copied first
-        (:func:`speculum.loop._keep_states`): a head's plain steps (``"auto"`` or a schedule switching
-        drafting off under load) overlap as decoding without speculation does.
+        """Whether the next step is a plain decode of these rows whose forward may start
+        now: no row will draft, no logprobs are read from this step's logits (the next
+        forward overwrites them), no row failed. Hidden states a head still reads are copied
+        first (:func:`speculum.loop._keep_states`): a head's plain steps (``"auto"`` or a
+        schedule switching drafting off under load) overlap as decoding without speculation
+        does.
 
         Under a length policy that varies k (``"auto"``, a batch-size schedule) the next
         step's k is chosen before this decision (:meth:`_choose_next`), so rows that may
