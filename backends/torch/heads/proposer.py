@@ -391,7 +391,12 @@ class ChainHeadProposer:
                 self.pending[s] = None  # consumed: the cache now holds them
             for b in rows:
                 lengths[b] = N
-        token_ids, parents, depth, anc = tree_rows(B, N, rows, out, dev)
+        return self._tree_draft(B, rows, out, lengths)
+
+    def _tree_draft(self, B: int, rows: list[int], out, lengths: list[int]) -> Draft:
+        """The Draft of ``rows`` (of ``B``) from the drafting function's unpacked trees ``out``."""
+        spec = self.tree
+        token_ids, parents, depth, anc = tree_rows(B, spec.num_nodes, rows, out, self.device)
         tree = TokenTree(parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children)
         return Draft(token_ids=token_ids, lengths=lengths, tree=tree)
 
@@ -447,10 +452,8 @@ class ChainHeadProposer:
         if self.tree is None:
             draft = Draft(token_ids=out, lengths=[out.shape[1]] * R)
         else:
-            spec, N = self.tree, self.tree.num_nodes
-            token_ids, parents, depth, anc = tree_rows(R, N, list(range(R)), unpack_tree(out, N), self.device)
-            draft = Draft(token_ids=token_ids, lengths=[N] * R, tree=TokenTree(
-                parents, depth=depth, ancestors=anc, max_depth=spec.depth, max_children=spec.max_children))
+            N = self.tree.num_nodes
+            draft = self._tree_draft(R, list(range(R)), unpack_tree(out, N), [N] * R)
         self._launched = _Launched(tuple(seq_ids), dict(zip(seq_ids, bases)), feats, draft)
         self._before = {}  # the last propose was verified: nothing of it to take back
         return draft
