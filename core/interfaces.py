@@ -193,7 +193,7 @@ class VerdictDrafter(RewindableProposer, Protocol):
     those drafts, or :meth:`~RewindableProposer.rewind`, which takes them back. The
     verdict is a chain's (``path`` None: the accepted drafts are the first columns) or a
     tree's (``path``: the accepted nodes); a proposer that drafts only one of them
-    returns False for the other.
+    returns None for the other.
     """
 
     def draft_from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,

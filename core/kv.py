@@ -185,18 +185,24 @@ class PagedKVAllocator:
         if rows * q <= 256:  # a decode or verify step: Python lists beat a dozen numpy calls on small rows
             return self._step_slots_small(seq_ids, num_tokens, q, rows, num_blocks)
         n = len(seq_ids)
-        blk = np.zeros((rows, num_blocks), dtype=np.int64)
+        blk = self.block_tables(seq_ids, rows, num_blocks)
         ends = np.zeros(rows, dtype=np.int64)
-        for b, sid in enumerate(seq_ids):
-            table = self.block_table(sid)
-            blk[b, : len(table)] = table
-            ends[b] = self.length(sid)
+        ends[:n] = [self.length(sid) for sid in seq_ids]
         starts = ends.copy()
         starts[:n] -= np.asarray(num_tokens, dtype=np.int64)
         pos = starts[:, None] + np.arange(q, dtype=np.int64)[None, :]
         slot = np.take_along_axis(blk, np.minimum(pos // bs, num_blocks - 1), axis=1) * bs + pos % bs
         wsl = np.where(pos < ends[:, None], slot, pos % bs)
         return pos, wsl, blk
+
+    def block_tables(self, seq_ids, rows: int, num_blocks: int) -> np.ndarray:
+        """The sequences' block tables as one int64 array ``[rows, num_blocks]`` (0-padded:
+        padding rows and slots past a table read the scratch block 0)."""
+        blk = np.zeros((rows, num_blocks), dtype=np.int64)
+        for b, sid in enumerate(seq_ids):
+            table = self.block_table(sid)
+            blk[b, : len(table)] = table
+        return blk
 
     def _step_slots_small(self, seq_ids, num_tokens, q: int, rows: int, num_blocks: int):
         """:meth:`step_slots` built as lists (the same arrays)."""

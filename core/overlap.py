@@ -128,15 +128,12 @@ class Overlap:
         acc = verdict.num_accepted.to(dev, torch.int64)
         first = verdict.token_ids.to(dev).gather(1, acc.view(B, 1))  # each row's new token
         ids = torch.cat([first, draft.token_ids[:, :k].to(dev)], dim=1)
-        sids = [s.seq_id for s in seqs]
-        before = [self.target.length(sid) for sid in sids]
+        before = {s.seq_id: self.target.length(s.seq_id) for s in seqs}
         try:
-            out = self.target.forward_from_verdict(sids, [len(s.token_ids) for s in seqs], acc, ids,
+            out = self.target.forward_from_verdict(list(before), [len(s.token_ids) for s in seqs], acc, ids,
                                                    self.hidden_layers, path=verdict.path, tree=draft.tree)
         except Exception as exc:  # the forward waits for the host again
-            for sid, n in zip(sids, before):
-                if self.target.length(sid) > n:
-                    self.target.truncate(sid, n)
+            self._cut_back(before)
             self.forward_from_verdict = False
             self._once("runner", f"runner {type(self.target).__name__}.forward_from_verdict failed ({exc!r}); "
                                  "the next forward waits for the verdict on the host again")
@@ -153,10 +150,13 @@ class Overlap:
         """A forward launched from the verdict that no step will use: each row still running
         keeps only its own K/V (the bookkeeping recorded its length in ``vf.bases``)."""
         self.ahead_dropped += 1
-        for s in seqs:
-            base = vf.bases.get(s.seq_id)
-            if base is not None and not s.finished and self.target.length(s.seq_id) > base:
-                self.target.truncate(s.seq_id, base)
+        self._cut_back({s.seq_id: vf.bases[s.seq_id] for s in seqs if s.seq_id in vf.bases and not s.finished})
+
+    def _cut_back(self, bases: dict[int, int]) -> None:
+        """Truncate each sequence longer than its KV length in ``bases`` back to it."""
+        for sid, base in bases.items():
+            if self.target.length(sid) > base:
+                self.target.truncate(sid, base)
 
     def _claim_planned(self, seqs: list[Sequence], k_step: int) -> "_Ahead | None":
         """The step drafted and launched ahead by :meth:`_plan_ahead`, if it is this step:
@@ -188,9 +188,7 @@ class Overlap:
         try:
             return bases, self.target.forward(list(bases), inputs, num_tokens, self.hidden_layers, **extra)
         except KVCacheFull:
-            for sid, base in bases.items():
-                if self.target.length(sid) > base:
-                    self.target.truncate(sid, base)
+            self._cut_back(bases)
             return None
 
     def _drop(self, ahead: "_Ahead") -> None:

@@ -30,7 +30,7 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdi
     # a draft is accepted when it and every draft before it match (-1 padding never does)
     accepted = (drafts == argmax[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
     keep = torch.arange(k1, device=argmax.device).view(1, k1) <= accepted.view(B, 1)
-    return Verdict(token_ids=torch.where(keep, argmax, torch.full_like(argmax, -1)), num_accepted=accepted)
+    return Verdict(token_ids=argmax.masked_fill(~keep, -1), num_accepted=accepted)
 
 
 class GreedyVerifier:

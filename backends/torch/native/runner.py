@@ -196,21 +196,22 @@ class NativeRunner:
             return None
         B, q = token_ids.shape
         before = [self.allocator.length(sid) for sid in seq_ids]
-        try:
-            for sid in seq_ids:
-                self.allocator.allocate(sid, q)
-        except KVCacheFull:  # every row as before
+
+        def undo() -> None:  # every row as before: nothing allocated
             for sid, n in zip(seq_ids, before):
                 if self.allocator.length(sid) > n:
                     self.allocator.truncate(sid, n)
+
+        try:
+            for sid in seq_ids:
+                self.allocator.allocate(sid, q)
+        except KVCacheFull:
+            undo()
             return None
         need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
         Bb = bucket(B, BATCH_BUCKETS) if self.cuda_graphs else B
         nb = bucket(max(need, 1), self._block_buckets)
-        blk = np.zeros((Bb, nb), dtype=np.int64)
-        for b, sid in enumerate(seq_ids):
-            table = self.allocator.block_table(sid)
-            blk[b, : len(table)] = table
+        blk = self.allocator.block_tables(seq_ids, Bb, nb)
         start = np.zeros(Bb, dtype=np.int64)
         start[:B] = [int(n) for n in starts]
         dev = self.device
@@ -233,8 +234,7 @@ class NativeRunner:
                 log.warning("%s: no CUDA graph for a forward from the verdict (%r); such forwards are off", self.name,
                             exc)
                 self.forwards_from_verdict = False
-                for sid, n in zip(seq_ids, before):
-                    self.allocator.truncate(sid, n)
+                undo()
                 return None
         graph, bufs = entry
         h = graph.host()

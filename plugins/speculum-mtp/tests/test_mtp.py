@@ -213,35 +213,17 @@ FROM_VERDICT = {"chain": {"num_speculative_tokens": 3},
                 "tree": {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}}
 
 
+@pytest.mark.parametrize("forward", [False, True], ids=["", "forward"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_mtp_drafts_made_from_the_device_verdict_change_nothing(target, trained, shape):
+def test_mtp_drafts_made_from_the_device_verdict_change_nothing(target, trained, shape, forward):
     """Overlapped greedy steps (forced on: a CPU engine does not overlap) with an MTP head
     drafting chains or token trees: each next draft starts from the verdict still on the
     device (``VerdictDrafter``), is settled by observe, taken by the plan ahead or rewound
-    when an abort or a join changes the batch. Outputs equal plain decoding, and drafts and
-    acceptance equal a run without overlap on the same schedule."""
-    from speculum.testing import assert_overlap_changes_nothing, use_static_chain_drafts
-    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
-    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-
-    def build(target, spec=None, **kw):
-        llm = make_llm(target, spec, **kw)
-        if spec is not None and shape == "chain":
-            use_static_chain_drafts(llm)
-        return llm
-
-    _, loop = assert_overlap_changes_nothing(build, target, spec, prompts, params)
-    assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
-
-
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_mtp_forward_launched_from_the_verdict_changes_nothing(target, trained, shape):
-    """The next verify forward launched from the device verdict as well
-    (``SPECULUM_FORWARD_FROM_VERDICT=1``: the runner moves a tree's accepted path into place
-    and places each row's tokens from its accepted count): outputs equal plain decoding,
-    every verified draft and acceptance equal a run without overlap, through an abort and a
-    join."""
+    when an abort or a join changes the batch. With ``forward`` the next verify forward is
+    launched from the verdict as well (``SPECULUM_FORWARD_FROM_VERDICT=1``: the runner moves
+    a tree's accepted path into place and places each row's tokens from its accepted count).
+    Outputs equal plain decoding, and every verified draft and acceptance equal a run
+    without overlap on the same schedule."""
     from speculum.testing import assert_overlap_changes_nothing, use_static_chain_drafts
     spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
@@ -252,11 +234,15 @@ def test_mtp_forward_launched_from_the_verdict_changes_nothing(target, trained, 
         if spec is not None:
             if shape == "chain":
                 use_static_chain_drafts(llm)
-            llm.loop.forward_from_verdict = True  # used only where the loop overlaps
+            llm.loop.forward_from_verdict = forward  # used only where the loop overlaps
         return llm
 
     _, loop = assert_overlap_changes_nothing(build, target, spec, prompts, params)
-    assert loop.forwards_from_verdict > 10 and loop.drafted_from_verdict >= loop.forwards_from_verdict
+    assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+    if forward:
+        assert loop.forwards_from_verdict > 10 and loop.drafted_from_verdict >= loop.forwards_from_verdict
+    else:
+        assert loop.forwards_from_verdict == 0
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
