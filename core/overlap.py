@@ -139,7 +139,9 @@ class Overlap:
                                  "the next forward waits for the verdict on the host again")
             if verdict.path is not None:
                 for b in range(B):
-                    failed_rows.setdefault(b, f"the verify forward launched from the verdict failed ({exc!r})")
+                    failed_rows.setdefault(b, f"the verify forward launched from the verdict failed ({exc!r}); "
+                                              "send the request again (the engine now waits for the verdict on "
+                                              "the host), and leave SPECULUM_FORWARD_FROM_VERDICT unset to avoid it")
             return None
         if out is None:  # no room for the longest outcome now
             return None
