@@ -17,6 +17,8 @@ from speculum.spec_length import parse_schedule
 
 NGRAM_ALIASES = ("ngram", "[ngram]")
 DRAFT_SAMPLE_METHODS = ("sample", "greedy")
+#: what a step launches from the verifier's verdict while it is still on the device
+FROM_VERDICT = ("off", "draft", "forward")
 
 
 def _positive_or_none(_inst, attribute, value):
@@ -95,6 +97,12 @@ class SpeculativeConfig:
     #: vLLM's older switch: no drafts once this many requests run together (the same as
     #: {"1-(N-1)": k, "N-...": 0}); not together with num_speculative_tokens_per_batch_size
     disable_by_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
+    #: what the next step launches from the verdict still on the device, before the host reads
+    #: it (CUDA with overlap; methods whose proposer is a VerdictDrafter, i.e. the heads):
+    #: "draft" (default) the next drafts, "forward" the drafts and the target's verify forward
+    #: too (not measured to pay yet), "off" nothing (drafting waits for the host's copy). The
+    #: outputs are the same for every value; see docs/architecture.md, "Overlap".
+    from_verdict: str = "draft"
 
     def __attrs_post_init__(self):
         from speculum.tree import tree_from_config
@@ -120,6 +128,9 @@ class SpeculativeConfig:
                 f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, "
                 f"got {self.draft_sample_method!r}"
             )
+        if self.from_verdict not in FROM_VERDICT:
+            raise ConfigError(f"from_verdict must be one of {', '.join(FROM_VERDICT)}, got {self.from_verdict!r} "
+                              "(what the next step launches from the verdict still on the device)")
         parse_schedule(self.num_speculative_tokens_per_batch_size, k)  # raises ConfigError when malformed
         if self.disable_by_batch_size is not None and self.num_speculative_tokens_per_batch_size is not None:
             raise ConfigError("give num_speculative_tokens_per_batch_size or disable_by_batch_size, not both "

@@ -127,7 +127,8 @@ class LLM:
         #: a CPU computes the forward on the host thread itself)
         self.overlap = bool(overlap) and self.target.device.type == "cuda"
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers,
-                                    length=self.spec_length, trees=tree is not None, overlap=self.overlap)
+                                    length=self.spec_length, trees=tree is not None, overlap=self.overlap,
+                                    from_verdict=spec_cfg.from_verdict if spec_cfg is not None else "off")
         self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs,
                                    lookahead=self.lookahead, max_num_batched_tokens=max_num_batched_tokens)
         self._seed_gen = make_generator(seed)

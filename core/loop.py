@@ -44,7 +44,6 @@ path order, as a chain's would.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Sequence as Seq
 
@@ -72,7 +71,8 @@ class DraftVerifyLoop(Overlap):
 
     def __init__(self, target: ModelRunner, verifier: Verifier, tokenizer: Tokenizer,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 hidden_layers: Seq[int] = (), length=None, trees: bool = False, overlap: bool = False):
+                 hidden_layers: Seq[int] = (), length=None, trees: bool = False, overlap: bool = False,
+                 from_verdict: str = "draft"):
         self.target = target
         self.verifier = verifier
         self.tokenizer = tokenizer
@@ -93,17 +93,15 @@ class DraftVerifyLoop(Overlap):
         #: a stateful proposer that can take back a propose may draft the next step ahead
         self.rewindable = self.stateful and isinstance(proposer, RewindableProposer)
         #: ... and one that drafts from a verdict still on the device starts the next step's
-        #: drafting (chain or tree) before the host reads that verdict (:class:`VerdictDrafter`)
-        #: (``SPECULUM_DRAFT_FROM_VERDICT=0`` in the environment: after the copy, as before; a benchmark's "before")
-        self.from_verdict = (self.rewindable and isinstance(proposer, VerdictDrafter)
-                             and os.environ.get("SPECULUM_DRAFT_FROM_VERDICT", "1") != "0")
+        #: drafting (chain or tree) before the host reads that verdict (:class:`VerdictDrafter`);
+        #: the speculative config's ``from_verdict`` ("off": after the copy, a benchmark's "before")
+        self.from_verdict = (self.rewindable and isinstance(proposer, VerdictDrafter) and from_verdict != "off")
         #: steps whose next drafts started from the device verdict
         self.drafted_from_verdict = 0
         #: ... and whose next verify forward was launched from it too, before the host read
-        #: the verdict (a runner with ``forward_from_verdict``); off unless
-        #: ``SPECULUM_FORWARD_FROM_VERDICT=1`` (not measured on a GPU yet)
+        #: the verdict (a runner with ``forward_from_verdict``; ``from_verdict="forward"``)
         self.forward_from_verdict = (self.from_verdict and getattr(target, "forwards_from_verdict", False)
-                                     and os.environ.get("SPECULUM_FORWARD_FROM_VERDICT", "0") == "1")
+                                     and from_verdict == "forward")
         #: steps whose next forward was launched from the device verdict
         self.forwards_from_verdict = 0
         self._said: set[str] = set()

@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N heaviest functions per config")
     p.add_argument("--dump", default=None, metavar="PREFIX", help="with --cprofile: write PREFIX.CONFIG.B.prof")
     p.add_argument("--no-overlap", action="store_true", help="LLM(overlap=False)")
+    p.add_argument("--from-verdict", default="draft", choices=("off", "draft", "forward"),
+                   help="the speculative config's from_verdict: what a step launches from the device verdict")
     p.add_argument("--critical", action="store_true",
                    help="also time the host's critical path: from the moment the verdict reaches the host to "
                         "the next launch of the head's drafting and of the target's forward (medians)")
@@ -99,6 +101,8 @@ def main(argv=None) -> int:
         spec = CONFIGS[name]
         if spec is not None and head is not None:
             spec = {**spec, "model": head}
+        if spec is not None:
+            spec = {**spec, "from_verdict": args.from_verdict}
         llm = LLM(model, spec, device=args.device, dtype=args.dtype, threads=args.threads,
                   max_num_seqs=max(sizes), overlap=not args.no_overlap,
                   **({"kv_cache_memory": 64 << 20} if tiny else {}))
@@ -160,7 +164,7 @@ def critical_path(llm, prompts: list, params) -> dict[str, float]:
     same step: the work the GPU waits through when the next step is launched from the host.
     Chains and trees drafted from the device verdict (:class:`speculum.interfaces.VerdictDrafter`)
     are launched before it reaches the host: ``head draft from the verdict`` is then negative,
-    and so is ``target forward from the verdict`` (``SPECULUM_FORWARD_FROM_VERDICT=1``).
+    and so is ``target forward from the verdict`` (``--from-verdict forward``).
     Off CUDA the timed calls run their compute inline, so read the launch times only."""
     import speculum.loop as loop_mod
     marks: list[tuple[str, float]] = []

@@ -130,6 +130,13 @@ def test_draft_sample_method(build):
     assert cfg.draft_sample_method == "greedy"
 
 
+def test_from_verdict(build):
+    with pytest.raises(ConfigError, match="from_verdict must be one of off, draft, forward, got 'yes'"):
+        build({"method": "ngram", "num_speculative_tokens": 3, "from_verdict": "yes"})
+    assert build({"method": "ngram", "num_speculative_tokens": 3}).from_verdict == "draft"
+    assert build({"method": "ngram", "num_speculative_tokens": 3, "from_verdict": "forward"}).from_verdict == "forward"
+
+
 def test_method_or_model_needed(build):
     with pytest.raises(ConfigError, match="needs a 'method' or a 'model'"):
         build({"num_speculative_tokens": 3})

@@ -64,14 +64,13 @@ def test_graphed_medusa_drafting_is_lossless_and_matches_eager(target, tmp_path_
 @pytest.mark.parametrize("shape", [{"num_speculative_tokens": 3},
                                    {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}], ids=["chain", "tree"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_graphed_forward_from_the_verdict_is_lossless(target, heads, method, shape, monkeypatch):
-    """``SPECULUM_FORWARD_FROM_VERDICT=1``: the next verify forward (a chain's or a tree's) is a
+def test_graphed_forward_from_the_verdict_is_lossless(target, heads, method, shape):
+    """``from_verdict: "forward"``: the next verify forward (a chain's or a tree's) is a
     CUDA graph of its own, launched from the device verdict (a tree's accepted path moved,
     positions and write slots from the accepted count); outputs equal plain decoding and
     such forwards ran."""
     from speculum import LLM
-    monkeypatch.setenv("SPECULUM_FORWARD_FROM_VERDICT", "1")
-    spec = {"method": method, "model": str(heads[method]), **shape}
+    spec = {"method": method, "model": str(heads[method]), "from_verdict": "forward", **shape}
     ref = LLM(str(target), device="cuda", dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
     llm = LLM(str(target), spec, device="cuda", dtype="float32", max_num_seqs=4)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [r.token_ids for r in ref]

@@ -109,6 +109,8 @@ def method_name(config: dict | None, resolved_method: str | None = None) -> str:
     lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
     if lo is not None or hi is not None:
         how = f",n={lo if lo is not None else ''}-{hi if hi is not None else ''}{how}"
+    if config.get("from_verdict") not in (None, "draft"):  # the default goes unnamed
+        how += f",{config['from_verdict']}"
     if tree is not None:
         return f"{method}({tree.label()}{how})"
     return f"{method}(k={config.get('num_speculative_tokens')}{how})"

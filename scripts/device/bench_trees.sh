@@ -20,6 +20,8 @@
 # these trees for every method instead of the sweep's best (Medusa: depth capped at its 4 heads).
 # HEAD_KERNELS=torch: the heads draft on plain torch kernels (the "before" of 72e1646).
 # MEDUSA_TREE=FILE: b1b also runs the static Medusa tree of scripts/medusa_tree.py's JSON FILE.
+# VERDICT="off draft forward": b1, b1a, b1b and quick run each head config once per value of
+# from_verdict (what a step launches from the device verdict; docs/config.md), in one run.
 # NGRAM=0: b1 and b16 without their n-gram config; METHODS: b1's head methods (default all four).
 # Every part but tests prints its table and writes JSON to $OUT; b1a, b1b and b16 also the step
 # profile (--profile) of every config.
@@ -79,10 +81,17 @@ medusa_static() {
 c.update({'model': sys.argv[2]} if sys.argv[2] else {}); print(json.dumps(c))" "$MEDUSA_TREE" "$MH"
 }
 # ARGS += for each method given: its chain k=4, its trees, and for medusa MEDUSA_TREE's static tree
+# (VERDICT="off draft forward": each of them once per value of the config's from_verdict, in one run)
 heads() {
+  local A=() c v
   for m in "$@"; do
-    mapfile -t T < <(tm $m); ARGS+=(--method "$(chain $m)" "${T[@]}")
-    [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && ARGS+=(--method "$(medusa_static)")
+    mapfile -t T < <(tm $m); A+=(--method "$(chain $m)" "${T[@]}")
+    [ $m = medusa ] && [ -n "$MEDUSA_TREE" ] && A+=(--method "$(medusa_static)")
+  done
+  if [ -z "$VERDICT" ]; then ARGS+=("${A[@]}"); return; fi
+  for c in "${A[@]}"; do
+    [ "$c" = --method ] && continue
+    for v in $VERDICT; do ARGS+=(--method "${c%\}},\"from_verdict\":\"$v\"}"); done
   done
 }
 case $PART in

@@ -220,12 +220,13 @@ def test_mtp_drafts_made_from_the_device_verdict_change_nothing(target, trained,
     drafting chains or token trees: each next draft starts from the verdict still on the
     device (``VerdictDrafter``), is settled by observe, taken by the plan ahead or rewound
     when an abort or a join changes the batch. With ``forward`` the next verify forward is
-    launched from the verdict as well (``SPECULUM_FORWARD_FROM_VERDICT=1``: the runner moves
+    launched from the verdict as well (``from_verdict: "forward"``: the runner moves
     a tree's accepted path into place and places each row's tokens from its accepted count).
     Outputs equal plain decoding, and every verified draft and acceptance equal a run
     without overlap on the same schedule."""
     from speculum.testing import assert_overlap_changes_nothing, use_static_chain_drafts
-    spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape]}
+    spec = {"method": "mtp", "model": str(trained), "from_verdict": "forward" if forward else "draft",
+            **FROM_VERDICT[shape]}
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
 
@@ -234,7 +235,7 @@ def test_mtp_drafts_made_from_the_device_verdict_change_nothing(target, trained,
         if spec is not None:
             if shape == "chain":
                 use_static_chain_drafts(llm)
-            llm.loop.forward_from_verdict = forward  # used only where the loop overlaps
+            assert llm.loop.forward_from_verdict == forward  # the config's; used only where the loop overlaps
         return llm
 
     _, loop = assert_overlap_changes_nothing(build, target, spec, prompts, params)
@@ -285,6 +286,23 @@ def test_mtp_drafts_made_from_the_verdict_under_preemption(target, trained, shap
     from speculum.testing import assert_drafts_from_verdict_under_preemption
     spec = {"method": "mtp", "model": str(trained), **FROM_VERDICT[shape.split("+")[0]]}
     assert_drafts_from_verdict_under_preemption(target, spec, KV_TIGHT, forward_from_verdict="+" in shape)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_from_verdict_off_drafts_after_the_copy(target, trained, shape):
+    """``from_verdict: "off"`` (a benchmark's "before"): with overlap forced on, no draft and
+    no forward starts from the device verdict, and the outputs still equal plain decoding."""
+    spec = {"method": "mtp", "model": str(trained), "from_verdict": "off", **FROM_VERDICT[shape]}
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = make_llm(target, spec, max_num_seqs=4)
+    llm.loop.overlap = True
+    assert not llm.loop.from_verdict and not llm.loop.forward_from_verdict
+    outs = llm.generate(prompts, params)
+    plain = make_llm(target).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.loop.drafted_from_verdict == llm.loop.forwards_from_verdict == 0
+    assert llm.metrics.num_accepted_tokens > 0
 
 
 def test_a_full_head_cache_makes_the_tree_wait_for_the_verdict(target, trained):
