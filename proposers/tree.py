@@ -169,11 +169,6 @@ def ex_device(ex) -> torch.device:
     return getattr(ex, "device", torch.device("cpu"))
 
 
-def topk_logprobs(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, ids) of the ``width`` best tokens of logits [..., V]."""
-    return logits.float().log_softmax(dim=-1).topk(width, dim=-1)
-
-
 def packed_tree(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """A drafted tree as one int64 tensor [R, 3N + N*N]: tokens, parents, depths and the
     ancestor matrix (the output of a graphed drafting function: no tree bookkeeping is

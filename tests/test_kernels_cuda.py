@@ -82,6 +82,32 @@ def test_silu_mul_matches_torch(dtype):
     assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,k", [((1, 8192), 8), ((2, 8, 8192), 8), ((3, 49152), 16), ((5, 1000), 4),
+                                     ((4, 700), 32), ((2, 40), 40)])
+def test_topk_logprobs_matches_torch(dtype, shape, k):
+    """The fused top-k of a tree level: the same ids as ``log_softmax`` + ``topk`` (distinct
+    random logits, so no ties), log-probs within float32 rounding; vocabularies that are not
+    a multiple of the chunk; k past ``TOPK_MAX_K`` takes the torch path."""
+    x = (torch.randn(*shape, generator=_gen(3)) * 4).to(DEV).to(dtype)
+    lp, ids = kernels.topk_logprobs(x, k)
+    ref_lp, ref_ids = kernels.topk_logprobs_torch(x, k)
+    assert lp.shape == ids.shape == (*shape[:-1], k) and lp.dtype == torch.float32 and ids.dtype == torch.int64
+    if dtype == torch.float32:  # bf16 logits tie often: compare the values chosen there
+        assert torch.equal(ids, ref_ids)
+    assert torch.allclose(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    assert torch.equal(x.float().gather(-1, ids), x.float().gather(-1, ref_ids))
+
+
+def test_topk_logprobs_breaks_ties_by_the_lower_id():
+    """Equal logits come out in id order (``torch.topk`` leaves it open): the tree a graph
+    drafts does not depend on how a kernel happens to order them."""
+    x = torch.zeros(2, 3000, device=DEV)
+    x[:, [2999, 5, 1500, 1024]] = 1.0
+    _, ids = kernels.topk_logprobs(x, 6)
+    assert ids.tolist() == [[5, 1024, 1500, 2999, 0, 1]] * 2
+
+
 def test_fused_kernels_step_aside_where_a_gradient_is_wanted():
     """The kernels have no backward: with a gradient wanted they fall back to torch, so a
     head trained on the GPU trains every weight (the fifth and sixth sessions' EAGLE-3 runs

@@ -44,7 +44,8 @@ from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.interfaces import KVCacheFull
 from speculum.kv import blocks_for
-from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size, topk_logprobs
+from speculum.backends.torch.native.kernels import topk_logprobs
+from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size
 from speculum.tree import TreeSpec, tree_attention_mask
 
 

@@ -5,6 +5,10 @@
   pools at their slots (one kernel instead of ~12).
 - ``silu_mul``: the gated MLP's ``silu(gate) * up`` from the fused gate/up projection
   (one kernel instead of two).
+- ``topk_logprobs``: the log-probabilities and ids of a head's ``k`` best tokens, what each
+  level of a drafted token tree chooses from (two kernels: ``torch.topk`` after a
+  ``log_softmax`` took 55-80 us per call on the H200 whatever the shape, ~40% of a tree's
+  drafting; docs/benchmarks.md, seventeenth session).
 
 Fewer launches matter because small-model steps are launch-bound even inside CUDA
 graphs. The torch versions define the semantics; tests compare the two on a GPU.
@@ -57,6 +61,15 @@ def rope_write_kv_torch(q, k, v, cos, sin, write_slots, k_pool, v_pool):
 def silu_mul_torch(gu: torch.Tensor, inter: int) -> torch.Tensor:
     g, u = gu.split(inter, dim=-1)
     return F.silu(g) * u
+
+
+def topk_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs float32, ids int64) of the ``k`` best tokens of logits [..., V]."""
+    return logits.float().log_softmax(dim=-1).topk(k, dim=-1)
+
+
+#: vocabulary entries per program of the first top-k kernel, and the largest k it serves
+TOPK_CHUNK, TOPK_MAX_K = 1024, 32
 
 
 if triton is not None:
@@ -116,6 +129,53 @@ if triton is not None:
         tl.store(out_ptr + row * N + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _topk_chunk_kernel(x_ptr, v_ptr, i_ptr, m_ptr, s_ptr, V, C, K: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per (row, chunk of BLOCK entries): the chunk's k best (value, index),
+        # best first, ties by the lower index, and its max and sum of exp(x - max) for the
+        # row's logsumexp
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        lanes = tl.arange(0, BLOCK)
+        offs = c * BLOCK + lanes
+        valid = offs < V
+        x = tl.load(x_ptr + row.to(tl.int64) * V + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        mx = tl.max(x, axis=0)
+        tl.store(m_ptr + row * C + c, mx)
+        tl.store(s_ptr + row * C + c, tl.sum(tl.where(valid, tl.exp(x - mx), 0.0), axis=0))
+        out = (row * C + c) * K
+        for j in tl.static_range(K):
+            best = tl.max(x, axis=0)
+            at = tl.argmax(x, axis=0)
+            tl.store(v_ptr + out + j, best)
+            tl.store(i_ptr + out + j, tl.minimum(c * BLOCK + at, V - 1).to(tl.int64))
+            x = tl.where(lanes == at, float("-inf"), x)
+
+    @triton.jit
+    def _topk_merge_kernel(v_ptr, i_ptr, m_ptr, s_ptr, lp_ptr, id_ptr, C, K: tl.constexpr, CB: tl.constexpr,
+                           CKB: tl.constexpr):
+        # one program per row: the k best of its chunks' candidates, minus the row's logsumexp
+        row = tl.program_id(0)
+        cs = tl.arange(0, CB)
+        cm = cs < C
+        m = tl.load(m_ptr + row * C + cs, mask=cm, other=float("-inf"))
+        top = tl.max(m, axis=0)
+        lse = top + tl.log(tl.sum(tl.where(cm, tl.load(s_ptr + row * C + cs, mask=cm, other=0.0)
+                                           * tl.exp(m - top), 0.0), axis=0))
+        lanes = tl.arange(0, CKB)
+        lm = lanes < C * K
+        v = tl.load(v_ptr + row * C * K + lanes, mask=lm, other=float("-inf"))
+        ids = tl.load(i_ptr + row * C * K + lanes, mask=lm, other=0)
+        for j in tl.static_range(K):
+            best = tl.max(v, axis=0)
+            at = tl.argmax(v, axis=0)
+            tl.store(lp_ptr + row * K + j, best - lse)
+            tl.store(id_ptr + row * K + j, tl.sum(tl.where(lanes == at, ids, 0), axis=0))
+            v = tl.where(lanes == at, float("-inf"), v)
+
+
 def wants_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records an op on ``tensors`` (None entries ignored)."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
@@ -153,6 +213,28 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
     out = torch.empty(g2.shape[0], inter, dtype=gu.dtype, device=gu.device)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, 1024))](g2, out, inter, BLOCK=1024)
     return out.view(*gu.shape[:-1], inter)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs float32, ids int64) of the ``k`` best tokens of logits [..., V], best
+    first: ``log_softmax`` then ``topk`` (:func:`topk_logprobs_torch`), fused on CUDA into two
+    kernels (each chunk's k best and its share of the logsumexp, then the row's k best
+    of those). Ties go to the lower id there; ``torch.topk`` leaves their order open."""
+    V = logits.shape[-1]
+    if not use_triton(logits) or k > TOPK_MAX_K or k > V:
+        return topk_logprobs_torch(logits, k)
+    x = logits.reshape(-1, V).contiguous()
+    R, C = x.shape[0], triton.cdiv(V, TOPK_CHUNK)
+    v = torch.empty(R, C, k, dtype=torch.float32, device=x.device)
+    i = torch.empty(R, C, k, dtype=torch.int64, device=x.device)
+    m = torch.empty(R, C, dtype=torch.float32, device=x.device)
+    s = torch.empty(R, C, dtype=torch.float32, device=x.device)
+    _topk_chunk_kernel[(R, C)](x, v, i, m, s, V, C, K=k, BLOCK=TOPK_CHUNK)
+    lp = torch.empty(R, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
+    _topk_merge_kernel[(R,)](v, i, m, s, lp, ids, C, K=k, CB=triton.next_power_of_2(C),
+                             CKB=triton.next_power_of_2(C * k))
+    return lp.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
 
 
 def rope_write_kv(qkv, nq, nkv, d, cos, sin, write_slots, k_pool, v_pool):

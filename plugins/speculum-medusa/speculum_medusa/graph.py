@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from speculum.backends.torch.heads import GraphPool, StaticGraph, bucket
-from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, topk_logprobs
+from speculum.backends.torch.heads import GraphPool, StaticGraph, bucket, topk_logprobs
+from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree
 from speculum.tree import TreeSpec
 
 

@@ -13,7 +13,7 @@ from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
-from speculum.proposers.tree import topk_logprobs
+from speculum.backends.torch.heads import topk_logprobs
 from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
                               assert_overlap_changes_nothing, record_drafts, record_trees, tiny_model_dir,
                               train_tiny, assert_training_starts_from)
