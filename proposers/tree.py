@@ -33,7 +33,11 @@ from speculum.tree import TreeSpec, tree_ancestors
 
 
 class Expander(Protocol):
-    """The draft model, one tree level at a time (see the module doc)."""
+    """The draft model, one tree level at a time (see the module doc).
+
+    An expander may also have ``topk(x, k)``: (values, indices) of the ``k`` largest of
+    ``x`` [R, n] with ties to the lower index, as :func:`topk_stable`; dynamic trees then
+    choose their frontiers and nodes with it (the torch heads' fused kernel on CUDA)."""
 
     def root(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [R, width], token ids [R, width]) of the root's best children."""
@@ -123,6 +127,7 @@ def dynamic_tree(ex: Expander, spec: TreeSpec) -> tuple[torch.Tensor, torch.Tens
     breadth-first order of their candidates."""
     K, D, N = spec.topk, spec.depth, spec.num_nodes
     S = max(region_size(spec), 1)
+    select = getattr(ex, "topk", topk_stable)  # an expander's own (fused) top-k, same order
     score, ids = ex.root(K)  # [R, K]
     R, dev = ids.shape[0], ids.device
     scores, tokens, parents = [score], [ids], [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
@@ -139,7 +144,7 @@ def dynamic_tree(ex: Expander, spec: TreeSpec) -> tuple[torch.Tensor, torch.Tens
         scores.append(cum)
         tokens.append(cid)
         parents.append(f_cand.repeat_interleave(K, dim=1))
-        f_score, top = cum.topk(K, dim=-1)
+        f_score, top = select(cum, K)
         pj = top // K  # which frontier node each new frontier node descends from
         # own[i, slots[i]]: built by comparison, not by an indexed write of a Python scalar
         # (that copies a CPU tensor, which a CUDA graph capture refuses)
@@ -148,7 +153,7 @@ def dynamic_tree(ex: Expander, spec: TreeSpec) -> tuple[torch.Tensor, torch.Tens
         f_parent, f_tok, f_cand = pj, cid.gather(1, top), base + top
         base += K * K
     all_s, all_t, all_p = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
-    best = all_s.sort(dim=1, descending=True, stable=True).indices[:, :N]
+    best = select(all_s, N)[1]
     sel = best.sort(dim=1).values  # [R, N] candidate order: parents before children
     inv = torch.full_like(all_p, -1).scatter_(1, sel, torch.arange(N, device=dev).expand(R, N))
     cp = all_p.gather(1, sel)
@@ -163,6 +168,12 @@ def draft_tree(ex: Expander, spec: TreeSpec, plan: StaticPlan | None = None) -> 
         tokens = static_tree(ex, plan)
         return tokens, plan.parents.expand(tokens.shape[0], -1)
     return dynamic_tree(ex, spec)
+
+
+def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the ``k`` largest of ``x`` [..., n], ties to the lower index."""
+    v, i = x.sort(dim=-1, descending=True, stable=True)
+    return v[..., :k], i[..., :k]
 
 
 def ex_device(ex) -> torch.device:

@@ -108,6 +108,22 @@ def test_topk_logprobs_breaks_ties_by_the_lower_id():
     assert ids.tolist() == [[5, 1024, 1500, 2999, 0, 1]] * 2
 
 
+@pytest.mark.parametrize("shape,k", [((1, 64), 8), ((3, 200), 31), ((2, 5000), 32), ((2, 40), 33)])
+def test_topk_keeps_a_stable_sorts_order(shape, k):
+    """The fused top-k of a tree's frontiers and nodes (raw values): exactly a stable
+    descending sort's first k, ties included (scores made of few distinct values), and
+    never an index twice even among -inf values."""
+    from speculum.proposers.tree import topk_stable
+    x = torch.randint(0, 6, shape, generator=_gen(5)).float().to(DEV)
+    x[..., ::7] = float("-inf")
+    v, i = kernels.topk(x, k)
+    rv, ri = topk_stable(x, k)
+    assert torch.equal(i, ri) and torch.equal(v, rv)
+    assert all(len(set(row)) == k for row in i.reshape(-1, k).tolist())
+    y = torch.full((2, 50), float("-inf"), device=DEV)  # every value -inf: still distinct indices
+    assert kernels.topk(y, 10)[1].tolist() == [list(range(10))] * 2
+
+
 def test_fused_kernels_step_aside_where_a_gradient_is_wanted():
     """The kernels have no backward: with a gradient wanted they fall back to torch, so a
     head trained on the GPU trains every weight (the fifth and sixth sessions' EAGLE-3 runs

@@ -37,7 +37,7 @@ from speculum.backends.torch.heads.layers import (HeadAttention, HeadDecoderLaye
 from speculum.backends.torch.heads.proposer import (ChainHead, ChainHeadProposer, TargetParts,
                                                     head_checkpoint_path, pick_tokens, target_weights)
 from speculum.backends.torch.native.arch import LlamaArch
-from speculum.backends.torch.native.kernels import topk_logprobs
+from speculum.backends.torch.native.kernels import topk, topk_logprobs
 
 __all__ = [
     # layers
@@ -47,6 +47,6 @@ __all__ = [
     "HeadKVCache", "PagedContext",
     # drafting
     "ChainHead", "ChainHeadProposer", "TargetParts", "head_checkpoint_path", "pick_tokens", "target_weights",
-    "HeadDraftGraphs", "HeadExpander", "HeadTreeGraphs", "greedy_tokens", "head_topk", "topk_logprobs",
+    "HeadDraftGraphs", "HeadExpander", "HeadTreeGraphs", "greedy_tokens", "head_topk", "topk", "topk_logprobs",
     "BATCH_BUCKETS", "GraphPool", "StaticGraph", "bucket",
 ]

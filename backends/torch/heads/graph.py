@@ -44,7 +44,7 @@ from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.interfaces import KVCacheFull
 from speculum.kv import blocks_for
-from speculum.backends.torch.native.kernels import topk_logprobs
+from speculum.backends.torch.native.kernels import topk, topk_logprobs
 from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size
 from speculum.tree import TreeSpec, tree_attention_mask
 
@@ -308,6 +308,9 @@ class HeadExpander:
         self.region_start, self.region_wsl = region_start, region_wsl
         self.device = h_root.device
         self.prev = h_root.unsqueeze(1)
+
+    #: frontiers and nodes of dynamic trees chosen by the fused top-k on CUDA
+    topk = staticmethod(topk)
 
     def root(self, width: int):
         return head_topk(self.head, self.h_root, width)

@@ -132,48 +132,60 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _topk_chunk_kernel(x_ptr, v_ptr, i_ptr, m_ptr, s_ptr, V, C, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _take_best(x, taken, lanes, BLOCK: tl.constexpr):
+        # the best value not taken yet and its lane (the lowest on ties; never a taken lane
+        # while one is left, even among -inf values)
+        best = tl.max(tl.where(taken, float("-inf"), x), axis=0)
+        at = tl.min(tl.where((x == best) & ~taken, lanes, BLOCK), axis=0)
+        return best, at
+
+    @triton.jit
+    def _topk_chunk_kernel(x_ptr, v_ptr, i_ptr, m_ptr, s_ptr, V, C, K: tl.constexpr, BLOCK: tl.constexpr,
+                           NORM: tl.constexpr):
         # one program per (row, chunk of BLOCK entries): the chunk's k best (value, index),
-        # best first, ties by the lower index, and its max and sum of exp(x - max) for the
-        # row's logsumexp
+        # best first, and (NORM) its max and sum of exp(x - max) for the row's logsumexp
         row = tl.program_id(0)
         c = tl.program_id(1)
         lanes = tl.arange(0, BLOCK)
         offs = c * BLOCK + lanes
         valid = offs < V
         x = tl.load(x_ptr + row.to(tl.int64) * V + offs, mask=valid, other=float("-inf")).to(tl.float32)
-        mx = tl.max(x, axis=0)
-        tl.store(m_ptr + row * C + c, mx)
-        tl.store(s_ptr + row * C + c, tl.sum(tl.where(valid, tl.exp(x - mx), 0.0), axis=0))
+        if NORM:
+            mx = tl.max(x, axis=0)
+            tl.store(m_ptr + row * C + c, mx)
+            tl.store(s_ptr + row * C + c, tl.sum(tl.where(valid, tl.exp(x - mx), 0.0), axis=0))
+        taken = ~valid
         out = (row * C + c) * K
         for j in tl.static_range(K):
-            best = tl.max(x, axis=0)
-            at = tl.argmax(x, axis=0)
+            best, at = _take_best(x, taken, lanes, BLOCK)
             tl.store(v_ptr + out + j, best)
             tl.store(i_ptr + out + j, tl.minimum(c * BLOCK + at, V - 1).to(tl.int64))
-            x = tl.where(lanes == at, float("-inf"), x)
+            taken = taken | (lanes == at)
 
     @triton.jit
     def _topk_merge_kernel(v_ptr, i_ptr, m_ptr, s_ptr, lp_ptr, id_ptr, C, K: tl.constexpr, CB: tl.constexpr,
-                           CKB: tl.constexpr):
-        # one program per row: the k best of its chunks' candidates, minus the row's logsumexp
+                           CKB: tl.constexpr, NORM: tl.constexpr):
+        # one program per row: the k best of its chunks' candidates (NORM: minus the row's
+        # logsumexp)
         row = tl.program_id(0)
-        cs = tl.arange(0, CB)
-        cm = cs < C
-        m = tl.load(m_ptr + row * C + cs, mask=cm, other=float("-inf"))
-        top = tl.max(m, axis=0)
-        lse = top + tl.log(tl.sum(tl.where(cm, tl.load(s_ptr + row * C + cs, mask=cm, other=0.0)
-                                           * tl.exp(m - top), 0.0), axis=0))
+        lse = 0.0
+        if NORM:
+            cs = tl.arange(0, CB)
+            cm = cs < C
+            m = tl.load(m_ptr + row * C + cs, mask=cm, other=float("-inf"))
+            top = tl.max(m, axis=0)
+            lse = top + tl.log(tl.sum(tl.where(cm, tl.load(s_ptr + row * C + cs, mask=cm, other=0.0)
+                                               * tl.exp(m - top), 0.0), axis=0))
         lanes = tl.arange(0, CKB)
         lm = lanes < C * K
         v = tl.load(v_ptr + row * C * K + lanes, mask=lm, other=float("-inf"))
         ids = tl.load(i_ptr + row * C * K + lanes, mask=lm, other=0)
+        taken = ~lm
         for j in tl.static_range(K):
-            best = tl.max(v, axis=0)
-            at = tl.argmax(v, axis=0)
+            best, at = _take_best(v, taken, lanes, CKB)
             tl.store(lp_ptr + row * K + j, best - lse)
             tl.store(id_ptr + row * K + j, tl.sum(tl.where(lanes == at, ids, 0), axis=0))
-            v = tl.where(lanes == at, float("-inf"), v)
+            taken = taken | (lanes == at)
 
 
 def wants_grad(*tensors: torch.Tensor | None) -> bool:
@@ -220,21 +232,37 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     first: ``log_softmax`` then ``topk`` (:func:`topk_logprobs_torch`), fused on CUDA into two
     kernels (each chunk's k best and its share of the logsumexp, then the row's k best
     of those). Ties go to the lower id there; ``torch.topk`` leaves their order open."""
-    V = logits.shape[-1]
-    if not use_triton(logits) or k > TOPK_MAX_K or k > V:
+    if not use_triton(logits) or not 0 < k <= min(TOPK_MAX_K, logits.shape[-1]):
         return topk_logprobs_torch(logits, k)
-    x = logits.reshape(-1, V).contiguous()
-    R, C = x.shape[0], triton.cdiv(V, TOPK_CHUNK)
+    return _fused_topk(logits, k, norm=True)
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float32, indices int64) of the ``k`` largest of ``x`` [..., n], ties to the
+    lower index (a stable descending sort's order, :func:`speculum.proposers.tree.topk_stable`),
+    fused on CUDA (the top-k kernels without the logsumexp)."""
+    if not use_triton(x) or not 0 < k <= min(TOPK_MAX_K, x.shape[-1]):
+        from speculum.proposers.tree import topk_stable
+        v, i = topk_stable(x, k)
+        return v.float(), i
+    return _fused_topk(x, k, norm=False)
+
+
+def _fused_topk(x: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    V = x.shape[-1]
+    x2 = x.reshape(-1, V).contiguous()
+    R, C = x2.shape[0], triton.cdiv(V, TOPK_CHUNK)
+    block = min(TOPK_CHUNK, triton.next_power_of_2(V))
     v = torch.empty(R, C, k, dtype=torch.float32, device=x.device)
     i = torch.empty(R, C, k, dtype=torch.int64, device=x.device)
-    m = torch.empty(R, C, dtype=torch.float32, device=x.device)
-    s = torch.empty(R, C, dtype=torch.float32, device=x.device)
-    _topk_chunk_kernel[(R, C)](x, v, i, m, s, V, C, K=k, BLOCK=TOPK_CHUNK)
-    lp = torch.empty(R, k, dtype=torch.float32, device=x.device)
+    m = torch.empty(R, C if norm else 1, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(m)
+    _topk_chunk_kernel[(R, C)](x2, v, i, m, s, V, C, K=k, BLOCK=block, NORM=norm)
+    out = torch.empty(R, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
-    _topk_merge_kernel[(R,)](v, i, m, s, lp, ids, C, K=k, CB=triton.next_power_of_2(C),
-                             CKB=triton.next_power_of_2(C * k))
-    return lp.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
+    _topk_merge_kernel[(R,)](v, i, m, s, out, ids, C, K=k, CB=triton.next_power_of_2(C),
+                             CKB=triton.next_power_of_2(C * k), NORM=norm)
+    return out.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
 
 
 def rope_write_kv(qkv, nq, nkv, d, cos, sin, write_slots, k_pool, v_pool):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from speculum.backends.torch.heads import GraphPool, StaticGraph, bucket, topk_logprobs
+from speculum.backends.torch.heads import GraphPool, StaticGraph, bucket, topk, topk_logprobs
 from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree
 from speculum.tree import TreeSpec
 
@@ -32,6 +32,9 @@ class MedusaExpander:
 
     def __init__(self, heads, x: torch.Tensor):
         self.heads, self.x, self.device = heads, x, x.device  # x: [R, H] target states
+
+    #: frontiers and nodes of dynamic trees chosen by the fused top-k on CUDA
+    topk = staticmethod(topk)
 
     def root(self, width: int):
         return topk_logprobs(self.heads.logits(0, self.x), width)
