@@ -16,6 +16,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from profile_step import graph_us  # this folder's: a function captured ``reps`` times in a graph, timed
+
 
 def replay_us(graph, n: int = 200) -> float:
     for _ in range(5):
@@ -28,19 +30,6 @@ def replay_us(graph, n: int = 200) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n * 1000
-
-
-def graphed_us(fn, *args) -> float:
-    fn(*args)  # warm-up outside the capture (allocations, kernel selection)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(*args)
-    return replay_us(g, 500)
 
 
 def topk_variants() -> None:
@@ -69,9 +58,9 @@ def topk_variants() -> None:
         a, b = current(x, 8), two_stage(x, 8)
         assert torch.equal(a[0].sort(-1).values, b[0].sort(-1).values.float()) or \
             torch.allclose(a[0].sort(-1).values, b[0].float().sort(-1).values, atol=1e-3)
-        print(f"{str(shape):<18}{graphed_us(current, x, 8):>10.1f}{graphed_us(lse, x, 8):>10.1f}"
-              f"{graphed_us(two_stage, x, 8):>10.1f}{graphed_us(fused, x, 8):>10.1f}"
-              f"{graphed_us(lambda y: y.argmax(-1), x):>10.1f}", flush=True)
+        row = [graph_us(lambda f=f: f(x, 8)) for f in (current, lse, two_stage, fused)]
+        print(f"{str(shape):<18}" + "".join(f"{v:>10.1f}" for v in row)
+              + f"{graph_us(lambda: x.argmax(-1)):>10.1f}", flush=True)
 
 
 def main() -> int:
