@@ -141,7 +141,8 @@ class Overlap:
                 for b in range(B):
                     failed_rows.setdefault(b, f"the verify forward launched from the verdict failed ({exc!r}); "
                                               "send the request again (the engine now waits for the verdict on "
-                                              "the host), and set the speculative config's from_verdict to \"draft\" to avoid it")
+                                              "the host), and set the speculative config's from_verdict to "
+                                              "\"draft\" to avoid it")
             return None
         if out is None:  # no room for the longest outcome now
             return None

@@ -8,7 +8,8 @@
 - ``topk_logprobs``: the log-probabilities and ids of a head's ``k`` best tokens, what each
   level of a drafted token tree chooses from (two kernels: ``torch.topk`` after a
   ``log_softmax`` took 55-80 us per call on the H200 whatever the shape, ~40% of a tree's
-  drafting; docs/benchmarks.md, seventeenth session).
+  drafting; docs/benchmarks.md, seventeenth session); ``topk`` the same without the
+  logsumexp, for a dynamic tree's frontiers and nodes.
 
 Fewer launches matter because small-model steps are launch-bound even inside CUDA
 graphs. The torch versions define the semantics; tests compare the two on a GPU.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from speculum.proposers.tree import topk_stable
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none
     import triton
@@ -242,7 +245,6 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     lower index (a stable descending sort's order, :func:`speculum.proposers.tree.topk_stable`),
     fused on CUDA (the top-k kernels without the logsumexp)."""
     if not use_triton(x) or not 0 < k <= min(TOPK_MAX_K, x.shape[-1]):
-        from speculum.proposers.tree import topk_stable
         v, i = topk_stable(x, k)
         return v.float(), i
     return _fused_topk(x, k, norm=False)
