@@ -36,15 +36,21 @@ def graph_us(fn, reps=20, iters=30):
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
-    g.replay()
+    return replay_us(g, iters, calls=reps)
+
+
+def replay_us(graph, iters: int = 30, calls: int = 1) -> float:
+    """Microseconds per call of a captured ``graph`` holding ``calls`` calls (after one
+    untimed replay)."""
+    graph.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(iters):
-        g.replay()
+        graph.replay()
     b.record()
     torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (iters * reps)
+    return a.elapsed_time(b) * 1e3 / (iters * calls)
 
 
 def skinny(x, w, y, bn, bk, warps, stages):

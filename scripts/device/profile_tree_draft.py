@@ -16,20 +16,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from profile_step import graph_us  # this folder's: a function captured ``reps`` times in a graph, timed
-
-
-def replay_us(graph, n: int = 200) -> float:
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1000
+from profile_step import graph_us, replay_us  # this folder's: graph capture and replay timing
 
 
 def topk_variants() -> None:
@@ -78,10 +65,10 @@ def main() -> int:
         llm.generate(prompts, params)
         print(f"=== {cfg}")
         for key, (graph, _) in sorted(llm.loop.target._graphs.items(), key=str):
-            print(f"  target {str(key):<40} {replay_us(graph):8.1f} us")
+            print(f"  target {str(key):<40} {replay_us(graph, 200):8.1f} us")
         heads = getattr(llm.proposer, "graphs", None)
         for key, (graph, _) in sorted(getattr(heads, "_graphs", {}).items(), key=str):
-            print(f"  head   {str(key):<40} {replay_us(graph):8.1f} us")
+            print(f"  head   {str(key):<40} {replay_us(graph, 200):8.1f} us")
         drafting = [g for k, (g, _) in getattr(heads, "_graphs", {}).items() if k[-1] == "device"]
         if drafting:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
