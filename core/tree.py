@@ -34,15 +34,16 @@ Path = tuple[int, ...]
 # --------------------------------------------------------------------------- tensor ops
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] parents (-1 = root) -> [B, N, N] bool: ``a[b, i, j]`` iff node j is node i
-    or one of its ancestors. Pointer doubling: ceil(log2 N) boolean matrix products."""
+    or one of its ancestors. Pointer doubling: ceil(log2 N) rounds of row gathers."""
     B, N = parents.shape
-    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
-    par = torch.zeros(B, N, N + 1, dtype=torch.bool, device=parents.device)
-    par.scatter_(2, torch.where(parents >= 0, parents, N).unsqueeze(-1), True)
-    a = eye | par[..., :N]
+    idx = torch.arange(N, device=parents.device)
+    jump = torch.where(parents >= 0, parents, idx)  # [B, N]: a node's parent (a root's child: itself)
+    a = (idx.view(1, N, 1) == idx.view(1, 1, N)) | (jump.unsqueeze(-1) == idx.view(1, 1, N))
     for _ in range(max(0, math.ceil(math.log2(max(N, 1))))):
-        f = a.to(torch.float32)
-        a = a | (torch.bmm(f, f) > 0)
+        # a[i] covers i's 2^t nearest ancestors and jump[i] is the 2^t-th: add jump[i]'s
+        # (row gathers, no matrix product: a handful of small kernels inside a CUDA graph)
+        a = a | a.gather(1, jump.unsqueeze(-1).expand(B, N, N))
+        jump = jump.gather(1, jump)
     return a
 
 
@@ -67,15 +68,18 @@ def columns_of(depth: torch.Tensor, ancestors: torch.Tensor, q: int) -> tuple[to
     return cdepth, vis
 
 
-def tree_attention_mask(num_keys: int, base: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+def tree_attention_mask(num_keys: int, base: torch.Tensor, vis: torch.Tensor,
+                        keys: torch.Tensor | None = None) -> torch.Tensor:
     """Attention mask [B, 1, q, num_keys] of a tree forward over a flat context.
 
     Key ``j`` holds logical position ``j``; ``base`` [B] is where the tree's keys start
     (keys before it are committed context, visible to every query); key ``base + c``
     (``0 <= c < K``) is visible to query ``i`` iff ``vis[b, i, c]`` ([B, q, K]); keys past
-    the tree are hidden."""
+    the tree are hidden. ``keys``: ``arange(num_keys)`` made once by a caller that builds
+    several masks (one kernel less each)."""
     B, q, K = vis.shape
-    rel = torch.arange(num_keys, device=vis.device).view(1, num_keys) - base.view(B, 1)  # [B, Lc]
+    keys = torch.arange(num_keys, device=vis.device) if keys is None else keys
+    rel = keys.view(1, num_keys) - base.view(B, 1)  # [B, Lc]
     inside = (rel >= 0) & (rel < K)
     seen = vis.gather(2, rel.clamp(0, K - 1).unsqueeze(1).expand(B, q, num_keys))  # [B, q, Lc]
     return ((rel < 0).unsqueeze(1) | (inside.unsqueeze(1) & seen)).unsqueeze(1)

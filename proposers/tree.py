@@ -132,12 +132,14 @@ def dynamic_tree(ex: Expander, spec: TreeSpec) -> tuple[torch.Tensor, torch.Tens
     R, dev = ids.shape[0], ids.device
     scores, tokens, parents = [score], [ids], [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
     f_score, f_tok = score, ids
-    f_cand = torch.arange(K, device=dev).expand(R, K)  # candidate index of each frontier node
+    # 0, 1, 2, ...: slot numbers, candidate and node indices, made once (one kernel, not one a level)
+    count = torch.arange(max(S, (D - 1) * K, K, N), device=dev)
+    f_cand = count[:K].expand(R, K)  # candidate index of each frontier node
     f_parent = torch.zeros(R, K, dtype=torch.int64, device=dev)
     vis = torch.zeros(R, K, S, dtype=torch.bool, device=dev)
     base = K
     for lvl in range(1, D):
-        slots = torch.arange((lvl - 1) * K, lvl * K, device=dev)
+        slots = count[(lvl - 1) * K: lvl * K]
         lp, cid = ex.expand(lvl, f_parent, f_tok, vis, slots, K)  # [R, K, K]
         cum = (f_score.unsqueeze(-1) + lp.clamp_max(0)).reshape(R, K * K)
         cid = cid.reshape(R, K * K)
@@ -148,14 +150,14 @@ def dynamic_tree(ex: Expander, spec: TreeSpec) -> tuple[torch.Tensor, torch.Tens
         pj = top // K  # which frontier node each new frontier node descends from
         # own[i, slots[i]]: built by comparison, not by an indexed write of a Python scalar
         # (that copies a CPU tensor, which a CUDA graph capture refuses)
-        own = torch.arange(S, device=dev).view(1, S) == slots.view(K, 1)
+        own = count[:S].view(1, S) == slots.view(K, 1)
         vis = (vis | own).gather(1, pj.unsqueeze(-1).expand(R, K, S))
         f_parent, f_tok, f_cand = pj, cid.gather(1, top), base + top
         base += K * K
     all_s, all_t, all_p = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
     best = select(all_s, N)[1]
     sel = best.sort(dim=1).values  # [R, N] candidate order: parents before children
-    inv = torch.full_like(all_p, -1).scatter_(1, sel, torch.arange(N, device=dev).expand(R, N))
+    inv = torch.full_like(all_p, -1).scatter_(1, sel, count[:N].expand(R, N))
     cp = all_p.gather(1, sel)
     node_parents = torch.where(cp >= 0, inv.gather(1, cp.clamp_min(0)), -1)
     return all_t.gather(1, sel), node_parents

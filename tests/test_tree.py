@@ -77,7 +77,7 @@ def ref_ancestors(parents: list[int]) -> list[set[int]]:
 def test_ancestors_and_depth_match_a_python_reference():
     rng = random.Random(0)
     for n in (1, 2, 5, 17, 40):
-        rows = [random_parents(rng, n) for _ in range(6)]
+        rows = [random_parents(rng, n) for _ in range(6)] + [[i - 1 for i in range(n)]]  # and a chain: depth n
         tree = TokenTree(torch.tensor(rows))
         tree.validate()
         for b, par in enumerate(rows):
