@@ -231,16 +231,14 @@ def main() -> int:
         own = set(best_static(prefix_counts(ev), len(paths)))
         got = {"positions": len(ev), "chain": mal(ev, chain), "static": mal(ev, set(paths)),
                "static_on_these_answers": mal(ev, own)}
-        for k in (int(x) for x in args.topk.split(",") if x):
-            if k <= args.max_rank:
-                got[f"dynamic_top{k}"] = mal(ev, lambda i, k=k: dynamic_paths(lp[i], k, len(paths)))
         cal = fit_calibration(ranks, calib_lp)  # fitted on the calibration answers only
         report["calibration"] = cal
         clp = calibrated(lp, cal)
         got["calibrated_best"] = mal(ev, lambda i: best_paths(clp[i], len(paths)))
         for k in (int(x) for x in args.topk.split(",") if x):
-            if k <= args.max_rank:
-                got[f"calibrated_top{k}"] = mal(ev, lambda i, k=k: dynamic_paths(clp[i], k, len(paths)))
+            for name, scores in (("dynamic", lp), ("calibrated", clp)):
+                if k <= args.max_rank:
+                    got[f"{name}_top{k}"] = mal(ev, lambda i, k=k, sc=scores: dynamic_paths(sc[i], k, len(paths)))
         print("calibration (a, b) per head:", cal)
         print(f"on {args.eval_prompts} ({len(ev)} positions): " + ", ".join(
             f"{k} {v:.3f}" for k, v in got.items() if k != "positions"))

@@ -308,7 +308,8 @@ class HeadExpander:
         self.region_start, self.region_wsl = region_start, region_wsl
         self.device = h_root.device
         self.prev = h_root.unsqueeze(1)
-        self._keys: torch.Tensor | None = None
+        #: 0, 1, 2, ...: key positions and region slots, made once per draft (not per level)
+        self.count = torch.arange(max(read.shape[1], region_wsl.shape[1]), device=self.device)
 
     #: frontiers and nodes of dynamic trees chosen by the fused top-k on CUDA
     topk = staticmethod(topk)
@@ -323,10 +324,9 @@ class HeadExpander:
         pos = (self.root_pos + level).view(B, 1).expand(B, F)
         # own[i, slots[i]] by comparison (an indexed write of True would copy from the host,
         # which a CUDA graph capture refuses)
-        if self._keys is None:  # made once per draft, not per level (one kernel less each)
-            self._keys = torch.arange(max(self.read.shape[1], vis.shape[-1]), device=self.device)
-        own = self._keys[: vis.shape[-1]].view(1, -1) == slots.view(F, 1)
-        mask = tree_attention_mask(self.read.shape[1], self.region_start, vis | own, self._keys[: self.read.shape[1]])
+        own = self.count[: vis.shape[-1]].view(1, -1) == slots.view(F, 1)
+        L = self.read.shape[1]
+        mask = tree_attention_mask(L, self.region_start, vis | own, self.count[:L])
         ctx = PagedContext(self.pools, self.region_wsl[:, slots], self.read, mask)
         self.prev = self.head(feats, tokens, pos, ctx)
         return head_topk(self.head, self.prev, width)
