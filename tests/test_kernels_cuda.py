@@ -124,6 +124,49 @@ def test_topk_keeps_a_stable_sorts_order(shape, k):
     assert kernels.topk(y, 10)[1].tolist() == [list(range(10))] * 2
 
 
+def _random_tree(B: int, N: int, V: int, seed: int, match: float = 0.6):
+    """(argmax [B, N+1], node tokens [B, N], parents [B, N]): random parents (earlier nodes
+    or the root), tokens that drafted the target's argmax after their parent with
+    probability ``match``, some missing nodes (-1)."""
+    g = _gen(seed)
+    parents = torch.full((B, N), -1, dtype=torch.int64)
+    for i in range(1, N):
+        parents[:, i] = torch.randint(-1, i, (B,), generator=g)
+    am = torch.randint(0, V, (B, N + 1), generator=g)
+    tokens = torch.where(torch.rand(B, N, generator=g) < match, am.gather(1, parents + 1),
+                         torch.randint(0, V, (B, N), generator=g))
+    tokens = torch.where(torch.rand(B, N, generator=g) < 0.05, -1, tokens)
+    return am, tokens, parents
+
+
+@pytest.mark.parametrize("N", [1, 2, 7, 16, 31, 63, 100, 127])
+def test_greedy_tree_path_matches_the_eager_verifier(N):
+    """The fused greedy tree verification gives the eager function's verdict (emitted
+    tokens, accepted count, path) for random trees of every size it takes, trees where
+    nearly everything matches (deep accepted paths) and where nothing does, and deep
+    chains; 128 nodes or more are left to the eager function (None)."""
+    from speculum.tree import TokenTree
+    from speculum.verifiers.tree import greedy_path
+    cases = [_random_tree(3, N, 16, N), _random_tree(2, N, 5, N + 1, match=0.97), _random_tree(2, N, 50, N + 2, 0.0)]
+    chain = TokenTree.chain(2, N, torch.device("cpu")).parents
+    am = torch.randint(0, 9, (2, N + 1), generator=_gen(N + 3))
+    tokens = am[:, :N].clone()  # a chain that matches all the way, then one that stops halfway
+    tokens[1, N // 2:] = (tokens[1, N // 2:] + 1) % 9
+    cases.append((am, tokens, chain))
+    for am, tokens, parents in cases:
+        tree = TokenTree(parents)
+        args = [x.to(DEV) for x in (am, tokens, tree.parents, tree.ancestors, tree.depth)]
+        fused, eager = kernels.greedy_tree_path(*args), greedy_path(*args)
+        assert fused is not None
+        for a, b in zip(fused, eager):
+            assert torch.equal(a, b), (a, b)
+    assert max(eager[1].tolist()) > 0 or N == 1
+    big = _random_tree(1, 128, 5, 0)
+    tree = TokenTree(big[2])
+    assert kernels.greedy_tree_path(*[x.to(DEV) for x in (big[0], big[1], tree.parents, tree.ancestors,
+                                                          tree.depth)]) is None
+
+
 def test_fused_kernels_step_aside_where_a_gradient_is_wanted():
     """The kernels have no backward: with a gradient wanted they fall back to torch, so a
     head trained on the GPU trains every weight (the fifth and sixth sessions' EAGLE-3 runs

@@ -63,8 +63,9 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
 
     ``target_logits``: [B, N+1, V] (root, then nodes); ``token_ids``: [B, N], -1 = no node.
     It runs after the graphed verify forward, so each of its ~25 small kernels would be
-    host time: on CUDA everything after the argmax replays as one graph per batch bucket
-    (:class:`GreedyTreeGraphs`), elsewhere it runs eagerly (:func:`greedy_path`).
+    host time: on CUDA everything after the argmax is one fused kernel
+    (:func:`speculum.backends.torch.native.kernels.greedy_tree_path`), elsewhere (and for
+    trees of 128 nodes or more) it runs eagerly (:func:`greedy_path`).
     """
     B, N = token_ids.shape
     am = target_logits.argmax(dim=-1)  # [B, N+1]
@@ -73,7 +74,7 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
                        path=am.new_zeros(B, 0))
     dev = am.device
     args = (am, token_ids.to(dev), tree.parents.to(dev), tree.ancestors.to(dev), tree.depth.to(dev))
-    out, num_accepted, path = (GRAPHS(*args) if dev.type == "cuda" and GRAPHS.enabled else None) or greedy_path(*args)
+    out, num_accepted, path = (_fused(*args) if dev.type == "cuda" else None) or greedy_path(*args)
     return Verdict(token_ids=out, num_accepted=num_accepted, path=path)
 
 
@@ -104,56 +105,10 @@ def greedy_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor
     return out, num_accepted, path
 
 
-class GreedyTreeGraphs:
-    """:func:`greedy_path` as a CUDA graph per (batch bucket, node count, device), captured
-    with the torch backend's graph pool: the inputs are copied into static buffers, the
-    graph replays, the outputs are cloned (a verdict outlives the next step's
-    verification). A capture that fails turns this off for the process, with a warning:
-    verification then stays eager."""
-
-    def __init__(self):
-        self.enabled = True
-        self._graphs: dict[tuple, tuple] = {}
-        self._pool = None
-
-    def __call__(self, am, token_ids, parents, anc, depth):
-        from speculum.backends.torch import bucket
-        B, N = token_ids.shape
-        Bb = bucket(B)
-        key = (Bb, N, am.device)
-        with torch.inference_mode():
-            entry = self._graphs.get(key)
-            if entry is None:
-                entry = self._capture(Bb, N, am.device)
-                if entry is None:
-                    return None
-            graph, bufs = entry
-            for buf, x in zip(bufs, (am, token_ids, parents, anc, depth)):
-                buf[:B].copy_(x)
-            return tuple(o[:B].clone() for o in graph.replay())
-
-    def _capture(self, Bb: int, N: int, dev: torch.device):
-        # padding rows: a valid chain tree whose nodes never match (-1 tokens)
-        chain = TokenTree.chain(Bb, N, dev)
-        bufs = (torch.zeros(Bb, N + 1, dtype=torch.int64, device=dev),
-                torch.full((Bb, N), -1, dtype=torch.int64, device=dev),
-                chain.parents, chain.ancestors.contiguous(), chain.depth.contiguous())
-        from speculum.backends.torch import GraphPool
-        self._pool = self._pool or GraphPool()
-        try:
-            with torch.cuda.device(dev):
-                graph = self._pool.capture(lambda: greedy_path(*bufs))
-        except Exception as exc:  # pragma: no cover - GPU only
-            self.enabled = False
-            log.warning("greedy tree verification stays eager: its CUDA graph capture failed (%s: %s)",
-                        type(exc).__name__, exc)
-            return None
-        self._graphs[(Bb, N, dev)] = (graph, bufs)
-        return self._graphs[(Bb, N, dev)]
-
-
-#: the process's graphs of greedy tree verification (CUDA only)
-GRAPHS = GreedyTreeGraphs()
+def _fused(*args):
+    """:func:`greedy_path` as one CUDA kernel, or None where it does not apply."""
+    from speculum.backends.torch.native.kernels import greedy_tree_path
+    return greedy_tree_path(*args)
 
 
 def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: torch.Tensor, tree: TokenTree,

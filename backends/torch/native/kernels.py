@@ -10,6 +10,8 @@
   ``log_softmax`` took 55-80 us per call on the H200 whatever the shape, ~40% of a tree's
   drafting; docs/benchmarks.md, seventeenth session); ``topk`` the same without the
   logsumexp, for a dynamic tree's frontiers and nodes.
+- ``greedy_tree_path``: greedy verification of a token tree, the accepted path and the
+  tokens emitted (one kernel instead of ~25; see :mod:`speculum.verifiers.tree`).
 
 Fewer launches matter because small-model steps are launch-bound even inside CUDA
 graphs. The torch versions define the semantics; tests compare the two on a GPU.
@@ -189,6 +191,70 @@ if triton is not None:
             tl.store(lp_ptr + row * K + j, best - lse)
             tl.store(id_ptr + row * K + j, tl.sum(tl.where(lanes == at, ids, 0), axis=0))
             taken = taken | (lanes == at)
+
+
+#: the largest tree (nodes + root) greedy verification takes in one program; larger trees
+#: run the eager twin
+GREEDY_TREE_MAX = 128
+
+if triton is not None:
+
+    @triton.jit
+    def _greedy_tree_kernel(am_ptr, tok_ptr, par_ptr, anc_ptr, dep_ptr, out_ptr, acc_ptr, path_ptr, N,
+                            BLOCK: tl.constexpr):
+        # one program per row. Node j matches when it drafted the target's argmax after its
+        # parent; node i qualifies when all its ancestors (itself included) match, i.e. when
+        # the matches among them number its depth; the deepest, then earliest, wins
+        b = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, BLOCK)  # as rows: nodes i, or output positions s
+        c = tl.arange(0, BLOCK)[None, :]  # as columns: nodes j
+        cm = c < N
+        rm = r < N
+        tok_c = tl.load(tok_ptr + b * N + c, mask=cm, other=-1)
+        par_c = tl.load(par_ptr + b * N + c, mask=cm, other=-1)
+        match_c = cm & (tok_c >= 0) & (tok_c == tl.load(am_ptr + b * (N + 1) + par_c + 1, mask=cm, other=-1))
+        dep_c = tl.load(dep_ptr + b * N + c, mask=cm, other=0)
+        dep_r = tl.load(dep_ptr + b * N + r, mask=rm, other=0)
+        anc = tl.load(anc_ptr + b * N * N + r[:, None] * N + c, mask=rm[:, None] & cm, other=0) != 0
+        hits = tl.sum((anc & match_c).to(tl.int32), axis=1)
+        score = tl.where(rm & (dep_r > 0) & (hits == dep_r), dep_r * (N + 1) - r, 0)
+        top = tl.max(score, axis=0)
+        best = tl.min(tl.where(score == top, r, BLOCK), axis=0)
+        found = top > 0
+        acc = tl.where(found, tl.sum(tl.where(r == best, dep_r, 0), axis=0), 0)
+        on_c = found & cm & (tl.load(anc_ptr + b * N * N + best * N + c, mask=cm, other=0) != 0)
+        # the path: slot s holds the accepted node of depth s + 1 (-1 past the accepted count)
+        tl.store(path_ptr + b * N + r, tl.max(tl.where(on_c & (dep_c - 1 == r[:, None]), c, -1), axis=1), mask=rm)
+        # emitted s: the argmax at the root (s = 0), else after the accepted node of depth s
+        prev = tl.max(tl.where(on_c & (dep_c == r[:, None]), c, -1), axis=1)
+        keep = r <= acc
+        col = tl.where(r == 0, 0, prev + 1)
+        emitted = tl.load(am_ptr + b * (N + 1) + col, mask=keep & (r <= N), other=-1)
+        tl.store(out_ptr + b * (N + 1) + r, tl.where(keep, emitted, -1), mask=r <= N)
+        tl.store(acc_ptr + b, acc)
+
+
+def greedy_tree_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
+                     depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Greedy tree verification in one kernel: what
+    :func:`speculum.verifiers.tree.greedy_path` computes (tokens emitted [B, N+1], accepted
+    count [B], accepted nodes [B, N] root first, -1 padded) from the argmax ``am`` [B, N+1],
+    node tokens, parents and depths [B, N] and ancestors [B, N, N]; None where it does not
+    apply (no CUDA, or more than ``GREEDY_TREE_MAX - 1`` nodes): the caller runs the twin.
+    One launch instead of ~25 small kernels (or a graph replay and its copies) after every
+    tree verify forward."""
+    B, N = token_ids.shape
+    if not use_triton(am) or not 0 < N < GREEDY_TREE_MAX:
+        return None
+    dev = am.device
+    out = torch.empty(B, N + 1, dtype=torch.int64, device=dev)
+    acc = torch.empty(B, dtype=torch.int64, device=dev)
+    path = torch.empty(B, N, dtype=torch.int64, device=dev)
+    block = triton.next_power_of_2(N + 1)
+    _greedy_tree_kernel[(B,)](am.contiguous(), token_ids.contiguous(), parents.contiguous(),
+                              anc.contiguous().view(torch.uint8), depth.contiguous(), out, acc, path, N,
+                              BLOCK=block, num_warps=4 if block <= 64 else 8)
+    return out, acc, path
 
 
 def wants_grad(*tensors: torch.Tensor | None) -> bool:
