@@ -85,6 +85,26 @@ def tree_attention_mask(num_keys: int, base: torch.Tensor, vis: torch.Tensor,
     return ((rel < 0).unsqueeze(1) | (inside.unsqueeze(1) & seen)).unsqueeze(1)
 
 
+@attrs.frozen(eq=False)
+class TreeMask:
+    """A tree forward's attention, compact: what :func:`tree_attention_mask` spells out
+    over every key, kept as the tree part alone. Keys before ``base`` [B] are committed
+    context (visible to every query); key ``base + c`` (``0 <= c < K``) is visible to
+    query ``i`` iff ``vis[b, i, c]`` ([B, q, K] bool); keys past the tree are hidden. The
+    paged Triton attention reads it as it is (no [B, q, Lc] mask built and read in every
+    layer); other attention paths take :meth:`dense`. ``keys``: ``arange`` of at least
+    the key count, made once by the caller (one kernel less per :meth:`dense`)."""
+
+    base: torch.Tensor
+    vis: torch.Tensor
+    keys: torch.Tensor | None = None
+
+    def dense(self, num_keys: int) -> torch.Tensor:
+        """[B, 1, q, num_keys] bool, True = attend."""
+        keys = None if self.keys is None else self.keys[:num_keys]
+        return tree_attention_mask(num_keys, self.base, self.vis, keys)
+
+
 # ------------------------------------------------------------------------------ the type
 @attrs.define(eq=False)
 class TokenTree:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from speculum.backends.torch.native import attention
-from speculum.tree import tree_attention_mask
+from speculum.tree import TreeMask, tree_attention_mask
 
 INTERPRET = os.environ.get("SPECULUM_TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -79,15 +79,43 @@ def _tree(parents: list[int], root: torch.Tensor, Lc: int):
             vis[:, i + 1, p + 1] = True
             p = parents[p]
     positions = root.view(B, 1) + torch.tensor([0, *depth], device=DEV).view(1, T)
-    return positions, tree_attention_mask(Lc, root, vis.to(DEV))
+    return positions, tree_attention_mask(Lc, root, vis.to(DEV)), TreeMask(root, vis.to(DEV))
 
 
 def test_tree_mask():
     B, T, Lc = 2, 6, 96
     q, k_pool, v_pool, slots, _ = _case(B, T, Lc)
     # root, then nodes: 0 <- 1, 0 <- 2 (siblings), 1 <- 3, 2 <- 4
-    positions, mask = _tree([-1, 0, 0, 1, 2], torch.tensor([50, 70], device=DEV), Lc)
+    positions, mask, compact = _tree([-1, 0, 0, 1, 2], torch.tensor([50, 70], device=DEV), Lc)
     _check(q, k_pool, v_pool, slots, positions, mask)
+    # the compact form (what tree forwards pass since the eighteenth session): the same
+    # attention, with and without positions, and spelled out by the SDPA path
+    scale = q.shape[-1] ** -0.5
+    ref = attention.sdpa_attention(q.float(), k_pool.float(), v_pool.float(), slots, mask, scale)
+    assert torch.equal(attention.sdpa_attention(q.float(), k_pool.float(), v_pool.float(), slots, compact, scale), ref)
+    for pos in (positions, None):
+        out = attention.paged_decode_attention(q, k_pool, v_pool, slots, pos, scale, compact)
+        assert (out.float() - ref).abs().max().item() < 2e-5
+
+
+def test_compact_tree_mask_wider_than_the_queries():
+    """A draft head's tree level: F queries over a tree region of K > F keys (each query
+    sees the context before the region and a random subset of it), no positions; keys
+    past the region hold NaN and are never read."""
+    B, T, Lc, K = 2, 4, 300, 11
+    q, k_pool, v_pool, slots, _ = _case(B, T, Lc, seed=3)
+    g = torch.Generator().manual_seed(4)
+    vis = (torch.rand(B, T, K, generator=g) < 0.5).to(DEV)
+    vis[:, :, 0] = True
+    base = torch.tensor([120, 250], device=DEV)
+    compact = TreeMask(base, vis)
+    scale = q.shape[-1] ** -0.5
+    ref = attention.sdpa_attention(q.float(), k_pool.float(), v_pool.float(), slots, compact.dense(Lc), scale)
+    for b in range(B):
+        past = slots[b, int(base[b]) + K:]
+        k_pool[past], v_pool[past] = float("nan"), float("nan")
+    out = attention.paged_decode_attention(q, k_pool, v_pool, slots, None, scale, compact)
+    assert (out.float() - ref).abs().max().item() < 2e-5
 
 
 def test_tree_mask_in_a_long_context_reads_no_key_past_the_tree():
@@ -97,7 +125,7 @@ def test_tree_mask_in_a_long_context_reads_no_key_past_the_tree():
     bound the kernel reads the whole bucket)."""
     B, T, Lc = 1, 9, 1024
     q, k_pool, v_pool, slots, _ = _case(B, T, Lc)
-    positions, mask = _tree([-1, 0, 0, 1, 1, 2, 3, 6], torch.tensor([200], device=DEV), Lc)
+    positions, mask, _ = _tree([-1, 0, 0, 1, 1, 2, 3, 6], torch.tensor([200], device=DEV), Lc)
     scale = q.shape[-1] ** -0.5
     ref = attention.sdpa_attention(q.float(), k_pool.float(), v_pool.float(), slots, mask, scale)
     past = slots[0, int(positions.max()) + T:]

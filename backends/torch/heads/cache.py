@@ -30,7 +30,7 @@ class PagedContext:
         self.pools = pools              # per layer (k_pool, v_pool): [slots, Hkv, D]
         self.write_slots = write_slots  # [B, q]
         self.read_slots = read_slots    # [B, Lc]
-        self.mask = mask                # [B, 1, q, Lc]
+        self.mask = mask                # [B, 1, q, Lc], or a tree's compact TreeMask
 
     def attend(self, index: int, qkv, heads, cos, sin, scale: float) -> torch.Tensor:
         """Rotate fused ``qkv`` (``heads``: Hq, Hkv, D), write its K/V at ``write_slots``

@@ -46,7 +46,7 @@ from speculum.interfaces import KVCacheFull
 from speculum.kv import blocks_for
 from speculum.backends.torch.native.kernels import topk, topk_logprobs
 from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size
-from speculum.tree import TreeSpec, tree_attention_mask
+from speculum.tree import TreeMask, TreeSpec
 
 
 def greedy_tokens(head, out: torch.Tensor) -> torch.Tensor:
@@ -305,7 +305,7 @@ class HeadExpander:
                  region_start: torch.Tensor, region_wsl: torch.Tensor):
         self.head, self.pools, self.read = head, pools, read
         self.h_root, self.root_pos = h_root, root_pos
-        self.region_start, self.region_wsl = region_start, region_wsl
+        self.region_start, self.region_wsl = region_start.contiguous(), region_wsl  # (read in every layer)
         self.device = h_root.device
         self.prev = h_root.unsqueeze(1)
         #: 0, 1, 2, ...: key positions and region slots, made once per draft (not per level)
@@ -325,8 +325,7 @@ class HeadExpander:
         # own[i, slots[i]] by comparison (an indexed write of True would copy from the host,
         # which a CUDA graph capture refuses)
         own = self.count[: vis.shape[-1]].view(1, -1) == slots.view(F, 1)
-        L = self.read.shape[1]
-        mask = tree_attention_mask(L, self.region_start, vis | own, self.count[:L])
+        mask = TreeMask(self.region_start, vis | own, self.count)
         ctx = PagedContext(self.pools, self.region_wsl[:, slots], self.read, mask)
         self.prev = self.head(feats, tokens, pos, ctx)
         return head_topk(self.head, self.prev, width)

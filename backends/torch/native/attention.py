@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from speculum.backends.torch.native.kernels import triton, use_triton
+from speculum.tree import TreeMask
 
 if triton is not None:
     import triton.language as tl
@@ -49,11 +50,14 @@ def causal_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                   mask: torch.Tensor, scale: float) -> torch.Tensor:
+                   mask: torch.Tensor | TreeMask, scale: float) -> torch.Tensor:
     """``q`` [B, T, Hq, D], pools [slots, Hkv, D], ``slots`` [B, Lc], ``mask`` [B, 1, T, Lc]
-    -> [B, T, Hq, D], through a gathered copy of the context."""
+    (or a :class:`~speculum.tree.TreeMask`, spelled out here) -> [B, T, Hq, D], through a
+    gathered copy of the context."""
     B, T, Hq, D = q.shape
     Lc, Hkv = slots.shape[1], k_pool.shape[1]
+    if isinstance(mask, TreeMask):
+        mask = mask.dense(Lc)
     flat = slots.reshape(-1)  # index_select: the same copy as k_pool[slots], 4x faster on a CPU
     kc = k_pool.index_select(0, flat).view(B, Lc, Hkv, D).transpose(1, 2)  # [B, Hkv, Lc, D]
     vc = v_pool.index_select(0, flat).view(B, Lc, Hkv, D).transpose(1, 2)
@@ -98,11 +102,11 @@ def _split(B: int, Hkv: int, row_tiles: int, Lc: int) -> tuple[int, int]:
 if triton is not None:
 
     @triton.jit(do_not_specialize=["Lc", "chunk"])
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
-                       T, Lc, chunk, scale, NSPLIT,
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, mask_ptr, base_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
+                       T, Lc, K, chunk, scale, NSPLIT,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
-                       BN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_POS: tl.constexpr, DIRECT: tl.constexpr,
-                       PREC: tl.constexpr):
+                       BN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_TREE: tl.constexpr, HAS_POS: tl.constexpr,
+                       DIRECT: tl.constexpr, PREC: tl.constexpr):
         G: tl.constexpr = HQ // HKV
         bk = tl.program_id(0)  # b * HKV + kv head
         split = tl.program_id(1)
@@ -119,7 +123,11 @@ if triton is not None:
         pos = tl.load(pos_ptr + b * T + t, mask=live, other=-1)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, Lc)
-        if not HAS_MASK:  # no key past the last query's position (tree nodes sit past theirs)
+        base = 0
+        if HAS_TREE:  # a compact tree mask (TreeMask): no key past the tree's K
+            base = tl.load(base_ptr + b)
+            hi = tl.minimum(hi, base + K)
+        elif not HAS_MASK:  # no key past the last query's position (tree nodes sit past theirs)
             hi = tl.minimum(hi, tl.max(pos, axis=0) + 1)
         elif HAS_POS:  # a verify forward's tree: its T keys follow the root, and every
             hi = tl.minimum(hi, tl.max(pos, axis=0) + T)  # query's position is >= the root's
@@ -134,7 +142,12 @@ if triton is not None:
             kv_off = (slot * HKV + kvh) * D
             k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=inb[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BR, BN]
-            if HAS_MASK:
+            if HAS_TREE:  # context before the tree's base; inside it, the query's row of vis
+                rel = j[None, :] - base
+                seen = tl.load(mask_ptr + (b * T + t)[:, None] * K + rel,
+                               mask=live[:, None] & inb[None, :] & (rel >= 0) & (rel < K), other=0) != 0
+                vis = (rel < 0) | seen
+            elif HAS_MASK:
                 vis = tl.load(mask_ptr + (b * T + t)[:, None] * Lc + j[None, :],
                               mask=live[:, None] & inb[None, :], other=0) != 0
             else:
@@ -180,11 +193,12 @@ if triton is not None:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                            positions: torch.Tensor | None, scale: float,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
+                           mask: torch.Tensor | TreeMask | None = None) -> torch.Tensor:
     """The Triton path of the module doc: ``q`` [B, T, Hq, D] at ``positions`` [B, T];
-    ``mask`` [B, 1, T, Lc] (a token tree's, a draft head's) replaces the causal rule, and
-    then ``positions`` may be None. With both (a verify forward's tree: its ``T`` keys
-    follow the root, every query's position is the root's or past it) no key past
+    ``mask`` [B, 1, T, Lc] (a draft head's) or a compact :class:`~speculum.tree.TreeMask`
+    (a token tree's: no key past its ``base + K`` is read) replaces the causal rule, and
+    then ``positions`` may be None. With a dense mask and positions (its ``T`` keys follow
+    the root, every query's position is the root's or past it) no key past
     ``max(positions) + T`` is read. Returns [B, T, Hq, D]."""
     B, T, Hq, D = q.shape
     Lc, Hkv = slots.shape[1], k_pool.shape[1]
@@ -202,16 +216,21 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         m = torch.empty(B * Hkv * nsplit * rows, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         acc = torch.empty(B * Hkv * nsplit * rows, D, dtype=torch.float32, device=q.device)
-    has_mask = mask is not None
-    if not has_mask and positions is None:
+    tree = mask if isinstance(mask, TreeMask) else None
+    has_mask = mask is not None and tree is None
+    if mask is None and positions is None:
         raise ValueError("paged_decode_attention needs positions or a mask")
-    mk = mask.reshape(B, T, Lc).contiguous().view(torch.uint8) if has_mask else slots
+    K, base, mk = 0, slots, slots  # (unread unless a mask asks)
+    if tree is not None:
+        K, base, mk = tree.vis.shape[-1], tree.base.contiguous(), tree.vis.contiguous().view(torch.uint8)
+    elif has_mask:
+        mk = mask.reshape(B, T, Lc).contiguous().view(torch.uint8)
     has_pos = positions is not None
     positions = slots if positions is None else positions.contiguous()  # unread without positions
     _decode_kernel[(B * Hkv, nsplit, tiles)](
-        q, k_pool, v_pool, slots.contiguous(), positions, mk, out, m, l, acc, T, Lc, chunk,
-        float(scale), nsplit, HQ=Hq, HKV=Hkv, D=D, BR=br, BN=BLOCK_N, HAS_MASK=has_mask, HAS_POS=has_pos, DIRECT=direct,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        q, k_pool, v_pool, slots.contiguous(), positions, mk, base, out, m, l, acc, T, Lc, K, chunk,
+        float(scale), nsplit, HQ=Hq, HKV=Hkv, D=D, BR=br, BN=BLOCK_N, HAS_MASK=has_mask, HAS_TREE=tree is not None,
+        HAS_POS=has_pos, DIRECT=direct, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     if not direct:
         _combine_kernel[(B * Hkv, rows)](out, m, l, acc, T, nsplit, HQ=Hq, HKV=Hkv, D=D,
                                          SP=triton.next_power_of_2(nsplit), num_warps=1)

@@ -22,6 +22,7 @@ from speculum.backends.torch.native.arch import LlamaArch
 from speculum.backends.torch.native.attention import (causal_mask, fresh_attention, paged_decode_attention,
                                                       sdpa_attention, use_decode_kernel)
 from speculum.backends.torch.native.kernels import add_rmsnorm, rope_write_kv, rope_write_kv_torch, silu_mul
+from speculum.tree import TreeMask
 
 
 class RMSNorm(nn.Module):
@@ -159,12 +160,13 @@ class NativeLlama(nn.Module):
         return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
 
     def forward(self, input_ids, positions, write_slots, read_slots, pools, hidden_layers=(),
-                compute_logits: bool = True, mask: torch.Tensor | None = None, fresh: bool = False):
+                compute_logits: bool = True, mask: torch.Tensor | TreeMask | None = None, fresh: bool = False):
         """Returns (logits [B, q, V] float32 or None, {layer: hidden [B, q, H]}).
 
         Hidden layer ``i`` is the output of decoder layer ``i`` (0-based); ``-1`` is the
         final normed hidden state fed to the LM head. ``mask`` [B, 1, q, Lc] (bool, True =
-        attend) replaces the causal mask, e.g. a token tree's ancestors-only mask. ``fresh``:
+        attend) or a compact :class:`~speculum.tree.TreeMask` (a token tree's ancestors-only
+        mask) replaces the causal mask. ``fresh``:
         every row starts at position 0 with nothing in its cache before (a prefill's first
         chunk), so attention needs only the chunk's own keys (:func:`fresh_attention`).
         """
@@ -175,9 +177,12 @@ class NativeLlama(nn.Module):
             raise ValueError("batch-invariant attention is causal by position and takes no mask; a token tree "
                              "comes as per-query read slots (NativeRunner)")
         fresh = fresh and mask is None and not self.batch_invariant
-        if mask is None and not fresh and not self.batch_invariant and not use_decode_kernel(
-                h, input_ids.shape[1], self.arch.head_dim):
-            mask = causal_mask(positions, Lc)  # the SDPA path's; the decode kernel is causal by position
+        if not fresh and not self.batch_invariant and not use_decode_kernel(h, input_ids.shape[1],
+                                                                             self.arch.head_dim):
+            # the SDPA path's mask, once for every layer (the decode kernel is causal by
+            # position and reads a tree's compact mask as it is)
+            mask = causal_mask(positions, Lc) if mask is None else mask.dense(Lc) if isinstance(mask, TreeMask) \
+                else mask
         hidden = {}
         x, residual = h, None
         for i, layer in enumerate(self.layers):

@@ -34,7 +34,7 @@ from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
 from speculum.backends.torch.native.model import NativeLlama
 from speculum.interfaces import ForwardOutput, KVCacheFull
 from speculum.kv import PagedKVAllocator, blocks_for
-from speculum.tree import TokenTree, columns_of, tree_attention_mask
+from speculum.tree import TokenTree, TreeMask, columns_of
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ class NativeRunner:
         if self.model.batch_invariant:
             pos, read = _tree_invariant_inputs(pos, read, *cols)
             return pos, read, None
-        pos, mask = _tree_inputs(pos, read.shape[1], *cols)
+        pos, mask = _tree_inputs(pos, *cols)
         return pos, read, mask
 
     def capture(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
@@ -419,12 +419,12 @@ class NativeRunner:
         self.allocator.free(seq_id)
 
 
-def _tree_inputs(pos: torch.Tensor, num_keys: int, depth: torch.Tensor, ancestors: torch.Tensor):
+def _tree_inputs(pos: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor):
     """Chain positions [B, q] and the tree's depths [B, q-1] and ancestors [B, q-1, q-1]
-    -> (tree positions root + depth, tree attention mask)."""
+    -> (tree positions root + depth, the tree's compact attention mask)."""
     cdepth, vis = columns_of(depth, ancestors, pos.shape[1])
     base = pos[:, :1]
-    return base + cdepth, tree_attention_mask(num_keys, base[:, 0], vis)
+    return base + cdepth, TreeMask(base[:, 0].contiguous(), vis)  # (contiguous once, not in every layer)
 
 
 def _tree_invariant_inputs(pos: torch.Tensor, read: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor):
