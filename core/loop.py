@@ -234,7 +234,7 @@ class DraftVerifyLoop(Overlap):
         tree, ids, draft_seconds = draft.tree, draft.token_ids, plan.draft_seconds
         # [B]: rows whose logits are all finite, not NaN/inf (padding positions compute on real
         # tokens: finite too); negated on the host
-        finite = torch.isfinite(out.logits).flatten(1).all(-1)
+        finite = out.finite_rows()
         # [B, k+1, V] penalties, bias, min_tokens, bad_words, min_p per position (drafts
         # before each position count as generated); the raw logits when no row uses them
         logits = sampling.process_logits(out.logits, ids) if sampling.needs_processing else out.logits
@@ -406,7 +406,9 @@ class DraftVerifyLoop(Overlap):
             V = self.target.vocab_size
             keep = None  # None: every drafted id stays
             if ids.device.type != "cpu":
-                keep = (ids >= 0) & (ids < V)
+                # ids past the vocabulary become -1; negative ids are never accepted nor
+                # embedded (the inputs are clamped at 0), so one comparison is the whole check
+                keep = ids < V
             else:  # free to read on the host: one op, and no mask unless an id is out of range
                 lo, hi = ids.aminmax()
                 if lo < -1 or hi >= V:
@@ -556,7 +558,8 @@ def _keep_states(out: ForwardOutput) -> ForwardOutput:
     stream, so they read this step's values. [B, 1, H] per layer: a few kernels."""
     if not out.hidden_states:
         return out
-    return ForwardOutput(logits=out.logits, hidden_states={l: h.clone() for l, h in out.hidden_states.items()})
+    return ForwardOutput(logits=out.logits, hidden_states={l: h.clone() for l, h in out.hidden_states.items()},
+                         finite=out.finite)
 
 
 def _to_host(verdict: Verdict, finite: torch.Tensor):

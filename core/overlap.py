@@ -225,8 +225,9 @@ class Overlap:
                 return ahead.out
             pos = {sid: i for i, sid in enumerate(ahead.seq_ids)}
             idx = on_device([pos[sid] for sid in ids], ahead.out.logits.device)
-            return ForwardOutput(logits=ahead.out.logits[idx],
-                                 hidden_states={l: h[idx] for l, h in ahead.out.hidden_states.items()})
+            out = ahead.out
+            return ForwardOutput(logits=out.logits[idx], hidden_states={l: h[idx] for l, h in out.hidden_states.items()},
+                                 finite=None if out.finite is None else out.finite[idx])
         self._drop(ahead)
         return None
 

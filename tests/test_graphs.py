@@ -17,6 +17,7 @@ from speculum.backends.torch import TorchBackend
 from speculum.backends.torch.graphs import GraphPool, StaticGraph
 from speculum.backends.torch.heads import (HeadDecoderLayer, HeadDraftGraphs, HeadKVCache, HeadTreeGraphs, Rope,
                                            arch_from_config, init_layer)
+from speculum.interfaces import ForwardOutput
 from speculum.tree import TokenTree, TreeSpec
 
 
@@ -111,9 +112,14 @@ def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_gra
     for sids, q, tree_parents in chain + trees + chain:
         ids = torch.randint(0, eager.vocab_size, (len(sids), q), generator=gen)
         valid = [q if tree_parents is not None else q - (i % q) for i in range(len(sids))]
+        for i, n in enumerate(valid):
+            ids[i, n:] = -1  # padding ids, as the loop passes them: each path clamps them (the graph inside)
         tree = None if tree_parents is None else TokenTree(tree_parents)
         a = eager.forward(sids, ids, valid, hidden_layers=(1, -1), tree=tree)
         b = graphed.forward(sids, ids, valid, hidden_layers=(1, -1), tree=tree)
+        # the graph computes each row's finiteness (the loop's NaN/inf check) with the logits
+        assert a.finite is None and b.finite is not None
+        assert torch.equal(b.finite, ForwardOutput.rows_finite(b.logits)) and bool(b.finite.all())
         for i, n in enumerate(valid):
             torch.testing.assert_close(b.logits[i, :n], a.logits[i, :n])
             for layer in (1, -1):
@@ -124,6 +130,9 @@ def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_gra
             graphed.truncate(sid, keep)
     assert emulated_graphs and len(graphed._graphs) == len(emulated_graphs) >= 4
     assert any(key[-1] for key in graphed._graphs)  # tree verify graphs too
+    nan, inf = float("nan"), float("inf")
+    assert ForwardOutput.rows_finite(torch.tensor([[[0.0, 1.0]], [[nan, 1.0]], [[-inf, 0.0]]])).tolist() == \
+        [True, False, False]
 
 
 ARCH = arch_from_config({"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,

@@ -27,10 +27,23 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdi
     if k == 0:
         return Verdict(token_ids=argmax, num_accepted=torch.zeros(B, dtype=torch.int64, device=argmax.device))
     drafts = draft_ids.to(argmax.device, torch.int64, non_blocking=True)
-    # a draft is accepted when it and every draft before it match (-1 padding never does)
-    accepted = (drafts == argmax[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
-    keep = torch.arange(k1, device=argmax.device).view(1, k1) <= accepted.view(B, 1)
-    return Verdict(token_ids=argmax.masked_fill(~keep, -1), num_accepted=accepted)
+    # a draft is accepted when it and every draft before it match (-1 padding never does);
+    # five small kernels after the argmax (each a launch of host time in every step)
+    accepted = (drafts == argmax[:, :k]).cumprod(dim=1).sum(dim=1)  # [B] int64 (a bool cumprod is int64)
+    return Verdict(token_ids=argmax.masked_fill(_columns(k1, argmax.device) > accepted.view(B, 1), -1),
+                   num_accepted=accepted)
+
+
+_COLUMNS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _columns(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n]: 0 .. n - 1 on ``device``, made once per (n, device)."""
+    key = (n, device)
+    cols = _COLUMNS.get(key)
+    if cols is None:
+        cols = _COLUMNS[key] = torch.arange(n, device=device).view(1, n)
+    return cols
 
 
 class GreedyVerifier:

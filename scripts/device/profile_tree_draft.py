@@ -5,18 +5,42 @@ python3 scripts/device/profile_tree_draft.py MODEL CONFIG... [--topk]
 For each speculative CONFIG (JSON): a few MT-bench answers (warm-up: every graph used gets
 captured), then every captured graph of the target runner (verify and decode) and of the
 head (drafting) replayed alone, timed with CUDA events (microseconds per replay, the GPU's
-time with no host in the way), and the kernels of the head's drafting graphs by GPU time.
+time with no host in the way), the host's time to launch it (a replay call on an idle GPU)
+and its kernel count, and the kernels of the head's drafting graphs by GPU time.
 ``--topk``: first, top-k variants on the head's shapes (frontier rows x vocabulary), each
 captured in a graph: what a tree level's candidate choice costs and what could replace it.
 Replays rewrite the caches at the slots of the last step: run it after the answers only.
 """
 import json
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from profile_step import graph_us, replay_us  # this folder's: graph capture and replay timing
+
+
+def launch_us(graph, iters: int = 100) -> float:
+    """Host microseconds of one ``replay()`` call on an idle GPU (median): what launching the
+    graph costs the host, apart from the GPU's time to run it."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * sorted(times)[len(times) // 2]
+
+
+def kernels(graph, replays: int = 3) -> int:
+    """Kernels one replay of ``graph`` runs (from the torch profiler)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if str(e.device_type).endswith("CUDA")) // replays
 
 
 def topk_variants() -> None:
@@ -64,11 +88,12 @@ def main() -> int:
         llm = LLM(model, speculative_config=json.loads(cfg), dtype="bfloat16", max_num_seqs=1)
         llm.generate(prompts, params)
         print(f"=== {cfg}")
+        print(f"  {'graph':6} {'key':<40} {'GPU us':>8} {'host us':>8} {'kernels':>8}")
         for key, (graph, _) in sorted(llm.loop.target._graphs.items(), key=str):
-            print(f"  target {str(key):<40} {replay_us(graph, 200):8.1f} us")
+            print(f"  target {str(key):<40} {replay_us(graph, 200):8.1f} {launch_us(graph):8.1f} {kernels(graph):8d}")
         heads = getattr(llm.proposer, "graphs", None)
         for key, (graph, _) in sorted(getattr(heads, "_graphs", {}).items(), key=str):
-            print(f"  head   {str(key):<40} {replay_us(graph, 200):8.1f} us")
+            print(f"  head   {str(key):<40} {replay_us(graph, 200):8.1f} {launch_us(graph):8.1f} {kernels(graph):8d}")
         drafting = [g for k, (g, _) in getattr(heads, "_graphs", {}).items() if k[-1] == "device"]
         if drafting:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
