@@ -406,9 +406,12 @@ class DraftVerifyLoop(Overlap):
             V = self.target.vocab_size
             keep = None  # None: every drafted id stays
             if ids.device.type != "cpu":
-                # ids past the vocabulary become -1; negative ids are never accepted nor
-                # embedded (the inputs are clamped at 0), so one comparison is the whole check
-                keep = ids < V
+                # ids past the vocabulary become -1 where something reads them by index (draft
+                # probabilities, penalties' histories); negative ids are never accepted nor
+                # embedded (the inputs are clamped), and an argmax never equals an id past the
+                # vocabulary: a plain greedy step needs no check (two launches less)
+                if not (sampling.all_greedy and not sampling.needs_processing and draft.probs is None):
+                    keep = ids < V
             else:  # free to read on the host: one op, and no mask unless an id is out of range
                 lo, hi = ids.aminmax()
                 if lo < -1 or hi >= V:
@@ -434,7 +437,7 @@ class DraftVerifyLoop(Overlap):
         # [B, k+1]: last token, then drafts; built where the drafts live (host for
         # model-free proposers, so the runner ships everything in one copy)
         last = on_device([s.token_ids[-1] for s in seqs], ids.device).view(B, 1)
-        inputs = torch.cat([last, ids.clamp_min(0)], dim=1)
+        inputs = torch.cat([last, ids.clamp(0, self.target.vocab_size - 1)], dim=1)
         return _Plan(draft, rows, asked, drafted, depths, k, inputs, [n + 1 for n in drafted], draft_seconds)
 
     def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],

@@ -415,6 +415,11 @@ def test_greedy_verify_longest_matching_prefix_and_padding(impl):
         [2, 5, 0, -1],
     ]
     check_structure(v, drafts)
+    # ids past the vocabulary or below -1 (a device draft a plain greedy step leaves unchecked)
+    # never match an argmax: the same verdict as -1 there
+    odd = torch.tensor([[2, 10**6, 0], [2, 5, -7]])
+    vo = impl.greedy_verify(logits.expand(2, -1, -1), odd)
+    assert vo.num_accepted.tolist() == [1, 2] and vo.token_ids.tolist() == [[2, 5, -1, -1], [2, 5, 0, -1]]
     # no drafts at all (k = 0): the argmax only
     v0 = impl.greedy_verify(logits[:, :1].expand(2, -1, -1), torch.empty(2, 0, dtype=torch.int64))
     assert v0.token_ids.tolist() == [[2], [2]] and v0.num_accepted.tolist() == [0, 0]

@@ -209,14 +209,16 @@ def test_greedy_tree_takes_the_deepest_matching_path():
         [2, 2, 5, 1, 1, 4],    # node0 -> node2 match (depth 2), node1 -> node3 -> node5 too: depth 3 wins
         [4, 4, 5, 1, 1, 4],    # nothing matches at the root
         [2, -1, 5, 1, 1, 4],   # node1 dropped (-1): its subtree cannot be accepted
+        [2, 10**6, 5, 1, 1, 4],  # node1 past the vocabulary (an unchecked device draft): as if dropped
     ]
     tokens = torch.tensor(rows)
-    tree = TokenTree(torch.tensor(parents).expand(4, -1).contiguous())
-    v = tree_greedy_verify(logits.expand(4, -1, -1), tokens, tree)
-    assert v.num_accepted.tolist() == [2, 3, 0, 2]
-    assert v.path.tolist() == [[1, 4, -1, -1, -1, -1], [1, 3, 5, -1, -1, -1], [-1] * 6, [0, 2, -1, -1, -1, -1]]
+    tree = TokenTree(torch.tensor(parents).expand(5, -1).contiguous())
+    v = tree_greedy_verify(logits.expand(5, -1, -1), tokens, tree)
+    assert v.num_accepted.tolist() == [2, 3, 0, 2, 2]
+    assert v.path.tolist() == [[1, 4, -1, -1, -1, -1], [1, 3, 5, -1, -1, -1], [-1] * 6, [0, 2, -1, -1, -1, -1],
+                               [0, 2, -1, -1, -1, -1]]
     assert v.token_ids.tolist() == [[2, 1, 3, -1, -1, -1, -1], [2, 1, 4, 0, -1, -1, -1], [2, -1, -1, -1, -1, -1, -1],
-                                    [2, 5, 0, -1, -1, -1, -1]]
+                                    [2, 5, 0, -1, -1, -1, -1], [2, 5, 0, -1, -1, -1, -1]]
 
 
 def test_greedy_tree_ties_take_the_first_node():
