@@ -78,6 +78,14 @@ def run(llm: LLM, prompts, params) -> tuple[float, int, int]:
     return time.perf_counter() - t0, llm.loop._steps - s0, sum(len(o.token_ids) for o in outs)
 
 
+def load(model: str, cfg: str, dtype: str, prompts, params) -> LLM:
+    """The engine of one config (``ar``: no speculation), warmed up on ``prompts`` (every graph shape)."""
+    spec = None if cfg == "ar" else json.loads(cfg)
+    llm = LLM(None if model == "default" else model, speculative_config=spec, dtype=dtype, max_num_seqs=1)
+    llm.generate(prompts, params)
+    return llm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a model path, or default (SmolLM2-135M-Instruct)")
@@ -96,9 +104,7 @@ def main() -> None:
     rows = []
     print(f"{'config':42} {'point':12} {'us':>5} {'ms/step':>8} {'tok/step':>8} {'slope':>6}")
     for cfg in a.configs:
-        spec = None if cfg == "ar" else json.loads(cfg)
-        llm = LLM(None if a.model == "default" else a.model, speculative_config=spec, dtype=a.dtype, max_num_seqs=1)
-        llm.generate(prompts, params)  # warm-up: every graph shape
+        llm = load(a.model, cfg, a.dtype, prompts, params)
         variants = [(None, 0.0)] + [(p, d) for p in POINTS for d in delays]
         got: dict = {v: [] for v in variants}
         for _ in range(a.rounds):

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from speculum import LLM, SamplingParams
+from slack_probe import load, run  # this folder's: an engine warmed up, a timed generate
+from speculum import SamplingParams
 from speculum import loop as loop_mod
 from speculum.backends.torch.graphs import StaticGraph
 from speculum.testing import mt_bench_chat_prompts
@@ -93,31 +94,21 @@ def main() -> None:
     a = ap.parse_args()
     prompts = mt_bench_chat_prompts(a.prompts)
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rows = {}
     for cfg in a.configs:
-        spec = None if cfg == "ar" else json.loads(cfg)
-        llm = LLM(None if a.model == "default" else a.model, speculative_config=spec, dtype=a.dtype, max_num_seqs=1)
-        llm.generate(prompts, params)  # warm-up: every graph shape
+        llm = load(a.model, cfg, a.dtype, prompts, params)
         timers = Timers()
         dynamic = [(type(llm.target), "forward", "target forward (launch)")]
         if llm.proposer is not None:
             dynamic.append((type(llm.proposer), "propose", "propose"))
         undo = [timers.wrap(o, n, l) for o, n, l in PHASES + dynamic] + [timers.wrap_wait()]
-        s0 = llm.loop._steps
-        sync()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        sync()
-        wall = time.perf_counter() - t0
+        wall, steps, tokens = run(llm, prompts, params)
         for u in undo:
             u()
-        steps = llm.loop._steps - s0
         us = {k: 1e6 * v / steps for k, v in timers.total.items()}
         us["other (step's own Python)"] = us.pop("step", 0.0)
         inside = sum(us.values())
         us["engine (between steps, prefills)"] = 1e6 * wall / steps - inside
-        tokens = sum(len(o.token_ids) for o in outs)
         rows[cfg] = {"us_per_step": us, "wall_us_per_step": 1e6 * wall / steps, "tokens_per_step": tokens / steps,
                      "steps": steps}
         print(f"=== {cfg}: {steps} steps, {1e6 * wall / steps:.0f} us per step, {tokens / steps:.2f} tokens per step")
