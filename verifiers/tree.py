@@ -24,15 +24,11 @@ is deterministic, with ``probs=None``).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from speculum.interfaces import Verdict
 from speculum.tree import TokenTree
 from speculum.verifiers.noise import Generators, RowNoise, as_noise, race
-
-log = logging.getLogger(__name__)
 
 
 def sibling_ranks(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
