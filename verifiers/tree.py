@@ -59,9 +59,9 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
 
     ``target_logits``: [B, N+1, V] (root, then nodes); ``token_ids``: [B, N], -1 = no node.
     It runs after the graphed verify forward, so each of its ~25 small kernels would be
-    host time: on CUDA everything after the argmax is one fused kernel
-    (:func:`speculum.backends.torch.native.kernels.greedy_tree_path`), elsewhere (and for
-    trees of 128 nodes or more) it runs eagerly (:func:`greedy_path`).
+    host time: on CUDA everything after the argmax is one fused kernel (the torch backend's
+    ``greedy_tree_path``), elsewhere (and for trees of 128 nodes or more) it runs eagerly
+    (:func:`greedy_path`).
     """
     B, N = token_ids.shape
     am = target_logits.argmax(dim=-1)  # [B, N+1]
@@ -103,7 +103,7 @@ def greedy_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor
 
 def _fused(*args):
     """:func:`greedy_path` as one CUDA kernel, or None where it does not apply."""
-    from speculum.backends.torch.native.kernels import greedy_tree_path
+    from speculum.backends.torch import greedy_tree_path
     return greedy_tree_path(*args)
 
 

@@ -7,8 +7,10 @@ checkpoint's tensors), and the native Llama runner's ``NativeRunner``, ``LlamaAr
 benchmarks). The draft-head building blocks are the public module
 :mod:`speculum.backends.torch.heads` (for plugins); what core's trainer needs of them is
 re-exported here: ``TargetParts``, ``TrainContext``, ``arch_from_config`` and
-``load_layer``; and what a verifier needs to replay its own work as a CUDA graph:
-``GraphPool`` and ``bucket``. Everything else under this package (``native/``, ``graphs``...) is internal.
+``load_layer``; what a verifier needs to replay its own work as a CUDA graph:
+``GraphPool`` and ``bucket``; and the fused greedy acceptance of a token tree that
+:mod:`speculum.verifiers.tree` runs on CUDA: ``greedy_tree_path``. Everything else under
+this package (``native/``, ``graphs``...) is internal.
 """
 
 from speculum.backends.torch.backend import TorchBackend, resolve_device, resolve_dtype
@@ -17,7 +19,7 @@ from speculum.hooks import hookimpl
 
 __all__ = ["TorchBackend", "HFRunner", "resolve_device", "resolve_dtype", "read_state_dict", "NativeRunner",
            "LlamaArch", "random_native", "TargetParts", "TrainContext", "arch_from_config", "load_layer",
-           "GraphPool", "bucket"]
+           "GraphPool", "bucket", "greedy_tree_path"]
 
 _LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
          "random_native": "speculum.backends.torch.native.weights",
@@ -28,7 +30,8 @@ _LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
          "arch_from_config": "speculum.backends.torch.heads",
          "load_layer": "speculum.backends.torch.heads",
          "GraphPool": "speculum.backends.torch.graphs",
-         "bucket": "speculum.backends.torch.graphs"}
+         "bucket": "speculum.backends.torch.graphs",
+         "greedy_tree_path": "speculum.backends.torch.native.kernels"}
 
 
 def __getattr__(name):  # the native model (and Triton on CUDA) load only when asked for
