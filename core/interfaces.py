@@ -297,13 +297,13 @@ class ForwardOutput:
     finite: torch.Tensor | None = None
 
     @staticmethod
-    def rows_finite(logits: torch.Tensor) -> torch.Tensor:
+    def finite_of(logits: torch.Tensor) -> torch.Tensor:
         """[B] bool: whether every entry of ``logits`` [B, ...] is finite (no NaN, no inf)."""
         return torch.isfinite(logits).flatten(1).all(-1)
 
     def finite_rows(self) -> torch.Tensor:
         """:attr:`finite`, or computed from the logits now."""
-        return self.finite if self.finite is not None else self.rows_finite(self.logits)
+        return self.finite if self.finite is not None else self.finite_of(self.logits)
 
 
 @runtime_checkable

@@ -68,18 +68,15 @@ def columns_of(depth: torch.Tensor, ancestors: torch.Tensor, q: int) -> tuple[to
     return cdepth, vis
 
 
-def tree_attention_mask(num_keys: int, base: torch.Tensor, vis: torch.Tensor,
-                        keys: torch.Tensor | None = None) -> torch.Tensor:
+def tree_attention_mask(num_keys: int, base: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
     """Attention mask [B, 1, q, num_keys] of a tree forward over a flat context.
 
     Key ``j`` holds logical position ``j``; ``base`` [B] is where the tree's keys start
     (keys before it are committed context, visible to every query); key ``base + c``
     (``0 <= c < K``) is visible to query ``i`` iff ``vis[b, i, c]`` ([B, q, K]); keys past
-    the tree are hidden. ``keys``: ``arange(num_keys)`` made once by a caller that builds
-    several masks (one kernel less each)."""
+    the tree are hidden."""
     B, q, K = vis.shape
-    keys = torch.arange(num_keys, device=vis.device) if keys is None else keys
-    rel = keys.view(1, num_keys) - base.view(B, 1)  # [B, Lc]
+    rel = torch.arange(num_keys, device=vis.device).view(1, num_keys) - base.view(B, 1)  # [B, Lc]
     inside = (rel >= 0) & (rel < K)
     seen = vis.gather(2, rel.clamp(0, K - 1).unsqueeze(1).expand(B, q, num_keys))  # [B, q, Lc]
     return ((rel < 0).unsqueeze(1) | (inside.unsqueeze(1) & seen)).unsqueeze(1)
@@ -92,17 +89,14 @@ class TreeMask:
     context (visible to every query); key ``base + c`` (``0 <= c < K``) is visible to
     query ``i`` iff ``vis[b, i, c]`` ([B, q, K] bool); keys past the tree are hidden. The
     paged Triton attention reads it as it is (no [B, q, Lc] mask built and read in every
-    layer); other attention paths take :meth:`dense`. ``keys``: ``arange`` of at least
-    the key count, made once by the caller (one kernel less per :meth:`dense`)."""
+    layer); other attention paths take :meth:`dense`."""
 
     base: torch.Tensor
     vis: torch.Tensor
-    keys: torch.Tensor | None = None
 
     def dense(self, num_keys: int) -> torch.Tensor:
         """[B, 1, q, num_keys] bool, True = attend."""
-        keys = None if self.keys is None else self.keys[:num_keys]
-        return tree_attention_mask(num_keys, self.base, self.vis, keys)
+        return tree_attention_mask(num_keys, self.base, self.vis)
 
 
 # ------------------------------------------------------------------------------ the type

@@ -119,7 +119,7 @@ def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_gra
         b = graphed.forward(sids, ids, valid, hidden_layers=(1, -1), tree=tree)
         # the graph computes each row's finiteness (the loop's NaN/inf check) with the logits
         assert a.finite is None and b.finite is not None
-        assert torch.equal(b.finite, ForwardOutput.rows_finite(b.logits)) and bool(b.finite.all())
+        assert torch.equal(b.finite, ForwardOutput.finite_of(b.logits)) and bool(b.finite.all())
         for i, n in enumerate(valid):
             torch.testing.assert_close(b.logits[i, :n], a.logits[i, :n])
             for layer in (1, -1):
@@ -131,7 +131,7 @@ def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_gra
     assert emulated_graphs and len(graphed._graphs) == len(emulated_graphs) >= 4
     assert any(key[-1] for key in graphed._graphs)  # tree verify graphs too
     nan, inf = float("nan"), float("inf")
-    assert ForwardOutput.rows_finite(torch.tensor([[[0.0, 1.0]], [[nan, 1.0]], [[-inf, 0.0]]])).tolist() == \
+    assert ForwardOutput.finite_of(torch.tensor([[[0.0, 1.0]], [[nan, 1.0]], [[-inf, 0.0]]])).tolist() == \
         [True, False, False]
 
 

@@ -308,8 +308,8 @@ class HeadExpander:
         self.region_start, self.region_wsl = region_start.contiguous(), region_wsl  # (read in every layer)
         self.device = h_root.device
         self.prev = h_root.unsqueeze(1)
-        #: 0, 1, 2, ...: key positions and region slots, made once per draft (not per level)
-        self.count = torch.arange(max(read.shape[1], region_wsl.shape[1]), device=self.device)
+        #: 0, 1, 2, ...: region slots, made once per draft (not per level)
+        self.count = torch.arange(region_wsl.shape[1], device=self.device)
 
     #: frontiers and nodes of dynamic trees chosen by the fused top-k on CUDA
     topk = staticmethod(topk)
@@ -325,7 +325,7 @@ class HeadExpander:
         # own[i, slots[i]] by comparison (an indexed write of True would copy from the host,
         # which a CUDA graph capture refuses)
         own = self.count[: vis.shape[-1]].view(1, -1) == slots.view(F, 1)
-        mask = TreeMask(self.region_start, vis | own, self.count)
+        mask = TreeMask(self.region_start, vis | own)
         ctx = PagedContext(self.pools, self.region_wsl[:, slots], self.read, mask)
         self.prev = self.head(feats, tokens, pos, ctx)
         return head_topk(self.head, self.prev, width)

@@ -181,8 +181,10 @@ class NativeLlama(nn.Module):
                                                                              self.arch.head_dim):
             # the SDPA path's mask, once for every layer (the decode kernel is causal by
             # position and reads a tree's compact mask as it is)
-            mask = causal_mask(positions, Lc) if mask is None else mask.dense(Lc) if isinstance(mask, TreeMask) \
-                else mask
+            if mask is None:
+                mask = causal_mask(positions, Lc)
+            elif isinstance(mask, TreeMask):
+                mask = mask.dense(Lc)
         hidden = {}
         x, residual = h, None
         for i, layer in enumerate(self.layers):

@@ -421,7 +421,7 @@ class NativeRunner:
 def _with_finite(logits: torch.Tensor, hidden: dict) -> tuple:
     """A graphed forward's outputs with each row's finiteness (``ForwardOutput.finite``),
     computed inside the graph instead of by five eager launches after it."""
-    return logits, hidden, ForwardOutput.rows_finite(logits)
+    return logits, hidden, ForwardOutput.finite_of(logits)
 
 
 def _tree_inputs(pos: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor):
