@@ -63,15 +63,19 @@ def head_ranks(llm, heads, chats, max_tokens: int, depth: int, width: int):
         runner.remove(sid)
         with torch.inference_mode():  # the heads on the answer's states only: [D, len - P + 1, V]
             logits = torch.stack([heads.logits(i, h[P - 1:]) for i in range(depth)]).float()
-            top.append(logits.log_softmax(-1).topk(width, dim=-1).values[:, : max(T - P - 1, 0)].transpose(0, 1))
-        for t in range(P - 1, T - 2):  # states inside the answer with a token 2 ahead
-            row = []
-            for i in range(depth):
-                j = t + i + 2
-                r = int((logits[i, t - P + 1] > logits[i, t - P + 1, toks[j]]).sum()) if j < T else width
-                row.append(r if r < width else -1)
-            ranks.append(row)
-    return torch.tensor(ranks, dtype=torch.int64).view(-1, depth), torch.cat(top) if top else torch.zeros(0, depth, width)
+            top.append(logits.log_softmax(-1).topk(width, dim=-1).values[:, : max(T - P - 1, 0)].transpose(0, 1).cpu())
+            # states inside the answer with a token 2 ahead (t = P - 1 + u): head i's rank of
+            # toks[t + i + 2], or width (a miss) past the answer
+            U = max(T - P - 1, 0)
+            r = torch.full((U, depth), width, dtype=torch.int64)
+            ids = torch.tensor(toks, device=logits.device)
+            for i in range(min(depth, U)):
+                u = torch.arange(U - i, device=logits.device)
+                true = logits[i, u, ids[u + P + 1 + i]]
+                r[: U - i, i] = (logits[i, u] > true[:, None]).sum(-1).cpu()
+            ranks.append(torch.where(r < width, r, -1))
+    return (torch.cat(ranks) if ranks else torch.zeros(0, depth, dtype=torch.int64),
+            torch.cat(top) if top else torch.zeros(0, depth, width))
 
 
 def prefix_counts(ranks: torch.Tensor) -> Counter:
@@ -186,6 +190,8 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=None, help="deepest level (default: every head)")
     ap.add_argument("--max-rank", type=int, default=16, help="ranks past this count as a miss")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the target answers and the heads rank (cpu, cuda)")
+    ap.add_argument("--dtype", default="float32", help="the target's and the heads' dtype (float32, bfloat16)")
     ap.add_argument("--eval-prompts", default=None,
                     help="JSONL ('prompt', or MT-bench's 'turns'): report the trees on these answers too")
     ap.add_argument("--eval-num-prompts", type=int, default=80)
@@ -202,7 +208,8 @@ def main() -> int:
     spec = {"method": "medusa", "num_speculative_tokens": 1}
     if args.heads:
         spec["model"] = args.heads
-    llm = LLM(args.model, speculative_config=spec, device="cpu", dtype="float32", max_num_seqs=16)
+    llm = LLM(args.model, speculative_config=spec, device=args.device, dtype=args.dtype,
+              max_num_seqs=16 if args.device == "cpu" else 256)
     heads = llm.proposer.heads
     D = min(args.depth or heads.num_heads, heads.num_heads)
     chats = read_chats(args.prompts or train_prompts_path(), args.num_prompts, args.seed)

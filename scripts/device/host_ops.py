@@ -40,9 +40,17 @@ def per_call(fn, before=None, n: int = 500) -> float:
     return 1e6 * sorted(times)[len(times) // 2]
 
 
+def _inference(fn):
+    with torch.inference_mode():
+        return fn()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default=None,
+                    help="also time the ops again after an engine (this model, an EAGLE-3 chain) has run in "
+                         "this process: whatever it sets process-wide (threads, modes) shows up as a difference")
     a = ap.parse_args()
     dev = torch.device("cuda")
     x = torch.zeros(1, 5, dtype=torch.int64, device=dev)
@@ -75,11 +83,28 @@ def main() -> None:
         "GPU busy (1 ms sleep kernel queued)": lambda: torch.cuda._sleep(2_000_000),
         "after a graph replay": graph.replay,
     }
-    rows = {}
-    print(f"{'op':30} " + " ".join(f"{c[:24]:>26}" for c in conds))
-    for name, fn in ops.items():
-        rows[name] = {c: per_call(fn, before) for c, before in conds.items()}
-        print(f"{name:30} " + " ".join(f"{v:26.1f}" for v in rows[name].values()))
+    ops["add (inference_mode)"] = lambda: _inference(lambda: x + 1)
+
+    def table(title: str) -> dict:
+        rows = {}
+        print(f"{title}: grad {torch.is_grad_enabled()}, deterministic {torch.are_deterministic_algorithms_enabled()}, "
+              f"threads {torch.get_num_threads()}")
+        print(f"{'op':30} " + " ".join(f"{c[:24]:>26}" for c in conds))
+        for name, fn in ops.items():
+            rows[name] = {c: per_call(fn, before) for c, before in conds.items()}
+            print(f"{name:30} " + " ".join(f"{v:26.1f}" for v in rows[name].values()))
+        return rows
+
+    rows = table("before any engine")
+    after = None
+    if a.model:
+        from speculum import LLM, SamplingParams
+        llm = LLM(a.model, speculative_config={"method": "eagle3", "num_speculative_tokens": 4}, dtype="bfloat16")
+        t0 = time.perf_counter()
+        out = llm.generate([[{"role": "user", "content": "Tell me about the sea."}]] * 1,
+                           SamplingParams(temperature=0, max_tokens=128))
+        print(f"engine: {len(out[0].token_ids)} tokens in {time.perf_counter() - t0:.2f} s")
+        after = table("after an engine ran")
     t0 = time.perf_counter()
     for _ in range(100000):
         pass
@@ -88,7 +113,8 @@ def main() -> None:
     print(f"python empty loop: {py * 1e3:.1f} ns per iteration; {os.cpu_count()} CPUs: {cpu}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"us_per_call": rows, "python_loop_ns": py * 1e3, "cpu": cpu}, f, indent=1)
+            json.dump({"us_per_call": rows, "us_per_call_after_engine": after, "python_loop_ns": py * 1e3,
+                       "cpu": cpu}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -61,13 +61,16 @@ SHAPE=""; [ -f /tmp/draft_shapes.json ] && SHAPE="--shape /tmp/draft_shapes.json
 PIDS=()
 # METHODS: which trainers share the GPU (default all five; e.g. METHODS=eagle3 gives one head the whole GPU)
 METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
+# medusa4: Medusa with MEDUSA4_LAYERS (4) blocks per head, a deeper variant trained beside the shipped
+# shape; with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (their blocks, then identity ones)
 for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
-         "draft=draft $SHAPE ${DRAFT_ARGS:-}"; do
+         "draft=draft $SHAPE ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
   INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)
   if [ "${INIT_FROM_SHIPPED:-0}" = 1 ]; then
-    for d in plugins/speculum-*/speculum_*/heads/$n-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
+    base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
+    for d in plugins/speculum-*/speculum_*/heads/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
     [ -n "$INIT" ] || echo "$n: no shipped head carried: trained from scratch"
   fi
   speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &

@@ -66,4 +66,17 @@ class MedusaTrainer(Trainer):
         save_medusa(heads, out, base_model=target.name or "", meta=meta, dtype=DTYPES[args.save_dtype])
 
     def load(self, path, target, args):
-        return load_medusa(path, target)
+        """The checkpoint at ``path``; with ``--num-layers`` above its own, grown to that many
+        blocks per head: the checkpoint's blocks first, then zero-initialised ones (identity
+        maps), so the grown heads start out drafting exactly as the checkpoint's did."""
+        heads = load_medusa(path, target)
+        extra = args.num_layers - heads.num_layers
+        if extra <= 0 or heads.heads is not None or args.own_lm_head:
+            return heads
+        grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, args.num_layers,
+                            lm_head=heads.shared_lm_head)
+        with torch.no_grad():
+            for old, new in zip(heads.blocks, grown.blocks):
+                for j, block in enumerate(old):
+                    new[j].load_state_dict(block.state_dict())
+        return grown

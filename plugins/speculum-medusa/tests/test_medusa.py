@@ -250,3 +250,22 @@ def test_the_state_drafted_from_is_the_one_observe_keeps(trained, parts):
 def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
     """--init-from: a run with a learning rate of 0 exports the checkpoint it started from."""
     assert_training_starts_from("medusa", target, trained, tmp_path / "again", ("--num-heads", "3"))
+
+
+def test_training_grows_a_checkpoint_to_more_blocks(target, trained, parts, tmp_path):
+    """--init-from with --num-layers above the checkpoint's (1 here): its blocks come first, the
+    new ones are zero (identity maps), so at a learning rate of 0 the exported heads give the
+    checkpoint's logits; a head's blocks still in the Medusa layout ({i}.{j}.linear.*)."""
+    out = train_tiny("medusa", target, tmp_path / "grown", steps=2, num_prompts=16, max_tokens=16,
+                     extra=("--num-heads", "3", "--num-layers", "3", "--init-from", str(trained), "--lr", "0",
+                            "--save-dtype", "float32"))
+    before, after = read_weights(trained), read_weights(out)
+    assert json.loads((out / "config.json").read_text())["medusa_num_layers"] == 3
+    assert set(after) == {f"{i}.{j}.linear.{p}" for i in range(3) for j in range(3) for p in ("weight", "bias")}
+    for name, w in before.items():
+        assert torch.equal(w.float(), after[name]), name
+    assert all(not after[f"{i}.{j}.linear.{p}"].any() for i in range(3) for j in (1, 2) for p in ("weight", "bias"))
+    old, new = load_medusa(trained, parts), load_medusa(out, parts)
+    h = torch.randn(5, parts.hidden_size)
+    for i in range(3):
+        torch.testing.assert_close(new.logits(i, h), old.logits(i, h))
