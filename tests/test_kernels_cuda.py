@@ -167,6 +167,37 @@ def test_greedy_tree_path_matches_the_eager_verifier(N):
                                                           tree.depth)]) is None
 
 
+@pytest.mark.parametrize("k", [1, 2, 4, 7, 16, 63])
+def test_greedy_chain_verdict_matches_the_eager_verifier(k):
+    """The fused greedy chain verification gives the eager verdict (tokens emitted with -1
+    after the first mismatch, accepted count) for rows that match all the way, not at all,
+    up to a random point, with -1 padding (a row drafting fewer), and at random."""
+    from speculum.verifiers import greedy
+    g = _gen(k)
+    B = 9
+    am = torch.randint(0, 7, (B, k + 1), generator=g)
+    drafts = am[:, :k].clone()
+    drafts[1] = (drafts[1] + 1) % 7                          # nothing matches
+    for b in range(2, 5):                                    # a mismatch at a random position
+        drafts[b, int(torch.randint(0, k, (1,), generator=g))] = 7
+    drafts[5, k // 2:] = -1                                  # padded after k // 2 drafts
+    drafts[6:] = torch.randint(0, 7, (B - 6, k), generator=g)  # random: mostly short prefixes
+    am, drafts = am.to(DEV), drafts.to(DEV)
+    fused = kernels.greedy_chain_verdict(am, drafts)
+    assert fused is not None
+    eager_acc = (drafts == am[:, :k]).cumprod(dim=1).sum(dim=1)
+    eager_out = am.masked_fill(torch.arange(k + 1, device=DEV).view(1, -1) > eager_acc.view(B, 1), -1)
+    assert torch.equal(fused[1], eager_acc) and fused[1].dtype == torch.int64
+    assert torch.equal(fused[0], eager_out)
+    assert fused[1][0] == k and fused[1][1] == 0 and fused[1][5] == k // 2
+    if DEV.type == "cuda":  # and the verifier takes it: same verdict as on the CPU
+        logits = torch.randn(B, k + 1, 11, generator=g)
+        logits.scatter_(2, am.cpu().unsqueeze(-1), 10.0)
+        got, want = greedy.greedy_verify(logits.to(DEV), drafts), greedy.greedy_verify(logits, drafts.cpu())
+        assert torch.equal(got.token_ids.cpu(), want.token_ids) and torch.equal(got.num_accepted.cpu(), want.num_accepted)
+    assert kernels.greedy_chain_verdict(am[:, :1], drafts[:, :0]) is None  # no drafts: the argmax is the verdict
+
+
 def test_fused_kernels_step_aside_where_a_gradient_is_wanted():
     """The kernels have no backward: with a gradient wanted they fall back to torch, so a
     head trained on the GPU trains every weight (the fifth and sixth sessions' EAGLE-3 runs

@@ -27,11 +27,26 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdi
     if k == 0:
         return Verdict(token_ids=argmax, num_accepted=torch.zeros(B, dtype=torch.int64, device=argmax.device))
     drafts = draft_ids.to(argmax.device, torch.int64, non_blocking=True)
+    fused = _fused(argmax, drafts) if argmax.is_cuda else None  # one kernel on CUDA
+    if fused is not None:
+        return Verdict(token_ids=fused[0], num_accepted=fused[1])
     # a draft is accepted when it and every draft before it match (-1 padding never does);
     # five small kernels after the argmax (each a launch of host time in every step)
     accepted = (drafts == argmax[:, :k]).cumprod(dim=1).sum(dim=1)  # [B] int64 (a bool cumprod is int64)
     return Verdict(token_ids=argmax.masked_fill(_columns(k1, argmax.device) > accepted.view(B, 1), -1),
                    num_accepted=accepted)
+
+
+_KERNEL = []
+
+
+def _fused(argmax: torch.Tensor, drafts: torch.Tensor):
+    """The same verdict as one Triton kernel (``greedy_chain_verdict``, looked up once: the
+    backend loads its kernels lazily), or None."""
+    if not _KERNEL:
+        from speculum.backends.torch import greedy_chain_verdict
+        _KERNEL.append(greedy_chain_verdict)
+    return _KERNEL[0](argmax, drafts)
 
 
 _COLUMNS: dict[tuple[int, torch.device], torch.Tensor] = {}

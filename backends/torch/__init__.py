@@ -9,7 +9,8 @@ benchmarks). The draft-head building blocks are the public module
 re-exported here: ``TargetParts``, ``TrainContext``, ``arch_from_config`` and
 ``load_layer``; what a verifier needs to replay its own work as a CUDA graph:
 ``GraphPool`` and ``bucket``; and the fused greedy acceptance of a token tree that
-:mod:`speculum.verifiers.tree` runs on CUDA: ``greedy_tree_path``. Everything else under
+:mod:`speculum.verifiers.tree` runs on CUDA: ``greedy_tree_path``, and of a chain
+(:mod:`speculum.verifiers.greedy`): ``greedy_chain_verdict``. Everything else under
 this package (``native/``, ``graphs``...) is internal.
 """
 
@@ -19,7 +20,7 @@ from speculum.hooks import hookimpl
 
 __all__ = ["TorchBackend", "HFRunner", "resolve_device", "resolve_dtype", "read_state_dict", "NativeRunner",
            "LlamaArch", "random_native", "TargetParts", "TrainContext", "arch_from_config", "load_layer",
-           "GraphPool", "bucket", "greedy_tree_path"]
+           "GraphPool", "bucket", "greedy_tree_path", "greedy_chain_verdict"]
 
 _LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
          "random_native": "speculum.backends.torch.native.weights",
@@ -31,7 +32,8 @@ _LAZY = {"read_state_dict": "speculum.backends.torch.native.weights",
          "load_layer": "speculum.backends.torch.heads",
          "GraphPool": "speculum.backends.torch.graphs",
          "bucket": "speculum.backends.torch.graphs",
-         "greedy_tree_path": "speculum.backends.torch.native.kernels"}
+         "greedy_tree_path": "speculum.backends.torch.native.kernels",
+         "greedy_chain_verdict": "speculum.backends.torch.native.kernels"}
 
 
 def __getattr__(name):  # the native model (and Triton on CUDA) load only when asked for

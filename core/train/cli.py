@@ -110,6 +110,10 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per validation batch (validation scores the whole vocabulary: keep it small)")
     t.add_argument("--eval-seconds", type=float, default=0,
                    help="also validate every this many seconds of training (the training curve)")
+    t.add_argument("--keep-best", action="store_true",
+                   help="export the weights of the validation (never --eval-prompts) with the best expected "
+                        "acceptance length, counting the start (step 0: a --init-from checkpoint is never "
+                        "exported worse than it came), instead of the last step's")
     t.add_argument("--save-every", type=int, default=250, help="write a resumable checkpoint every N steps")
     t.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds of training (then validate and export as at the end)")

@@ -148,6 +148,28 @@ def start_from(module, loaded, where: str) -> None:
     log.info("starting from %s", where)
 
 
+class BestWeights:
+    """``--keep-best``: a host copy of the module's weights at its best validated step (by
+    expected acceptance length on the validation split; ties keep the earlier step)."""
+
+    def __init__(self, on: bool):
+        self.on, self.step, self.score, self.state = on, None, None, None
+
+    def offer(self, step: int, score: float | None, module) -> None:
+        if not self.on or score is None or (self.score is not None and score <= self.score):
+            return
+        self.step, self.score = step, score
+        self.state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+    def restore(self, module, last_step: int) -> dict | None:
+        """Load the best weights into ``module`` if they are not the last step's; returns
+        ``{"step", "val_acceptance_length"}`` of what was loaded, else None."""
+        if not self.on or self.state is None or self.step == last_step:
+            return None
+        module.load_state_dict(self.state)
+        return {"step": self.step, "val_acceptance_length": self.score}
+
+
 def score_of(result) -> Score:
     """The Score of a trainer's loss() result: (loss, Score) or (loss, correct, count)."""
     return Score.coerce(result[1] if len(result) == 2 else result[1:])
@@ -250,7 +272,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     rng = random.Random(args.seed)
     ckpt = out / "checkpoint.pt"
-    start, history, train_s, queue = 0, [], 0.0, []
+    start, history, train_s, queue, resumed_best = 0, [], 0.0, [], None
     if args.resume and ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=False)
         module.load_state_dict(state["module"])
@@ -258,6 +280,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         rng.setstate(state["rng"])
         start, history, train_s = state["step"], state["history"], state.get("train_seconds", 0.0)
         queue = state.get("queue", [])
+        resumed_best = state.get("best")
         log.info("resumed from %s at step %d", ckpt, start)
 
     # 3. train
@@ -286,6 +309,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
             entry.update(val_accuracy=v.accuracy(), val_acceptance_length=v.acceptance_length())
             bar.write(f"step {at_step} ({entry['seconds']:.0f} s): validation top-1 per position {v.accuracy()}, "
                       f"expected acceptance length {v.acceptance_length()}")
+            best.offer(at_step, v.acceptance_length(), module)
         if eval_data is not None:
             e = evaluate(trainer, module, eval_data, list(range(len(eval_data))), target, args, device)
             entry.update(eval_accuracy=e.accuracy(), eval_acceptance_length=e.acceptance_length())
@@ -294,6 +318,11 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         history.append(entry)
         eval_s += time.perf_counter() - te
 
+    best = BestWeights(getattr(args, "keep_best", False))
+    if best.on and resumed_best is not None and resumed_best[2] is not None:
+        best.step, best.score, best.state = resumed_best
+    if best.on and start == 0:  # where training starts (a --init-from checkpoint) competes too
+        validate(0)
     for step in range(start, args.steps):
         if not queue:
             queue = length_buckets(data, train_ids, args.batch_size, rng)
@@ -324,12 +353,13 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         if next_eval_at is not None and trained_seconds() >= next_eval_at:
             due = True
             next_eval_at = (math.floor(trained_seconds() / args.eval_seconds) + 1) * args.eval_seconds
-        if (due or (last and (args.eval_every or args.eval_seconds))) and not (last and history and
+        if (due or (last and (args.eval_every or args.eval_seconds or best.on))) and not (last and history and
                                                                               history[-1]["step"] == step + 1):
             validate(step + 1)
         if (step + 1) % args.save_every == 0 or last:
             torch.save({"module": module.state_dict(), "optimizer": opt.state_dict(), "rng": rng.getstate(),
-                        "step": step + 1, "history": history, "train_seconds": trained_seconds(), "queue": queue},
+                        "step": step + 1, "history": history, "train_seconds": trained_seconds(), "queue": queue,
+                        "best": (best.step, best.score, best.state)},
                        ckpt)
         if out_of_time:
             break
@@ -337,7 +367,11 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     steps_done = step + 1 if args.steps > start else start
     train_s = trained_seconds()
 
-    # 4. validate and export
+    # 4. validate and export (--keep-best: the best validated weights, if not the last)
+    kept = best.restore(module, steps_done)
+    if kept is not None:
+        log.info("--keep-best: exporting the weights of step %d (expected acceptance length %s on validation)",
+                 kept["step"], kept["val_acceptance_length"])
     val = evaluate(trainer, module, data, val_ids, target, args, device) if val_ids else Score.zeros(
         trainer.positions(args))
     by_kind = {}
@@ -376,6 +410,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         "expected_acceptance_length": val.acceptance_length(), "val_by_kind": by_kind,
         "positions": trainer.positions(args), "history": history,
     }
+    if best.on:
+        report["kept"] = kept or {"step": steps_done, "val_acceptance_length": best.score}
     if ev is not None:
         report.update({"eval_prompts": str(args.eval_prompts), "eval_sequences": len(eval_data),
                        "eval_accuracy_per_position": ev.accuracy(), "eval_acceptance_per_position": ev.acceptance(),
@@ -384,7 +420,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         report["eval_first_turns"] = {"sequences": len(first), "answer_tokens": args.eval_answer_tokens,
                                       "accuracy_per_position": ev_bench.accuracy(),
                                       "expected_acceptance_length": ev_bench.acceptance_length()}
-    keep = ("command", "device", "steps", "train_seconds", "loss_vocab_coverage", "val_accuracy_per_position",
+    keep = ("command", "device", "steps", "kept", "train_seconds", "loss_vocab_coverage", "val_accuracy_per_position",
             "val_acceptance_per_position", "expected_acceptance_length", "eval_prompts", "eval_accuracy_per_position",
             "eval_acceptance_per_position", "eval_expected_acceptance_length", "eval_first_turns")
     meta = {"method": trainer.name, "target": target.fingerprint(),

@@ -4,5 +4,6 @@ export PYTHONPATH=${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1 SPECULUM_CACHE=${S
 if [ -z "$M" ]; then
   mkdir -p /tmp/m
   M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
-  [ -f $M ] || cat /tmp/gguf_a .gguf_b/part > $M
+  # joined once; a failed join (a half missing) leaves no file behind, not an empty one
+  [ -s $M ] || { cat /tmp/gguf_a .gguf_b/part > $M.part && mv $M.part $M; } || rm -f $M.part
 fi

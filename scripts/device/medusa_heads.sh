@@ -11,7 +11,7 @@
 # VARIANTS: the folders of $HEADS to weigh (default "medusa medusa4"); PPC: questions per category.
 . scripts/device/common.sh
 HEADS=${HEADS:-/tmp/tr}
-SELF=docs/results/h200/train_run_1202c/self_prompts.jsonl
+SELF=${SELF:-docs/results/h200/train_run_1202c/self_prompts.jsonl}  # calibration requests (never MT-bench)
 best="" best_e=0
 for v in ${VARIANTS:-medusa medusa4}; do
   [ -f $HEADS/$v/config.json ] || { echo "$v: no heads in $HEADS/$v"; continue; }

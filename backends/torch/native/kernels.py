@@ -12,6 +12,10 @@
   logsumexp, for a dynamic tree's frontiers and nodes.
 - ``greedy_tree_path``: greedy verification of a token tree, the accepted path and the
   tokens emitted (one kernel instead of ~25; see :mod:`speculum.verifiers.tree`).
+- ``greedy_chain_verdict``: greedy verification of a chain after the argmax, the accepted
+  count and the tokens emitted (one kernel instead of five; see
+  :mod:`speculum.verifiers.greedy`): an eager launch costs the host 17-30 us in a step on
+  the H200 machine (docs/benchmarks.md, nineteenth session).
 
 Fewer launches matter because small-model steps are launch-bound even inside CUDA
 graphs. The torch versions define the semantics; tests compare the two on a GPU.
@@ -255,6 +259,43 @@ def greedy_tree_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.T
                               anc.contiguous().view(torch.uint8), depth.contiguous(), out, acc, path, N,
                               BLOCK=block, num_warps=4 if block <= 64 else 8)
     return out, acc, path
+
+
+if triton is not None:
+
+    @triton.jit
+    def _greedy_chain_kernel(am_ptr, d_ptr, out_ptr, acc_ptr, K, BLOCK: tl.constexpr):
+        # one program per row: draft r is accepted when it and every draft before it equal the
+        # argmax at their positions; the count is the first r that fails (r = K always does),
+        # and the argmax is emitted up to and including that position
+        b = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, BLOCK)
+        am = tl.load(am_ptr + b * (K + 1) + r, mask=r <= K, other=-1)
+        d = tl.load(d_ptr + b * K + r, mask=r < K, other=-1)
+        miss = (r >= K) | (d < 0) | (d != am)
+        acc = tl.min(tl.where(miss, r, BLOCK), axis=0)
+        tl.store(out_ptr + b * (K + 1) + r, tl.where(r <= acc, am, -1), mask=r <= K)
+        tl.store(acc_ptr + b, acc.to(tl.int64))
+
+
+#: the longest chain :func:`greedy_chain_verdict` takes (drafts + 1); longer ones run the twin
+GREEDY_CHAIN_MAX = 1024
+
+
+def greedy_chain_verdict(am: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Greedy chain verification in one kernel: what :func:`speculum.verifiers.greedy.greedy_verify`
+    computes after the argmax (tokens emitted [B, k+1]: the accepted drafts, then the argmax
+    at the first mismatch, -1 after; accepted count [B], int64) from the argmax ``am`` [B, k+1]
+    and the drafts [B, k] (int64, -1 padded); None where it does not apply (no CUDA, no
+    drafts, chains longer than ``GREEDY_CHAIN_MAX``): the caller runs the twin."""
+    B, K1 = am.shape
+    if not use_triton(am) or not 1 < K1 <= GREEDY_CHAIN_MAX:
+        return None
+    out = torch.empty(B, K1, dtype=torch.int64, device=am.device)
+    acc = torch.empty(B, dtype=torch.int64, device=am.device)
+    _greedy_chain_kernel[(B,)](am.contiguous(), drafts.contiguous(), out, acc, K1 - 1,
+                               BLOCK=triton.next_power_of_2(K1))
+    return out, acc
 
 
 def wants_grad(*tensors: torch.Tensor | None) -> bool:

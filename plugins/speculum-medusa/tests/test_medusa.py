@@ -269,3 +269,26 @@ def test_training_grows_a_checkpoint_to_more_blocks(target, trained, parts, tmp_
     h = torch.randn(5, parts.hidden_size)
     for i in range(3):
         torch.testing.assert_close(new.logits(i, h), old.logits(i, h))
+
+
+def test_keep_best_exports_the_best_validated_weights(target, trained, tmp_path):
+    """--keep-best: a run whose learning rate wrecks the heads exports the validated step with the
+    best expected acceptance length (here step 0, the --init-from checkpoint, bit for bit), and
+    records which one in training.json and config.json; without it the wrecked last step is
+    exported."""
+    args = ("--num-heads", "3", "--init-from", str(trained), "--lr", "30", "--warmup", "0", "--eval-every", "2",
+            "--val-fraction", "0.25", "--save-dtype", "float32")
+    out = train_tiny("medusa", target, tmp_path / "best", steps=4, extra=(*args, "--keep-best"))
+    report = json.loads((out / "training.json").read_text())
+    scores = {h["step"]: h["val_acceptance_length"] for h in report["history"]}
+    assert sorted(scores) == [0, 2, 4]
+    best = max(scores, key=lambda s: (scores[s], -s))
+    assert report["kept"] == {"step": best, "val_acceptance_length": scores[best]}
+    assert best == 0 and scores[4] < scores[0]  # lr 30 makes the heads worse than where they started
+    assert report["expected_acceptance_length"] == scores[0]
+    assert json.loads((out / "config.json").read_text())["speculum"]["training"]["kept"]["step"] == 0
+    before, after = read_weights(trained), read_weights(out)
+    assert all(torch.equal(w.float(), after[k]) for k, w in before.items())
+    plain = train_tiny("medusa", target, tmp_path / "last", steps=4, extra=args)
+    assert "kept" not in json.loads((plain / "training.json").read_text())
+    assert not all(torch.equal(w.float(), read_weights(plain)[k]) for k, w in before.items())
