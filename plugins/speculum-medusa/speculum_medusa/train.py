@@ -71,6 +71,11 @@ class MedusaTrainer(Trainer):
         maps), so the grown heads start out drafting exactly as the checkpoint's did."""
         heads = load_medusa(path, target)
         extra = args.num_layers - heads.num_layers
+        if extra < 0:
+            from speculum.errors import ConfigError
+            raise ConfigError(f"--init-from {path}: its heads have {heads.num_layers} blocks each, --num-layers "
+                              f"asks for {args.num_layers}; give --num-layers {heads.num_layers} (or more: the "
+                              "checkpoint's blocks, then identity ones)")
         if extra <= 0 or heads.heads is not None or args.own_lm_head:
             return heads
         grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, args.num_layers,

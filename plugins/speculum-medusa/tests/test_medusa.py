@@ -252,7 +252,7 @@ def test_training_starts_from_a_checkpoint(target, trained, tmp_path):
     assert_training_starts_from("medusa", target, trained, tmp_path / "again", ("--num-heads", "3"))
 
 
-def test_training_grows_a_checkpoint_to_more_blocks(target, trained, parts, tmp_path):
+def test_training_grows_a_checkpoint_to_more_blocks(target, trained, parts, tmp_path, capsys):
     """--init-from with --num-layers above the checkpoint's (1 here): its blocks come first, the
     new ones are zero (identity maps), so at a learning rate of 0 the exported heads give the
     checkpoint's logits; a head's blocks still in the Medusa layout ({i}.{j}.linear.*)."""
@@ -269,6 +269,10 @@ def test_training_grows_a_checkpoint_to_more_blocks(target, trained, parts, tmp_
     h = torch.randn(5, parts.hidden_size)
     for i in range(3):
         torch.testing.assert_close(new.logits(i, h), old.logits(i, h))
+    with pytest.raises(RuntimeError):  # fewer blocks than the checkpoint's: refused, not cut silently
+        train_tiny("medusa", target, tmp_path / "cut", steps=2, num_prompts=16, max_tokens=16,
+                   extra=("--num-heads", "3", "--num-layers", "1", "--init-from", str(out)))
+    assert "its heads have 3 blocks each, --num-layers asks for 1" in capsys.readouterr().err
 
 
 def test_keep_best_exports_the_best_validated_weights(target, trained, tmp_path):
