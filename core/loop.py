@@ -104,6 +104,9 @@ class DraftVerifyLoop(Overlap):
                                      and from_verdict == "forward")
         #: steps whose next forward was launched from the device verdict
         self.forwards_from_verdict = 0
+        #: the runner takes each row's last token on the host and clamps the drafts itself
+        #: (``forward(..., last_tokens=...)``): a step's inputs need no device ops
+        self.last_on_host = bool(getattr(target, "takes_last_tokens", False))
         self._said: set[str] = set()
         #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
         self.failures: dict[str, int] = {}
@@ -227,9 +230,8 @@ class DraftVerifyLoop(Overlap):
             plan, out = planned.plan, planned.out
         else:
             plan = self._plan(seqs, sampling, k_step, timing=True)
-            extra = {} if plan.draft.tree is None else {"tree": plan.draft.tree}
             out = self._take_ahead(seqs, plan.k) or self.target.forward(
-                [s.seq_id for s in seqs], plan.inputs, plan.num_tokens, self.hidden_layers, **extra)
+                [s.seq_id for s in seqs], plan.inputs, plan.num_tokens, self.hidden_layers, **plan.forward_kwargs())
         draft, rows, asked, drafted, depths, k = plan.draft, plan.rows, plan.asked, plan.drafted, plan.depths, plan.k
         tree, ids, draft_seconds = draft.tree, draft.token_ids, plan.draft_seconds
         # [B]: rows whose logits are all finite, not NaN/inf (padding positions compute on real
@@ -434,11 +436,15 @@ class DraftVerifyLoop(Overlap):
             if keep is not None:
                 ids = torch.where(keep, ids, -1)
         draft.token_ids = ids
-        # [B, k+1]: last token, then drafts; built where the drafts live (host for
-        # model-free proposers, so the runner ships everything in one copy)
-        last = on_device([s.token_ids[-1] for s in seqs], ids.device).view(B, 1)
-        inputs = torch.cat([last, ids.clamp(0, self.target.vocab_size - 1)], dim=1)
-        return _Plan(draft, rows, asked, drafted, depths, k, inputs, [n + 1 for n in drafted], draft_seconds)
+        last = [s.token_ids[-1] for s in seqs]
+        if self.last_on_host:  # the runner stages the last tokens with its metadata, clamps the drafts
+            inputs = ids
+        else:  # [B, k+1]: last token, then drafts; built where the drafts live (host for
+            # model-free proposers, so the runner ships everything in one copy)
+            inputs = torch.cat([on_device(last, ids.device).view(B, 1), ids.clamp(0, self.target.vocab_size - 1)],
+                               dim=1)
+            last = None
+        return _Plan(draft, rows, asked, drafted, depths, k, inputs, [n + 1 for n in drafted], draft_seconds, last)
 
     def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],
                     failed: list[bool]) -> None:
@@ -552,6 +558,16 @@ class _Plan:
     inputs: torch.Tensor
     num_tokens: list[int]
     draft_seconds: float | None
+    #: each row's last token, for a runner that takes them on the host (``inputs`` are then
+    #: the drafts alone, [B, k]); None: ``inputs`` start with them
+    last: list[int] | None = None
+
+    def forward_kwargs(self) -> dict:
+        """The target forward's keywords besides the inputs: the tree, the last tokens."""
+        kw = {} if self.draft.tree is None else {"tree": self.draft.tree}
+        if self.last is not None:
+            kw["last_tokens"] = self.last
+        return kw
 
 
 def _keep_states(out: ForwardOutput) -> ForwardOutput:

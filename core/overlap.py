@@ -81,7 +81,7 @@ class Overlap:
             self._drop_verdict_forward(seqs, vf)
         launched = None
         if not any(s.finished for s in seqs):  # else the proposer failed a row: the batch changes anyway
-            launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens, plan.draft.tree)
+            launched = self._launch_ahead(seqs, plan.inputs, plan.num_tokens, **plan.forward_kwargs())
         if launched is not None:
             self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched, plan, k_step)
         elif self.rewindable:
@@ -182,14 +182,14 @@ class Overlap:
         if launched is not None:
             self._ahead = _Ahead(tuple(s.seq_id for s in seqs), *launched)
 
-    def _launch_ahead(self, seqs: list[Sequence], inputs: torch.Tensor, num_tokens: list[int], tree=None):
-        """(the rows' KV lengths before it, its output) of the next step's forward (over a
-        token ``tree`` when given) launched now, or None when the cache has no room for it
-        (the next step then schedules itself)."""
+    def _launch_ahead(self, seqs: list[Sequence], inputs: torch.Tensor, num_tokens: list[int], **kw):
+        """(the rows' KV lengths before it, its output) of the next step's forward (``kw``: a
+        token ``tree``, the ``last_tokens`` on the host, as :meth:`_Plan.forward_kwargs`
+        gives them) launched now, or None when the cache has no room for it (the next step
+        then schedules itself)."""
         bases = {s.seq_id: self.target.length(s.seq_id) for s in seqs}
-        extra = {} if tree is None else {"tree": tree}
         try:
-            return bases, self.target.forward(list(bases), inputs, num_tokens, self.hidden_layers, **extra)
+            return bases, self.target.forward(list(bases), inputs, num_tokens, self.hidden_layers, **kw)
         except KVCacheFull:
             self._cut_back(bases)
             return None

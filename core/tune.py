@@ -110,8 +110,8 @@ def measure(llm, prompts: list, params: SamplingParams, batch: int, k: int, meth
     target = loop.target
     inner_forward = target.forward
 
-    def recorded_forward(seq_ids, token_ids, *a, **kw):
-        widths.append(int(token_ids.shape[1]))
+    def recorded_forward(seq_ids, token_ids, *a, **kw):  # (last_tokens: column 0 given apart)
+        widths.append(int(token_ids.shape[1]) + (kw.get("last_tokens") is not None))
         return inner_forward(seq_ids, token_ids, *a, **kw)
 
     loop.step = timed_step

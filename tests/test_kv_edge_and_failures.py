@@ -184,8 +184,8 @@ class NaNRows:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def forward(self, seq_ids, token_ids, num_tokens, hidden_layers=()):
-        out = self.runner.forward(seq_ids, token_ids, num_tokens, hidden_layers)
+    def forward(self, seq_ids, token_ids, num_tokens, hidden_layers=(), **kw):  # kw: tree, last_tokens
+        out = self.runner.forward(seq_ids, token_ids, num_tokens, hidden_layers, **kw)
         logits = out.logits.clone()
         for b, sid in enumerate(seq_ids):
             if sid in self.victims:

@@ -142,3 +142,55 @@ def test_fresh_prefill_attention_equals_the_gathered_causal_path(hq, hkv):
         q.transpose(1, 2), k_pool[read[:, :T]].repeat_interleave(hq // hkv, 2).transpose(1, 2),
         v_pool[read[:, :T]].repeat_interleave(hq // hkv, 2).transpose(1, 2), scale=D ** -0.5).transpose(1, 2)
     assert not torch.allclose(wrong[0], ref[0], atol=1e-3)
+
+
+class _EagerGraph:
+    """A stand-in for a captured graph on the CPU: the same metadata buffer and staging
+    calls as :class:`speculum.backends.torch.graphs.StaticGraph`, the function run at replay."""
+
+    def __init__(self, fn, meta):
+        self.fn, self.meta, self._host = fn, meta, torch.zeros(meta.numel(), dtype=meta.dtype)
+
+    def host(self):
+        return self._host.numpy()
+
+    def upload(self):
+        self.meta.copy_(self._host)
+
+    def replay(self):
+        return self.fn()
+
+
+def test_graphed_inputs_with_last_tokens_on_the_host_match_eager(tmp_path, monkeypatch):
+    """The graphed forward's own input handling, on the CPU through a stand-in graph: each
+    row's last token given on the host (``last_tokens``) with the drafts apart, ids past the
+    vocabulary and -1 padding clamped inside the graph function, a batch smaller than its
+    bucket, gives the eager forward's logits on the full inputs. (The loop passes
+    ``last_tokens`` to the native runner in every step: the CPU greedy-identity tests run its
+    eager twin.)"""
+    path = tiny_model_dir(tmp_path / "m", "llama", seed=5)
+    be = TorchBackend(device="cpu", dtype="float32", runner="native")
+    runner = be.load_model(path, "target", max_model_len=128)
+    be.plan_memory(128)
+    monkeypatch.setattr(type(runner._pool), "capture", lambda pool, fn, meta=None, staging=1, warmup=2:
+                        _EagerGraph(fn, meta))
+    V = runner.vocab_size
+    prompts = [[5, 17, 300, 42], [9, 77, 120, 3, 8, 250], [11, 12, 13]]
+    drafts = torch.tensor([[4, V + 7, 9], [-1, -1, -1], [6, 2, -1]])
+    last = [21, 22, 23]
+    full = torch.cat([torch.tensor(last).view(3, 1), drafts.clamp(0, V - 1)], dim=1)
+    outs = []
+    for graphed in (False, True):
+        runner.cuda_graphs = graphed
+        for sid, p in enumerate(prompts):
+            runner.add(sid, p)
+        if graphed:
+            outs.append(runner.forward([0, 1, 2], drafts, [4, 1, 3], last_tokens=last))
+        else:
+            outs.append(runner.forward([0, 1, 2], full, [4, 1, 3]))
+        for sid in range(3):
+            runner.remove(sid)
+    eager, graphed = outs
+    for b, n in enumerate([4, 1, 3]):  # the valid columns of each row
+        torch.testing.assert_close(graphed.logits[b, :n], eager.logits[b, :n], rtol=1e-5, atol=1e-5)
+    assert runner._graphs and all(k[0] == 4 for k in runner._graphs)  # batch 3 ran in bucket 4

@@ -49,6 +49,8 @@ class NativeRunner:
     supports_trees = True
     #: launches the next verify forward from a device verdict (:meth:`forward_from_verdict`)
     forwards_from_verdict = True
+    #: takes each row's first input token on the host (``forward(..., last_tokens=...)``)
+    takes_last_tokens = True
 
     def __init__(self, model: NativeLlama, name: str = "target", max_model_len: int | None = None,
                  cuda_graphs: bool = True, prefill_chunk: int = 512):
@@ -160,11 +162,16 @@ class NativeRunner:
         return {sid: {l: torch.cat(hs) if hs else empty for l, hs in d.items()} for sid, d in parts.items()}
 
     def forward(self, seq_ids: Sequence[int], token_ids: torch.Tensor, num_tokens: Sequence[int],
-                hidden_layers: Sequence[int] = (), tree: TokenTree | None = None) -> ForwardOutput:
+                hidden_layers: Sequence[int] = (), tree: TokenTree | None = None,
+                last_tokens: Sequence[int] | None = None) -> ForwardOutput:
         """Append ``token_ids`` [B, q] (first ``num_tokens[b]`` valid per row); logits [B, q, V].
 
         ``tree`` (for ``q - 1`` nodes): column 0 is the root, column ``c`` node ``c - 1``;
         positions follow depth and attention the tree (see the module doc).
+        ``last_tokens`` (on the host): each row's column 0, ``token_ids`` [B, q - 1] then
+        holds the rest (drafts: ids outside the vocabulary, padding -1 included, are clamped
+        into it here); a graphed step stages them with its metadata, so the caller ships no
+        copy of them and builds no [B, q] tensor on the device.
         The returned tensors may be graph outputs: valid until this runner's next forward.
         """
         num_tokens = [int(n) for n in num_tokens]
@@ -173,9 +180,13 @@ class NativeRunner:
         cols = None
         if tree is not None:  # node depths [B, N] and ancestors [B, N, N], on the device
             cols = (tree.depth.to(self.device), tree.ancestors.to(self.device))
-        if self.cuda_graphs:  # (the graph clamps padding ids (-1) to 0 itself: one launch less)
-            return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols)
-        return self._eager(seq_ids, token_ids.clamp_min(0), num_tokens, tuple(hidden_layers), cols=cols)
+        if self.cuda_graphs:  # (the graph clamps ids into the vocabulary itself: one launch less)
+            return self._graphed(seq_ids, token_ids, num_tokens, tuple(hidden_layers), cols, last_tokens)
+        if last_tokens is not None:
+            first = torch.tensor(list(last_tokens), dtype=torch.int64).view(-1, 1).to(token_ids.device)
+            token_ids = torch.cat([first, token_ids.to(torch.int64)], dim=1)
+        return self._eager(seq_ids, token_ids.clamp(0, self.vocab_size - 1), num_tokens, tuple(hidden_layers),
+                           cols=cols)
 
     def forward_from_verdict(self, seq_ids: Sequence[int], starts: Sequence[int], num_accepted: torch.Tensor,
                              token_ids: torch.Tensor, hidden_layers: Sequence[int] = (),
@@ -314,8 +325,9 @@ class NativeRunner:
                                         fresh)
         return ForwardOutput(logits=logits, hidden_states=hidden)
 
-    def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers, cols=None) -> ForwardOutput:
+    def _graphed(self, seq_ids, token_ids, num_tokens, hidden_layers, cols=None, last=None) -> ForwardOutput:
         B, q = token_ids.shape
+        q += last is not None  # (token_ids: the columns after the last tokens)
         Bb = bucket(B, BATCH_BUCKETS)
         need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
         nb = bucket(max(need, 1), self._block_buckets)
@@ -331,11 +343,15 @@ class NativeRunner:
         h[3 * n:] = blk.numpy().reshape(-1)
         on_host = token_ids.device.type == "cpu"
         h[:n] = 0
-        if on_host:
-            h[: B * q] = token_ids.numpy().reshape(-1)
+        ids = h[:n].reshape(Bb, q)
+        c0 = 0 if last is None else 1  # the first column given on the host
+        if c0:
+            ids[:B, 0] = last
+        if on_host and token_ids.shape[1]:
+            ids[:B, c0:] = token_ids.numpy()
         graph.upload()
-        if not on_host:
-            graph.meta[: B * q].copy_(token_ids.reshape(-1))
+        if not on_host and token_ids.shape[1]:  # after the upload, in stream order
+            graph.meta[:n].view(Bb, q)[:B, c0:].copy_(token_ids)
         if cols is not None:
             tree_bufs[0][:B].copy_(cols[0])
             tree_bufs[1][:B].copy_(cols[1])
@@ -352,7 +368,7 @@ class NativeRunner:
             tree_bufs = (chain.depth.contiguous(), chain.ancestors.contiguous())
 
         def run():
-            ids = meta[:n].view(Bb, q).clamp_min(0)
+            ids = meta[:n].view(Bb, q).clamp(0, self.vocab_size - 1)  # padding (-1) and unknown ids
             pos = meta[n: 2 * n].view(Bb, q)
             wsl = meta[2 * n: 3 * n].view(Bb, q)
             blk = meta[3 * n:].view(Bb, nb)
