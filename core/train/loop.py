@@ -150,13 +150,14 @@ def start_from(module, loaded, where: str) -> None:
 
 class BestWeights:
     """``--keep-best``: a host copy of the module's weights at its best validated step (by
-    expected acceptance length on the validation split; ties keep the earlier step)."""
+    expected acceptance length on the validation split; a tie goes to the later, more
+    trained step)."""
 
     def __init__(self, on: bool):
         self.on, self.step, self.score, self.state = on, None, None, None
 
     def offer(self, step: int, score: float | None, module) -> None:
-        if not self.on or score is None or (self.score is not None and score <= self.score):
+        if not self.on or score is None or (self.score is not None and score < self.score):
             return
         self.step, self.score = step, score
         self.state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
