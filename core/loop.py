@@ -443,8 +443,8 @@ class DraftVerifyLoop(Overlap):
             # model-free proposers, so the runner ships everything in one copy)
             inputs = torch.cat([on_device(last, ids.device).view(B, 1), ids.clamp(0, self.target.vocab_size - 1)],
                                dim=1)
-            last = None
-        return _Plan(draft, rows, asked, drafted, depths, k, inputs, [n + 1 for n in drafted], draft_seconds, last)
+        return _Plan(draft, rows, asked, drafted, depths, k, inputs, [n + 1 for n in drafted], draft_seconds,
+                     last if self.last_on_host else None)
 
     def _keep_paths(self, seqs: list[Sequence], accepted: list[int], paths: list[list[int]],
                     failed: list[bool]) -> None:

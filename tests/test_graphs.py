@@ -100,6 +100,27 @@ def _runner(path, graphs: bool):
     return runner
 
 
+def test_graphed_inputs_with_last_tokens_on_the_host_match_eager(tiny_llama, emulated_graphs):
+    """The graphed forward's own input handling: each row's last token given on the host
+    (``last_tokens``) with the drafts apart, ids past the vocabulary and -1 padding clamped
+    inside the graph function, a batch smaller than its bucket, gives the eager forward's
+    logits on the full inputs. (The loop passes ``last_tokens`` to the native runner in every
+    step: the CPU greedy-identity tests run its eager twin.)"""
+    eager, graphed = _runner(tiny_llama, False), _runner(tiny_llama, True)
+    prompts = {0: [5, 17, 300, 42], 1: [9, 77, 120, 3, 8, 250], 2: [11, 12, 13]}
+    for r in (eager, graphed):
+        r.add_many(list(prompts), list(prompts.values()))
+    V = eager.vocab_size
+    drafts = torch.tensor([[4, V + 7, 9], [-1, -1, -1], [6, 2, -1]])
+    last = [21, 22, 23]
+    full = torch.cat([torch.tensor(last).view(3, 1), drafts.clamp(0, V - 1)], dim=1)
+    a = eager.forward([0, 1, 2], full, [4, 1, 3])
+    b = graphed.forward([0, 1, 2], drafts, [4, 1, 3], last_tokens=last)
+    for i, n in enumerate([4, 1, 3]):  # the valid columns of each row
+        torch.testing.assert_close(b.logits[i, :n], a.logits[i, :n], rtol=1e-5, atol=1e-5)
+    assert graphed._graphs and all(k[0] == 4 for k in graphed._graphs)  # batch 3 ran in bucket 4
+
+
 def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_graphs):
     eager, graphed = _runner(tiny_llama, False), _runner(tiny_llama, True)
     prompts = {0: [5, 17, 300, 42, 9], 1: [7, 8, 9], 2: list(range(20, 43))}
