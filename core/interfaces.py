@@ -118,6 +118,26 @@ class Verdict:
     # [B, N] for tree drafts: the accepted nodes' indices from the root down, -1 padded
     # (token_ids holds their tokens); None for chains (the accepted drafts are 0..a-1)
     path: torch.Tensor | None = None
+    # [B, 1 + k+1] int64 or None: num_accepted and token_ids side by side, when the verifier
+    # made them as views of one tensor (:meth:`packed` checks they still are): the loop and
+    # a proposer drafting from the verdict then copy it whole, with no launch to join them
+    rows: torch.Tensor | None = None
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor) -> "Verdict":
+        """A chain's verdict over ``rows`` [B, 1 + k+1] int64 (accepted count, then the tokens)."""
+        return cls(token_ids=rows[:, 1:], num_accepted=rows[:, 0], rows=rows)
+
+    def packed(self) -> torch.Tensor | None:
+        """``rows`` while ``num_accepted`` and ``token_ids`` are still its views (a verifier
+        that replaced either leaves a stale ``rows``), else None."""
+        r = self.rows
+        if r is None or r.dim() != 2 or r.shape[1] != self.token_ids.shape[-1] + 1:
+            return None
+        if (self.num_accepted.data_ptr() != r.data_ptr() or self.token_ids.data_ptr() != r.data_ptr() + r.element_size()
+                or self.num_accepted.stride() != r.stride()[:1] or self.token_ids.stride() != r.stride()):
+            return None
+        return r
 
 
 @attrs.define(eq=False)

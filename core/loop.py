@@ -583,38 +583,53 @@ def _keep_states(out: ForwardOutput) -> ForwardOutput:
 
 def _to_host(verdict: Verdict, finite: torch.Tensor):
     """Start copying rows of [num_accepted, finite, tokens..., path...] (the path of a tree
-    verdict only) to the host, in one copy where they live together; returns a function
+    verdict only) to the host, in as few launches as the verdict allows; returns a function
     that waits for the copy (and nothing queued after it) and gives the rows as lists."""
     B = finite.shape[0]
+    packed = verdict.packed() if verdict.path is None else None
+    if packed is not None:  # [count | tokens] in one tensor: two copies, nothing to join first
+        wait = _copy(packed, finite)
+        return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(*wait())]
     tail = [verdict.token_ids] if verdict.path is None else [verdict.token_ids, verdict.path.to(verdict.token_ids.device)]
     if verdict.token_ids.device == finite.device:
         rows = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), finite.view(B, 1).to(torch.int64),
                           *tail], dim=1)
-        return _copy(rows)
+        wait = _copy(rows)
+        return lambda: wait()[0]
     head = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), *(t.to(torch.int64) for t in tail)], dim=1)
-    flags, head_rows = _copy(finite), _copy(head)
-    return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(head_rows(), flags())]
+    wait = _copy(head, finite)
+    return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(*wait())]
 
 
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _copy(t: torch.Tensor):
-    """``t.tolist()`` as a copy started now and waited for when the returned function is called."""
-    if t.device.type != "cuda":
-        return t.tolist
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    # the engine's stream, looked up once per device (a lookup costs ~20 us of host time a step)
-    stream = _streams.get(t.device.index)
-    if stream is None:
-        stream = _streams[t.device.index] = torch.cuda.current_stream(t.device)
-    done.record(stream)
+def _copy(*ts: torch.Tensor):
+    """``[t.tolist() for t in ts]`` as copies started now (one event after them per device)
+    and waited for when the returned function is called."""
+    if all(t.device.type != "cuda" for t in ts):
+        return lambda: [t.tolist() for t in ts]
+    hosts, devices = [], []
+    for t in ts:
+        cuda = t.device.type == "cuda"
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        host.copy_(t, non_blocking=cuda)
+        hosts.append(host)
+        if cuda and t.device.index not in devices:
+            devices.append(t.device.index)
+    events = []
+    for index in devices:
+        # the engine's stream, looked up once per device (a lookup costs ~20 us of host time a step)
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.current_stream(index)
+        events.append(torch.cuda.Event())
+        events[-1].record(stream)
 
     def wait():
-        done.synchronize()
-        return host.tolist()
+        for e in events:
+            e.synchronize()
+        return [h.tolist() for h in hosts]
     return wait
 
 

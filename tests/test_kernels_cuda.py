@@ -171,7 +171,9 @@ def test_greedy_tree_path_matches_the_eager_verifier(N):
 def test_greedy_chain_verdict_matches_the_eager_verifier(k):
     """The fused greedy chain verification gives the eager verdict (tokens emitted with -1
     after the first mismatch, accepted count) for rows that match all the way, not at all,
-    up to a random point, with -1 padding (a row drafting fewer), and at random."""
+    up to a random point, with -1 padding (a row drafting fewer), and at random, as one
+    tensor [count | tokens] per row; with no drafts, count 0 and the argmax."""
+    from speculum.interfaces import Verdict
     from speculum.verifiers import greedy
     g = _gen(k)
     B = 9
@@ -183,19 +185,21 @@ def test_greedy_chain_verdict_matches_the_eager_verifier(k):
     drafts[5, k // 2:] = -1                                  # padded after k // 2 drafts
     drafts[6:] = torch.randint(0, 7, (B - 6, k), generator=g)  # random: mostly short prefixes
     am, drafts = am.to(DEV), drafts.to(DEV)
-    fused = kernels.greedy_chain_verdict(am, drafts)
-    assert fused is not None
+    rows = kernels.greedy_chain_verdict(am, drafts)
+    assert rows is not None and rows.shape == (B, k + 2) and rows.dtype == torch.int64
     eager_acc = (drafts == am[:, :k]).cumprod(dim=1).sum(dim=1)
     eager_out = am.masked_fill(torch.arange(k + 1, device=DEV).view(1, -1) > eager_acc.view(B, 1), -1)
-    assert torch.equal(fused[1], eager_acc) and fused[1].dtype == torch.int64
-    assert torch.equal(fused[0], eager_out)
-    assert fused[1][0] == k and fused[1][1] == 0 and fused[1][5] == k // 2
-    if DEV.type == "cuda":  # and the verifier takes it: same verdict as on the CPU
-        logits = torch.randn(B, k + 1, 11, generator=g)
-        logits.scatter_(2, am.cpu().unsqueeze(-1), 10.0)
-        got, want = greedy.greedy_verify(logits.to(DEV), drafts), greedy.greedy_verify(logits, drafts.cpu())
-        assert torch.equal(got.token_ids.cpu(), want.token_ids) and torch.equal(got.num_accepted.cpu(), want.num_accepted)
-    assert kernels.greedy_chain_verdict(am[:, :1], drafts[:, :0]) is None  # no drafts: the argmax is the verdict
+    assert torch.equal(rows[:, 0], eager_acc) and torch.equal(rows[:, 1:], eager_out)
+    assert rows[0, 0] == k and rows[1, 0] == 0 and rows[5, 0] == k // 2
+    none = kernels.greedy_chain_verdict(am[:, :1], drafts[:, :0])  # no drafts: the argmax, nothing accepted
+    assert torch.equal(none[:, 0], torch.zeros(B, dtype=torch.int64, device=DEV)) and torch.equal(none[:, 1:], am[:, :1])
+    # the verifier takes it (CUDA) or its twin (CPU): same verdict, packed as one tensor either way
+    logits = torch.randn(B, k + 1, 11, generator=g)
+    logits.scatter_(2, am.cpu().unsqueeze(-1), 10.0)
+    for v in (greedy.greedy_verify(logits.to(DEV), drafts), greedy.greedy_verify(logits, drafts.cpu())):
+        assert torch.equal(v.token_ids.cpu(), eager_out.cpu()) and torch.equal(v.num_accepted.cpu(), eager_acc.cpu())
+        assert v.packed() is v.rows and torch.equal(v.rows[:, 1:], v.token_ids)
+        assert Verdict(token_ids=v.token_ids.clone(), num_accepted=v.num_accepted, rows=v.rows).packed() is None
 
 
 def test_fused_kernels_step_aside_where_a_gradient_is_wanted():

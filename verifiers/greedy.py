@@ -19,22 +19,23 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdi
     verdict): the loop copies the verdict to the host once, and a proposer that drafts
     from the verdict (:class:`~speculum.interfaces.VerdictDrafter`) starts the next
     chain before that copy. With no drafts (``k = 0``) the argmax is the verdict.
+    The count and the tokens are views of one tensor (:attr:`Verdict.rows`).
     """
     B, k1, _ = target_logits.shape
     k = k1 - 1
     # [B, k+1]
     argmax = target_logits.argmax(dim=-1)
-    if k == 0:
-        return Verdict(token_ids=argmax, num_accepted=torch.zeros(B, dtype=torch.int64, device=argmax.device))
     drafts = draft_ids.to(argmax.device, torch.int64, non_blocking=True)
-    fused = _fused(argmax, drafts) if argmax.is_cuda else None  # one kernel on CUDA
-    if fused is not None:
-        return Verdict(token_ids=fused[0], num_accepted=fused[1])
-    # a draft is accepted when it and every draft before it match (-1 padding never does);
-    # five small kernels after the argmax (each a launch of host time in every step)
-    accepted = (drafts == argmax[:, :k]).cumprod(dim=1).sum(dim=1)  # [B] int64 (a bool cumprod is int64)
-    return Verdict(token_ids=argmax.masked_fill(_columns(k1, argmax.device) > accepted.view(B, 1), -1),
-                   num_accepted=accepted)
+    rows = _fused(argmax, drafts) if argmax.is_cuda else None  # one kernel on CUDA
+    if rows is None:  # the twin: a draft is accepted when it and every draft before it match
+        # (-1 padding never does); five small kernels after the argmax on a GPU
+        rows = torch.empty(B, k1 + 1, dtype=torch.int64, device=argmax.device)
+        # [B] int64 (a bool cumprod is int64)
+        accepted = (drafts == argmax[:, :k]).cumprod(dim=1).sum(dim=1) if k else torch.zeros_like(argmax[:, 0])
+        rows[:, 0] = accepted
+        rows[:, 1:] = argmax.masked_fill(_columns(k1, argmax.device) > accepted.view(B, 1), -1)
+    # the count and the tokens side by side: the loop copies them to the host in one piece
+    return Verdict.from_rows(rows)
 
 
 _KERNEL = []

@@ -1,13 +1,16 @@
-# device: the nineteenth session's host cuts (one-kernel greedy chain verification, last tokens
-# staged on the host) before and after, in turns in one call (~5 minutes): ROUNDS (2) x
-# [UNFOLD=1, then as is] of `bench offline` on PPC (3) questions per category, 256 tokens,
-# greedy, bf16, batch 1: autoregressive, eagle3 chain k=4, eagle3 tree 8x6/32 (shipped head:
-# carry its folder) and ngram k=4, with the step profile; JSON per run in $OUT.
+# device: the host cuts of the nineteenth and twentieth sessions (one-kernel greedy chain
+# verification, last tokens staged on the host, the verdict's count and tokens side by side)
+# before and after, in turns in one call (~5 minutes): ROUNDS (2) x [UNFOLD=1, then as is] of
+# `bench offline` on PPC (3) questions per category, 256 tokens, greedy, bf16, batch 1:
+# autoregressive, METHOD (eagle3) chain k=4 and tree 8x6/32 (shipped head: carry its folder;
+# METHOD=eagle's 8 MB fit one call with .gguf_b, eagle3's 19 MB do not) and ngram k=4, with the
+# step profile; JSON per run in $OUT.
 # Compare each run's ratios to its own autoregressive baseline (machines drift between runs).
 . scripts/device/common.sh
 K='"num_speculative_tokens":4'
-ARGS=(--method "{\"method\":\"ngram\",$K}" --method "{\"method\":\"eagle3\",$K}"
-      --method '{"method":"eagle3","tree_topk":8,"tree_depth":6,"num_draft_tokens":32}')
+H=${METHOD:-eagle3}
+ARGS=(--method "{\"method\":\"ngram\",$K}" --method "{\"method\":\"$H\",$K}"
+      --method "{\"method\":\"$H\",\"tree_topk\":8,\"tree_depth\":6,\"num_draft_tokens\":32}")
 for r in $(seq ${ROUNDS:-2}); do
   for v in 1 0; do
     tag=$([ $v = 1 ] && echo before || echo after)

@@ -23,8 +23,8 @@ tree's tokens, parents, depths and ancestor matrix, so no tree bookkeeping is le
 the host.
 
 From a verdict still on the device (:meth:`HeadDraftGraphs.run_from_device`, chains and
-trees alike): each row's number of pending positions (the accepted count plus one) and
-their tokens come as device tensors, the metadata holds every position the row may use,
+trees alike): each row's accepted count (its pending positions are one more) and the
+tokens come as one device tensor, the verdict's rows, copied into the graph whole, the metadata holds every position the row may use,
 and the function picks its columns from them, so the next drafts start before the host
 has read the verdict.
 
@@ -67,7 +67,7 @@ class HeadDraftGraphs:
         #: head-cache positions a step appends per row after its catch-up positions
         self.extra = k - 1
         #: (batch bucket, block bucket) -> (graph, its feature input x [Bb, Q, H])
-        #: (and (batch bucket, block bucket, "device") -> (graph, its inputs x, tokens, counts):
+        #: (and (batch bucket, block bucket, "device") -> (graph, its inputs x and verdict rows):
         #: drafting from a verdict on the device, :meth:`run_from_device`)
         self._graphs: dict[tuple, tuple[StaticGraph, torch.Tensor | tuple[torch.Tensor, ...]]] = {}
         self._pool = GraphPool()
@@ -117,17 +117,17 @@ class HeadDraftGraphs:
         return self._head_catch_up(x, ctoks.view(Bb, Q), cpos.view(Bb, Q), cwsl.view(Bb, Q), last,
                                    dpos.view(Bb, D), dwsl.view(Bb, D), blk.view(Bb, nb))
 
-    def _catch_up_device(self, x: torch.Tensor, ctoks: torch.Tensor, count: torch.Tensor, meta: torch.Tensor,
-                         Bb: int, nb: int, D: int):
-        """:meth:`_catch_up` with each row's number of pending positions ``count`` [Bb] and
-        their tokens ``ctoks`` [Bb, Q] on the device (a verdict not yet read by the host):
-        ``meta`` holds every position a row may use, ``[fpos | fwsl | blk]`` (see
-        :meth:`_meta_device`), and the catch-up columns, padding and draft positions are
-        chosen from them here, as ``_meta`` chooses them on the host."""
+    def _catch_up_device(self, x: torch.Tensor, rows: torch.Tensor, meta: torch.Tensor, Bb: int, nb: int, D: int):
+        """:meth:`_catch_up` with each row's accepted count and tokens on the device (a verdict
+        not yet read by the host): ``rows`` [Bb, 1 + Q] holds the count (the pending positions
+        are one more) then the tokens; ``meta`` holds every position a row may use,
+        ``[fpos | fwsl | blk]`` (see :meth:`_meta_device`), and the catch-up columns, padding
+        and draft positions are chosen from them here, as ``_meta`` chooses them on the host."""
         Q, W, bs = self.Q, self.Q + self.extra, self.cache.allocator.block_size
         fpos, fwsl, blk = meta.split([Bb * W, Bb * W, Bb * nb])
         fpos, fwsl, blk = fpos.view(Bb, W), fwsl.view(Bb, W), blk.view(Bb, nb)
-        c = count.view(Bb, 1).clamp(1, Q)
+        c = (rows[:, :1] + 1).clamp(1, Q)
+        ctoks = rows[:, 1:]
         valid = torch.arange(Q, device=meta.device).view(1, Q) < c
         lastpos = fpos.gather(1, c - 1)  # [Bb, 1]: padding columns repeat it, written into the scratch block
         cpos = torch.where(valid, fpos[:, :Q], lastpos)
@@ -193,16 +193,19 @@ class HeadDraftGraphs:
 
     # -- drafting from a verdict still on the device ------------------------------------
     def run_from_device(self, seq_ids: Sequence[int], bases: Sequence[int], feats: torch.Tensor,
-                        tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """:meth:`run` with the pending states, tokens and counts still on the device.
+                        rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` with the pending states and the verdict still on the device.
 
-        Row ``b`` catches up on the first ``count[b]`` of ``feats[b]`` [Q, H] / ``tokens[b]``
-        [Q] at head-cache positions ``bases[b]`` on, then drafts its chain or tree; the host
-        does not know ``count`` (the verdict of the step that made them is still being
-        copied), so every row is given room for the longest outcome (``Q`` catch-up
-        positions and the draft positions after them): :meth:`settle` cuts each back once
-        the counts are known. Raises :class:`~speculum.interfaces.KVCacheFull` (every row
-        cut back to its base) when the cache cannot hold that."""
+        Row ``b`` catches up on the first ``rows[b, 0] + 1`` (its accepted count plus one) of
+        ``feats[b]`` [Q, H] and of its tokens ``rows[b, 1:]`` at head-cache positions
+        ``bases[b]`` on, then drafts its chain or tree; ``rows`` [R, 1 + >= Q] int64 is the
+        verdict's [count | tokens] (:attr:`~speculum.interfaces.Verdict.rows`), copied into
+        the graph in one piece. The host does not know the counts (the verdict of the step
+        that made them is still being copied), so every row is given room for the longest
+        outcome (``Q`` catch-up positions and the draft positions after them): :meth:`settle`
+        cuts each back once the counts are known. Raises
+        :class:`~speculum.interfaces.KVCacheFull` (every row cut back to its base) when the
+        cache cannot hold that."""
         alloc, Q, E = self.cache.allocator, self.Q, self.extra
         R = len(seq_ids)
         try:
@@ -219,18 +222,16 @@ class HeadDraftGraphs:
         with torch.inference_mode():
             if not self.use_graphs:
                 x = torch.zeros(Bb, Q, H, dtype=self.dtype, device=self.device)
-                toks = torch.zeros(Bb, Q, dtype=torch.int64, device=self.device)
-                c = torch.ones(Bb, dtype=torch.int64, device=self.device)
-                x[:R], toks[:R], c[:R] = feats[:, :Q], tokens[:, :Q], count
+                r = torch.zeros(Bb, 1 + Q, dtype=torch.int64, device=self.device)
+                x[:R], r[:R] = feats[:, :Q], rows[:, :1 + Q]
                 meta = torch.from_numpy(meta_np).to(self.device)
-                return self._after(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(E, 1)))[:R]
+                return self._after(*self._catch_up_device(x, r, meta, Bb, nb, max(E, 1)))[:R]
             key = (Bb, nb, "device")
-            graph, (x, toks, c) = self._graphs.get(key) or self._capture_device(key, H, meta_np.size)
+            graph, (x, r) = self._graphs.get(key) or self._capture_device(key, H, meta_np.size)
             graph.host()[:] = meta_np
             graph.upload()
             x[:R].copy_(feats[:, :Q])
-            toks[:R].copy_(tokens[:, :Q])
-            c[:R].copy_(count)
+            r[:R].copy_(rows[:, :1 + Q])
             return graph.replay()[:R]
 
     def settle(self, seq_id: int, base: int, count: int) -> None:
@@ -257,12 +258,11 @@ class HeadDraftGraphs:
     def _capture_device(self, key, H: int, meta_size: int):
         Bb, nb, _ = key
         x = torch.zeros(Bb, self.Q, H, dtype=self.dtype, device=self.device)
-        toks = torch.zeros(Bb, self.Q, dtype=torch.int64, device=self.device)
-        c = torch.ones(Bb, dtype=torch.int64, device=self.device)
+        # padding rows: accepted count 0 (one pending position), tokens 0
+        r = torch.zeros(Bb, 1 + self.Q, dtype=torch.int64, device=self.device)
         meta = torch.zeros(meta_size, dtype=torch.int64, device=self.device)
         entry = (self._pool.capture(
-            lambda: self._after(*self._catch_up_device(x, toks, c, meta, Bb, nb, max(self.extra, 1))), meta),
-            (x, toks, c))
+            lambda: self._after(*self._catch_up_device(x, r, meta, Bb, nb, max(self.extra, 1))), meta), (x, r))
         self._graphs[key] = entry
         return entry
 

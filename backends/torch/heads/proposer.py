@@ -442,10 +442,13 @@ class ChainHeadProposer:
             # the accepted states as observe() gets them (the same features, bit for bit), first Q columns
             states = hidden_states if verdict.path is None else gather_path(hidden_states, verdict.path)
             feats = self.head.features(states)[:, :Q]
-            count = verdict.num_accepted.to(self.device, torch.int64) + 1
-            tokens = verdict.token_ids[:, :Q].to(self.device)
+            # [count | tokens]: a chain's greedy verdict has them in one tensor already
+            rows = verdict.packed() if verdict.path is None else None
+            if rows is None:
+                rows = torch.cat([verdict.num_accepted.view(-1, 1).to(torch.int64),
+                                  verdict.token_ids[:, :Q].to(torch.int64)], dim=1)
             try:
-                out = self.graphs.run_from_device(list(seq_ids), bases, feats, tokens, count)
+                out = self.graphs.run_from_device(list(seq_ids), bases, feats, rows.to(self.device))
             except KVCacheFull:  # the longest outcome does not fit now: draft after the copy, as usual
                 return None
         R = len(seq_ids)

@@ -13,9 +13,10 @@
 - ``greedy_tree_path``: greedy verification of a token tree, the accepted path and the
   tokens emitted (one kernel instead of ~25; see :mod:`speculum.verifiers.tree`).
 - ``greedy_chain_verdict``: greedy verification of a chain after the argmax, the accepted
-  count and the tokens emitted (one kernel instead of five; see
-  :mod:`speculum.verifiers.greedy`): an eager launch costs the host 17-30 us in a step on
-  the H200 machine (docs/benchmarks.md, nineteenth session).
+  count and the tokens emitted side by side in one tensor (one kernel instead of five, and
+  none to join them for the copy to the host; see :mod:`speculum.verifiers.greedy`): an
+  eager launch costs the host 17-30 us in a step on the H200 machine (docs/benchmarks.md,
+  nineteenth session).
 
 Fewer launches matter because small-model steps are launch-bound even inside CUDA
 graphs. The torch versions define the semantics; tests compare the two on a GPU.
@@ -264,38 +265,43 @@ def greedy_tree_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.T
 if triton is not None:
 
     @triton.jit
-    def _greedy_chain_kernel(am_ptr, d_ptr, out_ptr, acc_ptr, K, BLOCK: tl.constexpr):
+    def _greedy_chain_kernel(am_ptr, d_ptr, out_ptr, K, BLOCK: tl.constexpr):
         # one program per row: draft r is accepted when it and every draft before it equal the
         # argmax at their positions; the count is the first r that fails (r = K always does),
-        # and the argmax is emitted up to and including that position
+        # and the argmax is emitted up to and including that position. Row b of the output is
+        # [count, tokens...] (K + 2 int64)
         b = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK)
         am = tl.load(am_ptr + b * (K + 1) + r, mask=r <= K, other=-1)
         d = tl.load(d_ptr + b * K + r, mask=r < K, other=-1)
         miss = (r >= K) | (d < 0) | (d != am)
         acc = tl.min(tl.where(miss, r, BLOCK), axis=0)
-        tl.store(out_ptr + b * (K + 1) + r, tl.where(r <= acc, am, -1), mask=r <= K)
-        tl.store(acc_ptr + b, acc.to(tl.int64))
+        tl.store(out_ptr + b * (K + 2) + 1 + r, tl.where(r <= acc, am, -1), mask=r <= K)
+        tl.store(out_ptr + b * (K + 2), acc.to(tl.int64))
 
 
 #: the longest chain :func:`greedy_chain_verdict` takes (drafts + 1); longer ones run the twin
 GREEDY_CHAIN_MAX = 1024
 
 
-def greedy_chain_verdict(am: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def greedy_chain_verdict(am: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor | None:
     """Greedy chain verification in one kernel: what :func:`speculum.verifiers.greedy.greedy_verify`
-    computes after the argmax (tokens emitted [B, k+1]: the accepted drafts, then the argmax
-    at the first mismatch, -1 after; accepted count [B], int64) from the argmax ``am`` [B, k+1]
-    and the drafts [B, k] (int64, -1 padded); None where it does not apply (no CUDA, no
-    drafts, chains longer than ``GREEDY_CHAIN_MAX``): the caller runs the twin."""
+    computes after the argmax ``am`` [B, k+1] and the drafts [B, k] (int64, -1 padded; k may
+    be 0), as one int64 tensor [B, 1 + k+1] per row: the accepted count, then the tokens
+    emitted (the accepted drafts, the argmax at the first mismatch, -1 after):
+    :meth:`speculum.interfaces.Verdict.from_rows`. The count and the tokens side by side let
+    the loop copy the verdict to the host with no launch to join them. None where it does not
+    apply (no CUDA, chains longer than ``GREEDY_CHAIN_MAX``): the caller runs the twin."""
     B, K1 = am.shape
-    if not use_triton(am) or not 1 < K1 <= GREEDY_CHAIN_MAX:
+    if not use_triton(am) or not 0 < K1 <= GREEDY_CHAIN_MAX:
         return None
-    out = torch.empty(B, K1, dtype=torch.int64, device=am.device)
-    acc = torch.empty(B, dtype=torch.int64, device=am.device)
-    _greedy_chain_kernel[(B,)](am.contiguous(), drafts.contiguous(), out, acc, K1 - 1,
-                               BLOCK=triton.next_power_of_2(K1))
-    return out, acc
+    out = torch.empty(B, K1 + 1, dtype=torch.int64, device=am.device)
+    am = am.contiguous()
+    # (no drafts: the argmax stands in for their pointer, which nothing reads; an empty
+    # tensor's may be null)
+    _greedy_chain_kernel[(B,)](am, drafts.contiguous() if K1 > 1 else am, out, K1 - 1,
+                               BLOCK=max(2, triton.next_power_of_2(K1)))
+    return out
 
 
 def wants_grad(*tensors: torch.Tensor | None) -> bool:
