@@ -118,24 +118,35 @@ class Verdict:
     # [B, N] for tree drafts: the accepted nodes' indices from the root down, -1 padded
     # (token_ids holds their tokens); None for chains (the accepted drafts are 0..a-1)
     path: torch.Tensor | None = None
-    # [B, 1 + k+1] int64 or None: num_accepted and token_ids side by side, when the verifier
-    # made them as views of one tensor (:meth:`packed` checks they still are): the loop and
-    # a proposer drafting from the verdict then copy it whole, with no launch to join them
+    # [B, 1 + k+1 (+ N)] int64 or None: num_accepted, token_ids (and a tree's path) side by
+    # side, when the verifier made them as views of one tensor (:meth:`packed` checks they
+    # still are): the loop and a proposer drafting from the verdict then copy it whole,
+    # with no launch to join them
     rows: torch.Tensor | None = None
 
     @classmethod
-    def from_rows(cls, rows: torch.Tensor) -> "Verdict":
-        """A chain's verdict over ``rows`` [B, 1 + k+1] int64 (accepted count, then the tokens)."""
-        return cls(token_ids=rows[:, 1:], num_accepted=rows[:, 0], rows=rows)
+    def from_rows(cls, rows: torch.Tensor, path_width: int = 0) -> "Verdict":
+        """The verdict over ``rows`` [B, 1 + k+1 + path_width] int64: the accepted count, the
+        tokens, then (a tree's, ``path_width`` > 0) the accepted path."""
+        end = rows.shape[1] - path_width
+        return cls(token_ids=rows[:, 1:end], num_accepted=rows[:, 0], path=rows[:, end:] if path_width else None,
+                   rows=rows)
 
     def packed(self) -> torch.Tensor | None:
-        """``rows`` while ``num_accepted`` and ``token_ids`` are still its views (a verifier
-        that replaced either leaves a stale ``rows``), else None."""
+        """``rows`` while ``num_accepted``, ``token_ids`` and ``path`` are still its views (a
+        verifier that replaced one leaves a stale ``rows``), else None."""
         r = self.rows
-        if r is None or r.dim() != 2 or r.shape[1] != self.token_ids.shape[-1] + 1:
+        if r is None:
             return None
-        if (self.num_accepted.data_ptr() != r.data_ptr() or self.token_ids.data_ptr() != r.data_ptr() + r.element_size()
-                or self.num_accepted.stride() != r.stride()[:1] or self.token_ids.stride() != r.stride()):
+        tw = self.token_ids.shape[-1]
+        pw = 0 if self.path is None else self.path.shape[-1]
+        if r.dim() != 2 or r.shape[1] != 1 + tw + pw:
+            return None
+        base, size = r.data_ptr(), r.element_size()
+        views = [(self.num_accepted, base, r.stride()[:1]), (self.token_ids, base + size, r.stride())]
+        if self.path is not None:
+            views.append((self.path, base + size * (1 + tw), r.stride()))
+        if any(t.data_ptr() != ptr or t.stride() != stride for t, ptr, stride in views):
             return None
         return r
 

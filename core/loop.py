@@ -586,8 +586,8 @@ def _to_host(verdict: Verdict, finite: torch.Tensor):
     verdict only) to the host, in as few launches as the verdict allows; returns a function
     that waits for the copy (and nothing queued after it) and gives the rows as lists."""
     B = finite.shape[0]
-    packed = verdict.packed() if verdict.path is None else None
-    if packed is not None:  # [count | tokens] in one tensor: two copies, nothing to join first
+    packed = verdict.packed()
+    if packed is not None:  # [count | tokens (| path)] in one tensor: two copies, nothing to join first
         wait = _copy(packed, finite)
         return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(*wait())]
     tail = [verdict.token_ids] if verdict.path is None else [verdict.token_ids, verdict.path.to(verdict.token_ids.device)]

@@ -145,6 +145,7 @@ def test_greedy_tree_path_matches_the_eager_verifier(N):
     tokens, accepted count, path) for random trees of every size it takes, trees where
     nearly everything matches (deep accepted paths) and where nothing does, and deep
     chains; 128 nodes or more are left to the eager function (None)."""
+    from speculum.interfaces import Verdict
     from speculum.tree import TokenTree
     from speculum.verifiers.tree import greedy_path
     cases = [_random_tree(3, N, 16, N), _random_tree(2, N, 5, N + 1, match=0.97), _random_tree(2, N, 50, N + 2, 0.0)]
@@ -156,10 +157,12 @@ def test_greedy_tree_path_matches_the_eager_verifier(N):
     for am, tokens, parents in cases:
         tree = TokenTree(parents)
         args = [x.to(DEV) for x in (am, tokens, tree.parents, tree.ancestors, tree.depth)]
-        fused, eager = kernels.greedy_tree_path(*args), greedy_path(*args)
-        assert fused is not None
-        for a, b in zip(fused, eager):
+        rows, eager = kernels.greedy_tree_path(*args), greedy_path(*args)
+        assert rows is not None and rows.shape == (am.shape[0], 2 * N + 2)
+        fused = Verdict.from_rows(rows, path_width=N)  # [count | tokens | path]
+        for a, b in zip((fused.token_ids, fused.num_accepted, fused.path), eager):
             assert torch.equal(a, b), (a, b)
+        assert fused.packed() is rows
     assert max(eager[1].tolist()) > 0 or N == 1
     big = _random_tree(1, 128, 5, 0)
     tree = TokenTree(big[2])

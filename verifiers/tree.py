@@ -70,8 +70,12 @@ def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tre
                        path=am.new_zeros(B, 0))
     dev = am.device
     args = (am, token_ids.to(dev), tree.parents.to(dev), tree.ancestors.to(dev), tree.depth.to(dev))
-    out, num_accepted, path = (_fused(*args) if dev.type == "cuda" else None) or greedy_path(*args)
-    return Verdict(token_ids=out, num_accepted=num_accepted, path=path)
+    rows = _fused(*args) if dev.type == "cuda" else None
+    if rows is None:  # the twin, its outputs joined as the kernel writes them
+        out, num_accepted, path = greedy_path(*args)
+        rows = torch.cat([num_accepted.view(B, 1), out, path], dim=1)
+    # count, tokens and path side by side: the loop copies them to the host in one piece
+    return Verdict.from_rows(rows, path_width=N)
 
 
 def greedy_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
@@ -101,10 +105,17 @@ def greedy_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor
     return out, num_accepted, path
 
 
+_KERNEL = []
+
+
 def _fused(*args):
-    """:func:`greedy_path` as one CUDA kernel, or None where it does not apply."""
-    from speculum.backends.torch import greedy_tree_path
-    return greedy_tree_path(*args)
+    """:func:`greedy_path` as one CUDA kernel (its outputs side by side in one tensor), or
+    None where it does not apply (the kernel looked up once: the backend loads its kernels
+    lazily)."""
+    if not _KERNEL:
+        from speculum.backends.torch import greedy_tree_path
+        _KERNEL.append(greedy_tree_path)
+    return _KERNEL[0](*args)
 
 
 def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: torch.Tensor, tree: TokenTree,

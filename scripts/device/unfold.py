@@ -6,7 +6,7 @@ the native runner taking each row's last token on the host (``last_tokens``), an
 verdict's count and tokens made side by side (``Verdict.rows``), so the copy to the host and
 a head's drafting from the verdict need no launch to join them. With ``UNFOLD=1`` this
 wrapper puts back the eager verification, the [B, k+1] inputs built on the device and the
-joins, in-process, and runs the ``speculum`` CLI with the arguments given, so before and after run
+joins (for trees only the joins: the tree kernel still writes one tensor), in-process, and runs the ``speculum`` CLI with the arguments given, so before and after run
 in one device call on one machine:
 
     UNFOLD=1 python3 scripts/device/unfold.py bench offline ... --json before.json

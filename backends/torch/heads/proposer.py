@@ -442,8 +442,8 @@ class ChainHeadProposer:
             # the accepted states as observe() gets them (the same features, bit for bit), first Q columns
             states = hidden_states if verdict.path is None else gather_path(hidden_states, verdict.path)
             feats = self.head.features(states)[:, :Q]
-            # [count | tokens]: a chain's greedy verdict has them in one tensor already
-            rows = verdict.packed() if verdict.path is None else None
+            # [count | tokens (| path)]: a greedy verdict has them in one tensor already
+            rows = verdict.packed()
             if rows is None:
                 rows = torch.cat([verdict.num_accepted.view(-1, 1).to(torch.int64),
                                   verdict.token_ids[:, :Q].to(torch.int64)], dim=1)

@@ -205,8 +205,7 @@ GREEDY_TREE_MAX = 128
 if triton is not None:
 
     @triton.jit
-    def _greedy_tree_kernel(am_ptr, tok_ptr, par_ptr, anc_ptr, dep_ptr, out_ptr, acc_ptr, path_ptr, N,
-                            BLOCK: tl.constexpr):
+    def _greedy_tree_kernel(am_ptr, tok_ptr, par_ptr, anc_ptr, dep_ptr, rows_ptr, N, BLOCK: tl.constexpr):
         # one program per row. Node j matches when it drafted the target's argmax after its
         # parent; node i qualifies when all its ancestors (itself included) match, i.e. when
         # the matches among them number its depth; the deepest, then earliest, wins
@@ -228,38 +227,41 @@ if triton is not None:
         found = top > 0
         acc = tl.where(found, tl.sum(tl.where(r == best, dep_r, 0), axis=0), 0)
         on_c = found & cm & (tl.load(anc_ptr + b * N * N + best * N + c, mask=cm, other=0) != 0)
+        # row b of the output: [count | tokens emitted (N + 1) | path (N)]
+        acc_ptr = rows_ptr + b * (2 * N + 2)
+        out_ptr = acc_ptr + 1
+        path_ptr = acc_ptr + N + 2
         # the path: slot s holds the accepted node of depth s + 1 (-1 past the accepted count)
-        tl.store(path_ptr + b * N + r, tl.max(tl.where(on_c & (dep_c - 1 == r[:, None]), c, -1), axis=1), mask=rm)
+        tl.store(path_ptr + r, tl.max(tl.where(on_c & (dep_c - 1 == r[:, None]), c, -1), axis=1), mask=rm)
         # emitted s: the argmax at the root (s = 0), else after the accepted node of depth s
         prev = tl.max(tl.where(on_c & (dep_c == r[:, None]), c, -1), axis=1)
         keep = r <= acc
         col = tl.where(r == 0, 0, prev + 1)
         emitted = tl.load(am_ptr + b * (N + 1) + col, mask=keep & (r <= N), other=-1)
-        tl.store(out_ptr + b * (N + 1) + r, tl.where(keep, emitted, -1), mask=r <= N)
-        tl.store(acc_ptr + b, acc)
+        tl.store(out_ptr + r, tl.where(keep, emitted, -1), mask=r <= N)
+        tl.store(acc_ptr, acc)
 
 
 def greedy_tree_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
-                     depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                     depth: torch.Tensor) -> torch.Tensor | None:
     """Greedy tree verification in one kernel: what
-    :func:`speculum.verifiers.tree.greedy_path` computes (tokens emitted [B, N+1], accepted
-    count [B], accepted nodes [B, N] root first, -1 padded) from the argmax ``am`` [B, N+1],
-    node tokens, parents and depths [B, N] and ancestors [B, N, N]; None where it does not
-    apply (no CUDA, or more than ``GREEDY_TREE_MAX - 1`` nodes): the caller runs the twin.
-    One launch instead of ~25 small kernels (or a graph replay and its copies) after every
-    tree verify forward."""
+    :func:`speculum.verifiers.tree.greedy_path` computes, as one int64 tensor
+    [B, 1 + (N+1) + N] per row: the accepted count, the tokens emitted, the accepted nodes
+    root first (-1 padded) (:meth:`speculum.interfaces.Verdict.from_rows` with ``path_width
+    = N``), from the argmax ``am`` [B, N+1], node tokens, parents and depths [B, N] and
+    ancestors [B, N, N]; None where it does not apply (no CUDA, or more than
+    ``GREEDY_TREE_MAX - 1`` nodes): the caller runs the twin. One launch instead of ~25
+    small kernels (or a graph replay and its copies) after every tree verify forward, and
+    none to join its outputs for the copy to the host."""
     B, N = token_ids.shape
     if not use_triton(am) or not 0 < N < GREEDY_TREE_MAX:
         return None
-    dev = am.device
-    out = torch.empty(B, N + 1, dtype=torch.int64, device=dev)
-    acc = torch.empty(B, dtype=torch.int64, device=dev)
-    path = torch.empty(B, N, dtype=torch.int64, device=dev)
+    rows = torch.empty(B, 2 * N + 2, dtype=torch.int64, device=am.device)
     block = triton.next_power_of_2(N + 1)
     _greedy_tree_kernel[(B,)](am.contiguous(), token_ids.contiguous(), parents.contiguous(),
-                              anc.contiguous().view(torch.uint8), depth.contiguous(), out, acc, path, N,
+                              anc.contiguous().view(torch.uint8), depth.contiguous(), rows, N,
                               BLOCK=block, num_warps=4 if block <= 64 else 8)
-    return out, acc, path
+    return rows
 
 
 if triton is not None:
