@@ -112,6 +112,7 @@ def test_bf16_trees_run_graphed(target, heads):
 def test_greedy_tree_verification_takes_the_fused_kernel():
     """On CUDA the greedy tree verifier runs the fused kernel (its agreement with the
     eager function: tests/test_kernels_cuda.py): same verdicts either way."""
+    from speculum.interfaces import Verdict
     from speculum.verifiers import tree as vt
     g = torch.Generator().manual_seed(5)
     N, V = 16, 64
@@ -124,10 +125,12 @@ def test_greedy_tree_verification_takes_the_fused_kernel():
         tokens = torch.where(torch.rand(B, N, generator=g) < 0.6, am.cpu().gather(1, parents + 1),
                              torch.randint(0, V, (B, N), generator=g)).cuda()
         args = (am, tokens, tree.parents, tree.ancestors, tree.depth)
-        fused = vt._fused(*args)
-        assert fused is not None
+        rows = vt._fused(*args)  # [count | tokens | path]
+        assert rows is not None
+        fused = Verdict.from_rows(rows, path_width=N)
         logits = torch.nn.functional.one_hot(am, V).float()
         verdict = vt.tree_greedy_verify(logits, tokens, tree)
-        for a, b in zip(fused, vt.greedy_path(*args)):
+        for a, b in zip((fused.token_ids, fused.num_accepted, fused.path), vt.greedy_path(*args)):
             assert torch.equal(a, b)
-        assert torch.equal(verdict.path, fused[2]) and torch.equal(verdict.num_accepted, fused[1])
+        assert torch.equal(verdict.path, fused.path) and torch.equal(verdict.num_accepted, fused.num_accepted)
+        assert verdict.packed() is verdict.rows  # one tensor for the copy to the host

@@ -17,36 +17,85 @@ in one device call on one machine:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 
-def unfold() -> None:
+def _eager_verify(target_logits, draft_ids):
+    """Greedy chain verification as before the cuts: the five eager ops after the argmax
+    (the zeros of a step without drafts), count and tokens apart."""
     import torch
 
-    from speculum.backends.torch.native.runner import NativeRunner
+    from speculum.interfaces import Verdict
+    from speculum.verifiers import greedy
+    B, k1, _ = target_logits.shape
+    argmax = target_logits.argmax(dim=-1)
+    if k1 == 1:
+        return Verdict(token_ids=argmax, num_accepted=torch.zeros(B, dtype=torch.int64, device=argmax.device))
+    drafts = draft_ids.to(argmax.device, torch.int64, non_blocking=True)
+    accepted = (drafts == argmax[:, :k1 - 1]).cumprod(dim=1).sum(dim=1)
+    return Verdict(token_ids=argmax.masked_fill(greedy._columns(k1, argmax.device) > accepted.view(B, 1), -1),
+                   num_accepted=accepted)
+
+
+def _set(unfolded: bool) -> None:
+    """The module-wide cuts off (``unfolded``) or on: the verifier's kernel, the packed verdict."""
     from speculum.interfaces import Verdict
     from speculum.verifiers import greedy, sampled
+    Verdict.packed = (lambda self: None) if unfolded else _PACKED  # the loop and the heads join count and tokens
+    greedy.greedy_verify = sampled.greedy_verify = _eager_verify if unfolded else _VERIFY
 
+
+def unfold() -> None:
+    """Every engine of the process without the cuts."""
+    from speculum.backends.torch.native.runner import NativeRunner
     NativeRunner.takes_last_tokens = False  # the loop builds [last | drafts] on the device again
-    Verdict.packed = lambda self: None  # the loop and the heads join count and tokens themselves
+    _set(True)
 
-    def eager(target_logits, draft_ids):  # the five eager ops after the argmax; no packed rows
-        B, k1, _ = target_logits.shape
-        argmax = target_logits.argmax(dim=-1)
-        if k1 == 1:
-            return Verdict(token_ids=argmax, num_accepted=torch.zeros(B, dtype=torch.int64, device=argmax.device))
-        drafts = draft_ids.to(argmax.device, torch.int64, non_blocking=True)
-        accepted = (drafts == argmax[:, :k1 - 1]).cumprod(dim=1).sum(dim=1)
-        return Verdict(token_ids=argmax.masked_fill(greedy._columns(k1, argmax.device) > accepted.view(B, 1), -1),
-                       num_accepted=accepted)
-    greedy.greedy_verify = sampled.greedy_verify = eager  # (the default verifier's greedy steps: sampled)
+
+def alternate() -> None:
+    """``UNFOLD=alt``: in a bench run, the first engine of each configuration (and the
+    repeated baseline, ``--baseline-again``) runs without the cuts, the second with them;
+    with ``--interleave`` every category then runs through both in turn, so the machine's
+    drift (runs of the same code differed by up to 20% a config on the H200) slows both
+    alike. Give each ``--method`` twice; the unfolded engines' names end in ``[unfolded]``."""
+    from speculum.bench import methods
+    from speculum.engine import LLM
+    seen: dict[str, int] = {}
+    start, generate = methods._start, LLM.generate
+
+    def tagged_start(make_llm, cfg, *a, again: bool = False, **kw):
+        key = json.dumps(cfg, sort_keys=True)
+        seen[key] = seen.get(key, 0) + 1
+        unfolded = again if cfg is None else seen[key] == 1
+
+        def make(c):
+            llm = make_llm(c)
+            llm._unfolded = unfolded
+            if unfolded:
+                llm.loop.last_on_host = False
+            return llm
+        llm, name = start(make, cfg, *a, again=again, **kw)
+        return llm, name + (" [unfolded]" if unfolded else "")
+
+    def switched_generate(self, *a, **kw):
+        _set(getattr(self, "_unfolded", False))
+        return generate(self, *a, **kw)
+    methods._start, LLM.generate = tagged_start, switched_generate
 
 
 if __name__ == "__main__":
-    if os.environ.get("UNFOLD") == "1":
+    from speculum.interfaces import Verdict
+    from speculum.verifiers import greedy
+    _PACKED, _VERIFY = Verdict.packed, greedy.greedy_verify
+    mode = os.environ.get("UNFOLD")
+    if mode == "1":
         unfold()
         print("host cuts undone: eager chain verification, inputs built on the device", flush=True)
+    elif mode == "alt":
+        alternate()
+        print("host cuts undone in the first engine of each configuration", flush=True)
     from speculum.cli import main
     sys.argv = ["speculum", *sys.argv[1:]]
     sys.exit(main())

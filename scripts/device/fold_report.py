@@ -1,0 +1,43 @@
+"""The A/B of ``scripts/device/fold_ab.sh``: per configuration, tokens/s and step profile
+without the host cuts ("[unfolded]" engines; the repeated autoregressive baseline) and with
+them, from ``bench offline --interleave`` JSON files, each variant's speedup against its own
+autoregressive baseline, and after/before.
+
+    python3 scripts/device/fold_report.py fold_1.json [fold_2.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def rows(paths: list[str]) -> dict[str, dict[str, list[dict]]]:
+    """{config: {"before"|"after": [result, ...]}} over the files."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for path in paths:
+        for r in json.load(open(path))["results"]:
+            name = r["method"]
+            before = name.endswith("[unfolded]") or "(again)" in name
+            key = "autoregressive" if not r["config"] else json.dumps(r["config"], separators=(",", ":"))
+            out.setdefault(key, {}).setdefault("before" if before else "after", []).append(r)
+    return out
+
+
+def main(paths: list[str]) -> None:
+    table = rows(paths)
+    ar = {v: sum(r["total"]["tokens_per_s"] for r in rs) / len(rs) for v, rs in table["autoregressive"].items()}
+    print(f"{'config':<62}{'before tok/s':>13}{'after tok/s':>12}{'after/before':>13}{'x before':>9}{'x after':>8}"
+          f"{'host ms b/a':>14}")
+    for key, by in table.items():
+        if set(by) != {"before", "after"}:
+            continue
+        tps = {v: sum(r["total"]["tokens_per_s"] for r in rs) / len(rs) for v, rs in by.items()}
+        host = {v: sum((r.get("profile") or {}).get("host_ms") or 0 for r in rs) / len(rs) for v, rs in by.items()}
+        print(f"{key[:61]:<62}{tps['before']:>13.1f}{tps['after']:>12.1f}{tps['after'] / tps['before']:>13.3f}"
+              f"{tps['before'] / ar['before']:>9.3f}{tps['after'] / ar['after']:>8.3f}"
+              f"{host['before']:>7.3f}/{host['after']:.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
