@@ -34,6 +34,5 @@ if __name__ == "__main__":
     if os.environ.get("HEAD_KERNELS") == "torch":
         plain_torch()
         print("head kernels: plain torch (the 'before' of 72e1646)", flush=True)
-    from speculum.cli import main
-    sys.argv = ["speculum", *sys.argv[1:]]
-    sys.exit(main())
+    from patched_cli import run_cli  # (scripts/device/ is the script's own folder: first on sys.path)
+    run_cli(sys.argv[1:])

@@ -96,6 +96,5 @@ if __name__ == "__main__":
     elif mode == "alt":
         alternate()
         print("host cuts undone in the first engine of each configuration", flush=True)
-    from speculum.cli import main
-    sys.argv = ["speculum", *sys.argv[1:]]
-    sys.exit(main())
+    from patched_cli import run_cli  # (scripts/device/ is the script's own folder: first on sys.path)
+    run_cli(sys.argv[1:])
