@@ -258,7 +258,10 @@ class Verifier(Protocol):
     """Decides which draft tokens the target accepts.
 
     A verifier that accepts tree drafts (``Draft.tree``) sets ``supports_trees = True``
-    and returns ``Verdict.path``; the engine refuses tree configs otherwise.
+    and returns ``Verdict.path``; the engine refuses tree configs otherwise. One that sets
+    ``takes_argmax = True`` is called with ``argmax=`` ([B, k+1] int64, the logits' argmax)
+    when the runner made it (``ForwardOutput.argmax``) and no logits processor changed the
+    logits, so it need not compute it.
     """
 
     #: True when output has exactly the target's distribution.
@@ -326,6 +329,11 @@ class ForwardOutput:
     # (inside its CUDA graph: five kernel launches less of host time per step); None: read
     # it through finite_rows()
     finite: torch.Tensor | None = None
+    # [B, q] int64: each position's argmax of ``logits``, computed by a runner that can do it
+    # for free (inside its CUDA graph: one launch less of host time per greedy step); None:
+    # a verifier computes it. The loop hands it to verifiers with ``takes_argmax`` (and only
+    # when no logits processor changed the logits)
+    argmax: torch.Tensor | None = None
 
     @staticmethod
     def finite_of(logits: torch.Tensor) -> torch.Tensor:

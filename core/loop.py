@@ -107,6 +107,10 @@ class DraftVerifyLoop(Overlap):
         #: the runner takes each row's last token on the host and clamps the drafts itself
         #: (``forward(..., last_tokens=...)``): a step's inputs need no device ops
         self.last_on_host = bool(getattr(target, "takes_last_tokens", False))
+        #: hand the runner's argmax of the logits (``ForwardOutput.argmax``) to a verifier that
+        #: takes it (``takes_argmax``, ``verify(..., argmax=)``; read each step: a verifier may
+        #: be swapped, e.g. by ``bench verifiers``): one launch less a greedy step
+        self.use_runner_argmax = True
         self._said: set[str] = set()
         #: failures survived, by kind (proposer, draft, verifier, row): for logs and soaks
         self.failures: dict[str, int] = {}
@@ -240,7 +244,8 @@ class DraftVerifyLoop(Overlap):
         # [B, k+1, V] penalties, bias, min_tokens, bad_words, min_p per position (drafts
         # before each position count as generated); the raw logits when no row uses them
         logits = sampling.process_logits(out.logits, ids) if sampling.needs_processing else out.logits
-        verdict, failed_rows = self._verify(logits, draft, sampling)
+        # the runner's argmax is the raw logits': only for unprocessed ones
+        verdict, failed_rows = self._verify(logits, draft, sampling, out.argmax if logits is out.logits else None)
         if tree is not None and verdict.path is None:  # the plain-sampling fallback: nothing accepted
             verdict.path = torch.full_like(ids, -1)
         # the host synchronisation of the step (greedy verification has synced already);
@@ -508,11 +513,15 @@ class DraftVerifyLoop(Overlap):
             return Draft.empty(B)
         return draft if len(rows) == B else draft.scatter(rows, B)
 
-    def _verify(self, logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> tuple[Verdict, dict[int, str]]:
-        """The verifier's verdict, or plain sampling of position 0 if it raised."""
+    def _verify(self, logits: torch.Tensor, draft: Draft, sampling: SamplingBatch,
+                argmax: torch.Tensor | None = None) -> tuple[Verdict, dict[int, str]]:
+        """The verifier's verdict, or plain sampling of position 0 if it raised. ``argmax``:
+        the logits' argmax [B, k+1] when the runner made it, for a verifier that takes it."""
         failed: dict[int, str] = {}
+        takes = argmax is not None and self.use_runner_argmax and getattr(self.verifier, "takes_argmax", False)
+        kw = {"argmax": argmax} if takes else {}
         try:
-            return self.verifier.verify(logits, draft, sampling), failed
+            return self.verifier.verify(logits, draft, sampling, **kw), failed
         except RowError as exc:
             failed = {r: f"the verifier failed on this request: {exc}" for r in exc.rows}
         except Exception as exc:
@@ -578,7 +587,7 @@ def _keep_states(out: ForwardOutput) -> ForwardOutput:
     if not out.hidden_states:
         return out
     return ForwardOutput(logits=out.logits, hidden_states={l: h.clone() for l, h in out.hidden_states.items()},
-                         finite=out.finite)
+                         finite=out.finite, argmax=out.argmax)
 
 
 def _to_host(verdict: Verdict, finite: torch.Tensor):

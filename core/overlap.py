@@ -227,7 +227,8 @@ class Overlap:
             idx = on_device([pos[sid] for sid in ids], ahead.out.logits.device)
             out = ahead.out
             return ForwardOutput(logits=out.logits[idx], hidden_states={l: h[idx] for l, h in out.hidden_states.items()},
-                                 finite=None if out.finite is None else out.finite[idx])
+                                 finite=None if out.finite is None else out.finite[idx],
+                                 argmax=None if out.argmax is None else out.argmax[idx])
         self._drop(ahead)
         return None
 

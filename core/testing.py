@@ -298,9 +298,9 @@ def verified_drafts(llm) -> list:
     if not hasattr(verifier, "_seen"):
         seen, inner = [], verifier.verify
 
-        def verify(logits, draft, sampling):
+        def verify(logits, draft, sampling, **kw):
             seen.append(draft.token_ids.tolist())
-            return inner(logits, draft, sampling)
+            return inner(logits, draft, sampling, **kw)
 
         verifier.verify, verifier._seen = verify, seen
     return verifier._seen

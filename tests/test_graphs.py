@@ -141,6 +141,8 @@ def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_gra
         # the graph computes each row's finiteness (the loop's NaN/inf check) with the logits
         assert a.finite is None and b.finite is not None
         assert torch.equal(b.finite, ForwardOutput.finite_of(b.logits)) and bool(b.finite.all())
+        # ... and each position's argmax (what a greedy verifier reads)
+        assert a.argmax is None and torch.equal(b.argmax, b.logits.argmax(dim=-1))
         for i, n in enumerate(valid):
             torch.testing.assert_close(b.logits[i, :n], a.logits[i, :n])
             for layer in (1, -1):
@@ -154,6 +156,36 @@ def test_native_runner_replays_what_it_computes_eagerly(tiny_llama, emulated_gra
     nan, inf = float("nan"), float("inf")
     assert ForwardOutput.finite_of(torch.tensor([[[0.0, 1.0]], [[nan, 1.0]], [[-inf, 0.0]]])).tolist() == \
         [True, False, False]
+
+
+def test_loop_hands_the_runners_argmax_to_the_verifier_for_raw_logits_only(tiny_llama, emulated_graphs,
+                                                                          monkeypatch):
+    """A graphed runner returns each position's argmax (``ForwardOutput.argmax``, made in its
+    graph); the loop hands it to a verifier that takes it (the default one's greedy rows),
+    except when a logits processor changed the logits (a repetition penalty here, which
+    changes these outputs): either way the outputs are the eager engine's."""
+    from speculum import LLM, SamplingParams
+    from speculum.verifiers import greedy, sampled
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42, 9, 5, 17]}, {"prompt_token_ids": [7, 8, 9, 7, 8]}]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    penalised = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=5.0)
+    ref = LLM(str(tiny_llama), speculative_config=spec, runner="native", max_num_seqs=2)
+    want = {n: [o.token_ids for o in ref.generate(prompts, p)] for n, p in (("plain", plain), ("pen", penalised))}
+    assert want["plain"] != want["pen"]  # the raw logits' argmax would be wrong for the penalised rows
+    llm = LLM(str(tiny_llama), speculative_config=spec, runner="native", max_num_seqs=2)
+    llm.target.cuda_graphs = True  # graphed forwards, run eagerly through the emulated capture
+    seen = []
+
+    def spy(logits, drafts, argmax=None):
+        seen.append(argmax is not None)
+        return greedy.greedy_verify(logits, drafts, argmax)
+    monkeypatch.setattr(sampled, "greedy_verify", spy)
+    assert [o.token_ids for o in llm.generate(prompts, plain)] == want["plain"]
+    assert seen and all(seen) and llm.loop.use_runner_argmax
+    seen.clear()
+    assert [o.token_ids for o in llm.generate(prompts, penalised)] == want["pen"]
+    assert seen and not any(seen)
 
 
 ARCH = arch_from_config({"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,

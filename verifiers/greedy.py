@@ -8,7 +8,7 @@ from speculum.interfaces import Draft, Verdict
 from speculum.sampling import SamplingBatch
 
 
-def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdict:
+def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor, argmax: torch.Tensor | None = None) -> Verdict:
     """Accept the longest prefix of ``draft_ids`` that matches the target argmax.
 
     ``target_logits``: [B, k+1, V]; ``draft_ids``: [B, k] (-1 padded), on any device. The
@@ -19,12 +19,15 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Verdi
     verdict): the loop copies the verdict to the host once, and a proposer that drafts
     from the verdict (:class:`~speculum.interfaces.VerdictDrafter`) starts the next
     chain before that copy. With no drafts (``k = 0``) the argmax is the verdict.
-    The count and the tokens are views of one tensor (:attr:`Verdict.rows`).
+    The count and the tokens are views of one tensor (:attr:`Verdict.rows`). ``argmax``:
+    ``target_logits.argmax(-1)`` [B, k+1] when the caller has it (a runner computes it inside
+    its CUDA graph: ``ForwardOutput.argmax``).
     """
     B, k1, _ = target_logits.shape
     k = k1 - 1
     # [B, k+1]
-    argmax = target_logits.argmax(dim=-1)
+    if argmax is None:
+        argmax = target_logits.argmax(dim=-1)
     drafts = draft_ids.to(argmax.device, torch.int64, non_blocking=True)
     rows = _fused(argmax, drafts) if argmax.is_cuda else None  # one kernel on CUDA
     if rows is None:  # the twin: a draft is accepted when it and every draft before it match
@@ -67,8 +70,11 @@ class GreedyVerifier:
 
     lossless = True
     supports_trees = True
+    #: takes the runner's argmax of the logits (``verify(..., argmax=)``)
+    takes_argmax = True
 
-    def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
+    def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch,
+               argmax: torch.Tensor | None = None) -> Verdict:
         if not sampling.all_greedy:
             raise ValueError(
                 "the greedy verifier only serves temperature 0 requests; use "
@@ -76,5 +82,5 @@ class GreedyVerifier:
             )
         if draft.tree is not None:
             from speculum.verifiers.tree import tree_greedy_verify
-            return tree_greedy_verify(target_logits, draft.token_ids, draft.tree)
-        return greedy_verify(target_logits, draft.token_ids)
+            return tree_greedy_verify(target_logits, draft.token_ids, draft.tree, argmax)
+        return greedy_verify(target_logits, draft.token_ids, argmax)

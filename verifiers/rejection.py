@@ -82,9 +82,12 @@ class RejectionSampler:
 
     lossless = True
     supports_trees = True
+    #: takes the runner's argmax of the logits for greedy rows (``verify(..., argmax=)``)
+    takes_argmax = True
 
-    def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
+    def verify(self, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch,
+               argmax: torch.Tensor | None = None) -> Verdict:
         if draft.tree is not None:
             from speculum.verifiers.tree import verify_tree
-            return verify_tree(target_logits, draft, sampling)
-        return verify_sampled(rejection_sample, target_logits, draft, sampling)
+            return verify_tree(target_logits, draft, sampling, argmax)
+        return verify_sampled(rejection_sample, target_logits, draft, sampling, argmax)

@@ -17,15 +17,17 @@ from speculum.verifiers.noise import Generators
 Rule = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, Generators], Verdict]
 
 
-def verify_sampled(rule: Rule, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch) -> Verdict:
+def verify_sampled(rule: Rule, target_logits: torch.Tensor, draft: Draft, sampling: SamplingBatch,
+                   argmax: torch.Tensor | None = None) -> Verdict:
     """Verify one step with ``rule``; rows at temperature 0 use exact argmax matching.
 
     Temperature, top-k and top-p turn ``target_logits`` [B, k+1, V] into ``p`` exactly as
     they turned the draft's logits into ``draft.probs`` (``speculum.sampling.processed_probs``).
-    An all-greedy step never builds ``p``.
+    An all-greedy step never builds ``p``. ``argmax``: the logits' argmax when the caller
+    has it (:func:`~speculum.verifiers.greedy.greedy_verify`).
     """
     if sampling.all_greedy:
-        return greedy_verify(target_logits, draft.token_ids)
+        return greedy_verify(target_logits, draft.token_ids, argmax)
     flags = sampling.flags(target_logits.shape[-1])
     p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
     ids = draft.token_ids.to(p.device)
@@ -33,7 +35,7 @@ def verify_sampled(rule: Rule, target_logits: torch.Tensor, draft: Draft, sampli
     verdict = rule(p, probs, ids, sampling.generators)
     greedy_rows = sampling.temperature == 0
     if flags[2] if flags is not None else bool(greedy_rows.any()):
-        g = greedy_verify(target_logits, ids)
+        g = greedy_verify(target_logits, ids, argmax)
         gr = greedy_rows.view(-1, 1)
         verdict.token_ids = torch.where(gr, g.token_ids.to(p.device), verdict.token_ids)
         verdict.num_accepted = torch.where(greedy_rows, g.num_accepted.to(p.device), verdict.num_accepted)

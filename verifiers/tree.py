@@ -54,17 +54,19 @@ def path_verdict(token_ids: torch.Tensor, path: torch.Tensor, num_accepted: torc
     return Verdict(token_ids=out, num_accepted=num_accepted, path=path)
 
 
-def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tree: TokenTree) -> Verdict:
+def tree_greedy_verify(target_logits: torch.Tensor, token_ids: torch.Tensor, tree: TokenTree,
+                       argmax: torch.Tensor | None = None) -> Verdict:
     """Accept the deepest node whose path matches the target's argmax; all tensor ops.
 
     ``target_logits``: [B, N+1, V] (root, then nodes); ``token_ids``: [B, N], -1 = no node.
     It runs after the graphed verify forward, so each of its ~25 small kernels would be
     host time: on CUDA everything after the argmax is one fused kernel (the torch backend's
     ``greedy_tree_path``), elsewhere (and for trees of 128 nodes or more) it runs eagerly
-    (:func:`greedy_path`).
+    (:func:`greedy_path`). ``argmax``: the logits' argmax [B, N+1] when the caller has it
+    (a runner computes it inside its CUDA graph).
     """
     B, N = token_ids.shape
-    am = target_logits.argmax(dim=-1)  # [B, N+1]
+    am = target_logits.argmax(dim=-1) if argmax is None else argmax  # [B, N+1]
     if N == 0:
         return Verdict(token_ids=am[:, :1], num_accepted=torch.zeros(B, dtype=torch.int64, device=am.device),
                        path=am.new_zeros(B, 0))
@@ -187,7 +189,7 @@ def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: to
     return path_verdict(token_ids.to(dev) if N else p.new_zeros(B, 0, dtype=torch.int64), path, num_accepted, last)
 
 
-def verify_tree_sampled(rule, target_logits: torch.Tensor, draft, sampling) -> Verdict:
+def verify_tree_sampled(rule, target_logits: torch.Tensor, draft, sampling, argmax: torch.Tensor | None = None) -> Verdict:
     """Verify a tree draft with ``rule(p, q, token_ids, tree, generators) -> Verdict`` on
     the processed target distribution (temperature, top-k, top-p, as the draft's were);
     greedy rows take the argmax path, and an all-greedy step never builds ``p``. The
@@ -195,7 +197,7 @@ def verify_tree_sampled(rule, target_logits: torch.Tensor, draft, sampling) -> V
     from speculum.sampling import processed_probs
     tree = draft.tree
     if sampling.all_greedy:
-        return tree_greedy_verify(target_logits, draft.token_ids, tree)
+        return tree_greedy_verify(target_logits, draft.token_ids, tree, argmax)
     flags = sampling.flags(target_logits.shape[-1])
     p = processed_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, flags)
     ids = draft.token_ids.to(p.device)
@@ -203,7 +205,7 @@ def verify_tree_sampled(rule, target_logits: torch.Tensor, draft, sampling) -> V
     verdict = rule(p, probs, ids, tree, sampling.generators)
     greedy_rows = sampling.temperature == 0
     if flags[2] if flags is not None else bool(greedy_rows.any()):
-        g = tree_greedy_verify(target_logits, ids, tree)
+        g = tree_greedy_verify(target_logits, ids, tree, argmax)
         gr = greedy_rows.view(-1, 1)
         verdict = Verdict(token_ids=torch.where(gr, g.token_ids, verdict.token_ids),
                           num_accepted=torch.where(greedy_rows, g.num_accepted, verdict.num_accepted),
@@ -211,7 +213,7 @@ def verify_tree_sampled(rule, target_logits: torch.Tensor, draft, sampling) -> V
     return verdict
 
 
-def verify_tree(target_logits: torch.Tensor, draft, sampling) -> Verdict:
+def verify_tree(target_logits: torch.Tensor, draft, sampling, argmax: torch.Tensor | None = None) -> Verdict:
     """What :class:`~speculum.verifiers.RejectionSampler` does for a tree draft: greedy
     rows take the argmax path, sampled rows recursive rejection sampling over siblings."""
-    return verify_tree_sampled(tree_rejection_sample, target_logits, draft, sampling)
+    return verify_tree_sampled(tree_rejection_sample, target_logits, draft, sampling, argmax)

@@ -1,12 +1,14 @@
 """``speculum`` with the nineteenth session's host cuts undone, the "before" of an A/B run.
 
-Three cuts took eager launches out of every step (docs/benchmarks.md, nineteenth and
+Four cuts took eager launches out of every step (docs/benchmarks.md, nineteenth and
 twentieth sessions): greedy chain verification as one Triton kernel (``greedy_chain_verdict``),
-the native runner taking each row's last token on the host (``last_tokens``), and the
-verdict's count and tokens made side by side (``Verdict.rows``), so the copy to the host and
-a head's drafting from the verdict need no launch to join them. With ``UNFOLD=1`` this
-wrapper puts back the eager verification, the [B, k+1] inputs built on the device and the
-joins (for trees only the joins: the tree kernel still writes one tensor), in-process, and runs the ``speculum`` CLI with the arguments given, so before and after run
+the native runner taking each row's last token on the host (``last_tokens``), the verdict's
+count and tokens made side by side (``Verdict.rows``), so the copy to the host and a head's
+drafting from the verdict need no launch to join them, and the argmax of the logits made
+inside the runner's graph (``ForwardOutput.argmax``, the verifier's ``argmax=``). With ``UNFOLD=1`` this
+wrapper puts back the eager verification and argmax, the [B, k+1] inputs built on the device
+and the joins (for trees only the joins and the argmax: the tree kernel still writes one
+tensor), in-process, and runs the ``speculum`` CLI with the arguments given, so before and after run
 in one device call on one machine:
 
     UNFOLD=1 python3 scripts/device/unfold.py bench offline ... --json before.json
@@ -22,9 +24,10 @@ import os
 import sys
 
 
-def _eager_verify(target_logits, draft_ids):
-    """Greedy chain verification as before the cuts: the five eager ops after the argmax
-    (the zeros of a step without drafts), count and tokens apart."""
+def _eager_verify(target_logits, draft_ids, argmax=None):
+    """Greedy chain verification as before the cuts: the argmax, the five eager ops after it
+    (the zeros of a step without drafts), count and tokens apart (a runner's ``argmax`` is
+    not used)."""
     import torch
 
     from speculum.interfaces import Verdict
@@ -50,7 +53,10 @@ def _set(unfolded: bool) -> None:
 def unfold() -> None:
     """Every engine of the process without the cuts."""
     from speculum.backends.torch.native.runner import NativeRunner
+    from speculum.loop import DraftVerifyLoop
     NativeRunner.takes_last_tokens = False  # the loop builds [last | drafts] on the device again
+    # the verifier computes the argmax itself (the runner's, made in its graph, goes unused)
+    DraftVerifyLoop.use_runner_argmax = property(lambda self: False, lambda self, value: None)
     _set(True)
 
 
@@ -75,6 +81,7 @@ def alternate() -> None:
             llm._unfolded = unfolded
             if unfolded:
                 llm.loop.last_on_host = False
+                llm.loop.use_runner_argmax = False
             return llm
         llm, name = start(make, cfg, *a, again=again, **kw)
         return llm, name + (" [unfolded]" if unfolded else "")

@@ -262,8 +262,9 @@ class NativeRunner:
         if tree_bufs is not None:
             tree_bufs[0][:B].copy_(cols[0])
             tree_bufs[1][:B].copy_(cols[1])
-        logits, hidden, finite = graph.replay()
-        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B])
+        logits, hidden, finite, argmax = graph.replay()
+        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B],
+                             argmax=argmax[:B])
 
     def _from_verdict(self, blk: torch.Tensor, start: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor,
                       hidden_layers: tuple, path: torch.Tensor | None = None, cols=None):
@@ -301,7 +302,7 @@ class NativeRunner:
             tree_bufs = (chain.depth.contiguous(), chain.ancestors.contiguous())
 
         def run():
-            return _with_finite(*self._from_verdict(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids,
+            return _graph_outputs(*self._from_verdict(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids,
                                                     hidden_layers, path, tree_bufs))
 
         entry = (self._pool.capture(run, meta, staging=8), (acc, ids, path, tree_bufs))
@@ -355,8 +356,9 @@ class NativeRunner:
         if cols is not None:
             tree_bufs[0][:B].copy_(cols[0])
             tree_bufs[1][:B].copy_(cols[1])
-        logits, hidden, finite = graph.replay()
-        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B])
+        logits, hidden, finite, argmax = graph.replay()
+        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B],
+                             argmax=argmax[:B])
 
     def _capture(self, key):
         Bb, q, nb, hidden_layers, tree = key
@@ -376,7 +378,7 @@ class NativeRunner:
             mask = None
             if tree_bufs is not None:
                 pos, read, mask = self._tree(pos, read, tree_bufs)
-            return _with_finite(*self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask))
+            return _graph_outputs(*self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask))
 
         entry = (self._pool.capture(run, meta, staging=8), tree_bufs)
         self._graphs[key] = entry
@@ -434,10 +436,11 @@ class NativeRunner:
         self.allocator.free(seq_id)
 
 
-def _with_finite(logits: torch.Tensor, hidden: dict) -> tuple:
-    """A graphed forward's outputs with each row's finiteness (``ForwardOutput.finite``),
-    computed inside the graph instead of by five eager launches after it."""
-    return logits, hidden, ForwardOutput.finite_of(logits)
+def _graph_outputs(logits: torch.Tensor, hidden: dict) -> tuple:
+    """A graphed forward's outputs with each row's finiteness (``ForwardOutput.finite``) and
+    each position's argmax (``ForwardOutput.argmax``), computed inside the graph instead of
+    by eager launches after it (five, and one)."""
+    return logits, hidden, ForwardOutput.finite_of(logits), logits.argmax(dim=-1)
 
 
 def _tree_inputs(pos: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor):
