@@ -150,6 +150,16 @@ class Verdict:
             return None
         return r
 
+    def as_rows(self) -> torch.Tensor:
+        """[B, 1 + k+1 (+ N)] int64, count, tokens (and path) side by side: :meth:`packed`,
+        else joined now (one concatenation, on the tokens' device)."""
+        r = self.packed()
+        if r is not None:
+            return r
+        dev = self.token_ids.device
+        parts = [self.num_accepted.view(-1, 1), self.token_ids] + ([] if self.path is None else [self.path])
+        return torch.cat([t.to(dev, torch.int64) for t in parts], dim=1)
+
 
 @attrs.define(eq=False)
 class StepFeedback:

@@ -594,19 +594,8 @@ def _to_host(verdict: Verdict, finite: torch.Tensor):
     """Start copying rows of [num_accepted, finite, tokens..., path...] (the path of a tree
     verdict only) to the host, in as few launches as the verdict allows; returns a function
     that waits for the copy (and nothing queued after it) and gives the rows as lists."""
-    B = finite.shape[0]
-    packed = verdict.packed()
-    if packed is not None:  # [count | tokens (| path)] in one tensor: two copies, nothing to join first
-        wait = _copy(packed, finite)
-        return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(*wait())]
-    tail = [verdict.token_ids] if verdict.path is None else [verdict.token_ids, verdict.path.to(verdict.token_ids.device)]
-    if verdict.token_ids.device == finite.device:
-        rows = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), finite.view(B, 1).to(torch.int64),
-                          *tail], dim=1)
-        wait = _copy(rows)
-        return lambda: wait()[0]
-    head = torch.cat([verdict.num_accepted.view(B, 1).to(torch.int64), *(t.to(torch.int64) for t in tail)], dim=1)
-    wait = _copy(head, finite)
+    # [count | tokens (| path)]: a greedy verdict's own tensor (nothing to join), else joined now
+    wait = _copy(verdict.as_rows(), finite)
     return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(*wait())]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from speculum.interfaces import Draft, Verdict
@@ -41,16 +43,17 @@ def greedy_verify(target_logits: torch.Tensor, draft_ids: torch.Tensor, argmax: 
     return Verdict.from_rows(rows)
 
 
-_KERNEL = []
+@functools.cache
+def torch_kernel(name: str):
+    """The torch backend's fused kernel ``name`` (``greedy_chain_verdict``,
+    ``greedy_tree_path``), looked up once: the backend loads its kernels lazily."""
+    from speculum.backends import torch as backend
+    return getattr(backend, name)
 
 
 def _fused(argmax: torch.Tensor, drafts: torch.Tensor):
-    """The same verdict as one Triton kernel (``greedy_chain_verdict``, looked up once: the
-    backend loads its kernels lazily), or None."""
-    if not _KERNEL:
-        from speculum.backends.torch import greedy_chain_verdict
-        _KERNEL.append(greedy_chain_verdict)
-    return _KERNEL[0](argmax, drafts)
+    """The same verdict as one Triton kernel (``greedy_chain_verdict``), or None."""
+    return torch_kernel("greedy_chain_verdict")(argmax, drafts)
 
 
 _COLUMNS: dict[tuple[int, torch.device], torch.Tensor] = {}

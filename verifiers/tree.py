@@ -28,6 +28,7 @@ import torch
 
 from speculum.interfaces import Verdict
 from speculum.tree import TokenTree
+from speculum.verifiers.greedy import torch_kernel
 from speculum.verifiers.noise import Generators, RowNoise, as_noise, race
 
 
@@ -107,17 +108,10 @@ def greedy_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor
     return out, num_accepted, path
 
 
-_KERNEL = []
-
-
 def _fused(*args):
     """:func:`greedy_path` as one CUDA kernel (its outputs side by side in one tensor), or
-    None where it does not apply (the kernel looked up once: the backend loads its kernels
-    lazily)."""
-    if not _KERNEL:
-        from speculum.backends.torch import greedy_tree_path
-        _KERNEL.append(greedy_tree_path)
-    return _KERNEL[0](*args)
+    None where it does not apply."""
+    return torch_kernel("greedy_tree_path")(*args)
 
 
 def tree_rejection_sample(p: torch.Tensor, q: torch.Tensor | None, token_ids: torch.Tensor, tree: TokenTree,

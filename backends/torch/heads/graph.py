@@ -23,10 +23,10 @@ tree's tokens, parents, depths and ancestor matrix, so no tree bookkeeping is le
 the host.
 
 From a verdict still on the device (:meth:`HeadDraftGraphs.run_from_device`, chains and
-trees alike): each row's accepted count (its pending positions are one more) and the
-tokens come as one device tensor, the verdict's rows, copied into the graph whole, the metadata holds every position the row may use,
-and the function picks its columns from them, so the next drafts start before the host
-has read the verdict.
+trees alike): each row's accepted count (its pending positions are one more) and its
+tokens come as one device tensor, the verdict's rows, copied into the graph whole; the
+metadata holds every position the row may use, and the function picks its columns from
+them, so the next drafts start before the host has read the verdict.
 
 Padding: padded columns and rows write their K/V into the cache's scratch block 0 and
 their outputs are ignored; positions past a row's valid ones are masked out of

@@ -443,12 +443,9 @@ class ChainHeadProposer:
             states = hidden_states if verdict.path is None else gather_path(hidden_states, verdict.path)
             feats = self.head.features(states)[:, :Q]
             # [count | tokens (| path)]: a greedy verdict has them in one tensor already
-            rows = verdict.packed()
-            if rows is None:
-                rows = torch.cat([verdict.num_accepted.view(-1, 1).to(torch.int64),
-                                  verdict.token_ids[:, :Q].to(torch.int64)], dim=1)
+            rows = verdict.as_rows().to(self.device)
             try:
-                out = self.graphs.run_from_device(list(seq_ids), bases, feats, rows.to(self.device))
+                out = self.graphs.run_from_device(list(seq_ids), bases, feats, rows)
             except KVCacheFull:  # the longest outcome does not fit now: draft after the copy, as usual
                 return None
         R = len(seq_ids)

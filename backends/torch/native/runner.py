@@ -262,9 +262,7 @@ class NativeRunner:
         if tree_bufs is not None:
             tree_bufs[0][:B].copy_(cols[0])
             tree_bufs[1][:B].copy_(cols[1])
-        logits, hidden, finite, argmax = graph.replay()
-        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B],
-                             argmax=argmax[:B])
+        return _replayed(graph, B)
 
     def _from_verdict(self, blk: torch.Tensor, start: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor,
                       hidden_layers: tuple, path: torch.Tensor | None = None, cols=None):
@@ -356,9 +354,7 @@ class NativeRunner:
         if cols is not None:
             tree_bufs[0][:B].copy_(cols[0])
             tree_bufs[1][:B].copy_(cols[1])
-        logits, hidden, finite, argmax = graph.replay()
-        return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B],
-                             argmax=argmax[:B])
+        return _replayed(graph, B)
 
     def _capture(self, key):
         Bb, q, nb, hidden_layers, tree = key
@@ -434,6 +430,13 @@ class NativeRunner:
 
     def remove(self, seq_id: int) -> None:
         self.allocator.free(seq_id)
+
+
+def _replayed(graph, B: int) -> ForwardOutput:
+    """A replay of a forward's graph (its outputs: :func:`_graph_outputs`), the first ``B`` rows."""
+    logits, hidden, finite, argmax = graph.replay()
+    return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B],
+                         argmax=argmax[:B])
 
 
 def _graph_outputs(logits: torch.Tensor, hidden: dict) -> tuple:
