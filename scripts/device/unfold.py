@@ -50,13 +50,23 @@ def _set(unfolded: bool) -> None:
     greedy.greedy_verify = sampled.greedy_verify = _eager_verify if unfolded else _VERIFY
 
 
+def _unfold_engine(llm) -> None:
+    """One engine's own cuts off: its loop builds [last | drafts] on the device again, and its
+    verifier computes the argmax itself (the runner's, made in its graph, goes unused)."""
+    llm._unfolded = True
+    llm.loop.last_on_host = False
+    llm.loop.use_runner_argmax = False
+
+
 def unfold() -> None:
     """Every engine of the process without the cuts."""
-    from speculum.backends.torch.native.runner import NativeRunner
-    from speculum.loop import DraftVerifyLoop
-    NativeRunner.takes_last_tokens = False  # the loop builds [last | drafts] on the device again
-    # the verifier computes the argmax itself (the runner's, made in its graph, goes unused)
-    DraftVerifyLoop.use_runner_argmax = property(lambda self: False, lambda self, value: None)
+    from speculum.engine import LLM
+    init = LLM.__init__
+
+    def unfolded_init(self, *a, **kw):
+        init(self, *a, **kw)
+        _unfold_engine(self)
+    LLM.__init__ = unfolded_init
     _set(True)
 
 
@@ -78,10 +88,8 @@ def alternate() -> None:
 
         def make(c):
             llm = make_llm(c)
-            llm._unfolded = unfolded
             if unfolded:
-                llm.loop.last_on_host = False
-                llm.loop.use_runner_argmax = False
+                _unfold_engine(llm)
             return llm
         llm, name = start(make, cfg, *a, again=again, **kw)
         return llm, name + (" [unfolded]" if unfolded else "")
