@@ -10,6 +10,7 @@ categories of each category's ratio).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 
@@ -34,15 +35,17 @@ def main(paths: list[str]) -> None:
         if set(by) != {"before", "after"}:
             continue
         tps = {v: sum(r["total"]["tokens_per_s"] for r in rs) / len(rs) for v, rs in by.items()}
-        host = {v: sum((r.get("profile") or {}).get("host_ms") or 0 for r in rs) / len(rs) for v, rs in by.items()}
+        # the step profile's host time (bench offline --profile; "-" for runs without it)
+        host = {v: [r["profile"]["host_ms"] for r in rs if (r.get("profile") or {}).get("host_ms") is not None]
+                for v, rs in by.items()}
+        host = {v: f"{statistics.mean(h):.3f}" if h else "-" for v, h in host.items()}
         # the median over (file, category) pairs of after/before: one category's hiccup (a 40% dip
         # of one engine on one category, 2026-12-03) moves the mean, not this
-        ratios = sorted(a["categories"][c]["tokens_per_s"] / b["categories"][c]["tokens_per_s"]
-                        for b, a in zip(by["before"], by["after"]) for c in a["categories"])
-        mid = ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1:][:2]) / 2
+        mid = statistics.median(a["categories"][c]["tokens_per_s"] / b["categories"][c]["tokens_per_s"]
+                                for b, a in zip(by["before"], by["after"]) for c in a["categories"])
         print(f"{key[:61]:<62}{tps['before']:>13.1f}{tps['after']:>12.1f}{tps['after'] / tps['before']:>13.3f}{mid:>7.3f}"
               f"{tps['before'] / ar['before']:>9.3f}{tps['after'] / ar['after']:>8.3f}"
-              f"{host['before']:>7.3f}/{host['after']:.3f}")
+              f"{host['before']:>7}/{host['after']}")
 
 
 if __name__ == "__main__":
