@@ -28,7 +28,7 @@ class _Event:
         self.synced = 0
         _Event.made.append(self)
 
-    def record(self):
+    def record(self, stream=None):
         pass
 
     def synchronize(self):
@@ -170,10 +170,11 @@ def test_loop_hands_the_runners_argmax_to_the_verifier_for_raw_logits_only(tiny_
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     penalised = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=5.0)
-    ref = LLM(str(tiny_llama), speculative_config=spec, runner="native", max_num_seqs=2)
+    kw = dict(speculative_config=spec, runner="native", max_num_seqs=2, device="cpu", dtype="float32")
+    ref = LLM(str(tiny_llama), **kw)
     want = {n: [o.token_ids for o in ref.generate(prompts, p)] for n, p in (("plain", plain), ("pen", penalised))}
     assert want["plain"] != want["pen"]  # the raw logits' argmax would be wrong for the penalised rows
-    llm = LLM(str(tiny_llama), speculative_config=spec, runner="native", max_num_seqs=2)
+    llm = LLM(str(tiny_llama), **kw)  # on the CPU on a GPU machine too: the capture is emulated
     llm.target.cuda_graphs = True  # graphed forwards, run eagerly through the emulated capture
     seen = []
 
