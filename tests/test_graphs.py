@@ -252,3 +252,21 @@ def test_head_graphs_replay_what_they_compute_eagerly(emulated_graphs, tree):
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     assert len(emulated_graphs) >= 2  # batch buckets 4 and 2
+
+
+def test_batches_past_the_largest_bucket_share_graphs(tiny_llama, emulated_graphs):
+    """Past the largest batch bucket a batch rounds up to a multiple of it, so batch sizes
+    that drift (requests ending and refilling a large batch) reuse a few graphs; a bucket of
+    the size itself captured a graph for every size seen (the wrong variant: 3 graphs here)."""
+    from speculum.backends.torch.graphs import BATCH_BUCKETS, bucket
+    from speculum.backends.torch.native.runner import BATCH_BUCKETS as TARGET
+    assert [bucket(n, TARGET) for n in (257, 300, 320, 321, 512, 513, 1025)] == [320, 320, 320, 384, 512, 1024, 1536]
+    assert [bucket(n) for n in (256, 257, 600)] == [256, 512, 768]
+    assert BATCH_BUCKETS[-1] == 256
+    runner = _runner(tiny_llama, True)
+    n = 300
+    runner.add_many(list(range(n)), [[5 + i % 50, 7, 9] for i in range(n)])
+    for B in (300, 290, 265):
+        out = runner.forward(list(range(B)), torch.full((B, 1), 3), [1] * B)
+        assert out.logits.shape[0] == B
+    assert len(runner._graphs) == 1 and next(iter(runner._graphs))[0] == 320

@@ -35,11 +35,12 @@ MIN_PREFILL_Q = 16
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= n (n itself when it exceeds them all)."""
+    """The smallest bucket >= n; past the largest, the next multiple of it (each size is a
+    compiled shape: ``n`` itself compiled again for every batch size past the largest)."""
     for b in buckets:
         if b >= n:
             return b
-    return n
+    return -(-n // buckets[-1]) * buckets[-1]
 
 
 def query_bucket(q: int, prefill: bool = False) -> int:

@@ -31,11 +31,18 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
-    """The smallest of ``buckets`` that holds ``n`` (``n`` itself past the largest)."""
+    """The smallest of ``buckets`` that holds ``n``; past the largest, the next multiple of it.
+
+    Every size a caller sees is a shape it captures (or compiles) once and keeps: a bucket of
+    ``n`` itself past the largest made every batch size from there on a graph of its own, so
+    a generation at 512 rows whose batch drifts between 448 and 512 as requests end and
+    refill captured a new graph of every layer nearly every step.
+    """
     for b in buckets:
         if n <= b:
             return b
-    return n
+    top = buckets[-1]
+    return -(-n // top) * top
 
 
 class StaticGraph(Generic[T]):

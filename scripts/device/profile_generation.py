@@ -4,7 +4,7 @@ SmolLM2-135M-shaped model with random weights (no model file), ``speculum.LLM`` 
 answers of 50-384, ignore_eos), greedy and sampled rows mixed as the data mix does;
 prints tokens/s, steps/s, the mean running batch and the host profile (cProfile).
 
-    python scripts/device/profile_generation.py [--batch 512] [--seconds 30] [--sampled 0.6]
+    python scripts/device/profile_generation.py [--batch 512] [--seconds 30] [--sampled 0.6] [--profile] [--torch-profile 10]
 """
 
 from __future__ import annotations
@@ -21,13 +21,16 @@ from pathlib import Path
 import torch
 
 
-def smollm2_random(path: Path) -> Path:
+def smollm2_random(path: Path, tiny: bool = False) -> Path:
+    """SmolLM2-135M's shape with random weights; ``tiny``: 2 layers of width 64 (a CPU dry run)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     if (path / "config.json").exists():
         return path
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+             if tiny else dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                               num_key_value_heads=3))
+    cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
     return path
@@ -39,12 +42,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--sampled", type=float, default=0.6, help="share of sampled rows")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
+                    help="after the timed part, STEPS more steps under torch.profiler: the top ops by device time")
+    ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (a dry run on the CPU)")
     ap.add_argument("--json")
     a = ap.parse_args()
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
-    model = smollm2_random(Path("/tmp/smol_rand"))
-    llm = LLM(str(model), dtype="bfloat16", max_num_seqs=a.batch, max_model_len=2048)
+    model = smollm2_random(Path("/tmp/smol_rand_tiny" if a.tiny else "/tmp/smol_rand"), a.tiny)
+    llm = LLM(str(model), dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_seqs=a.batch,
+              max_model_len=2048)
     rng = random.Random(0)
     n = 0
 
@@ -85,6 +92,25 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
         print(s.getvalue()[:6000])
+    if a.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            t1 = time.perf_counter()
+            for _ in range(a.torch_profile):
+                while llm.num_waiting < a.batch // 8:
+                    add()
+                llm.step(include_running=False)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - t1) / a.torch_profile
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        ev = prof.key_averages()
+        busy = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ev)
+        res.update(profiled_ms_per_step=round(wall * 1e3, 2), device_busy_ms_per_step=round(busy / 1e3 / a.torch_profile, 2))
+        print(json.dumps({k: res[k] for k in ("profiled_ms_per_step", "device_busy_ms_per_step")}))
+        print(ev.table(sort_by=key, row_limit=25, max_name_column_width=60))
+        print(ev.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
 

@@ -38,8 +38,9 @@ from speculum.tree import TokenTree, TreeMask, columns_of
 
 log = logging.getLogger(__name__)
 
-#: the target's batch buckets (finer than the drafting graphs': a verify graph is the big one)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+#: the target's batch buckets (finer than the drafting graphs': a verify graph is the big one);
+#: past 512 rows, multiples of 512 (:func:`~speculum.backends.torch.graphs.bucket`)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 
 
 class NativeRunner:
