@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from speculum.backends.torch.native.arch import LlamaArch
+from speculum.backends.torch.native.attention import sdpa
 from speculum.backends.torch.native.kernels import add_rmsnorm, apply_rope
 from speculum.backends.torch.native.model import MLP, rope_inv_freq
 from speculum.errors import ConfigError
@@ -180,8 +180,7 @@ class TrainContext:
         store = self.keys.setdefault(index, [])
         store.append((k, v))
         if self.step == 0:
-            out = F.scaled_dot_product_attention(q, _repeat_kv(k, rep), _repeat_kv(v, rep), is_causal=True,
-                                                 scale=scale)
+            out = sdpa(q, _repeat_kv(k, rep), _repeat_kv(v, rep), is_causal=True, scale=scale)
             return out.transpose(1, 2)
         k0, v0 = (_repeat_kv(t, rep) for t in store[0])
         T = q.shape[2]

@@ -17,6 +17,11 @@ the pool slot of each logical position.
 - :func:`sdpa_attention` (CPU, prefill chunks, head dims that are not powers of two):
   gathers the context and calls ``scaled_dot_product_attention`` with a boolean mask.
 
+Prefill chunks change shape nearly every call, so every SDPA call here goes through
+:func:`sdpa`, which leaves cuDNN's fused attention out: cuDNN builds an execution plan for
+each new shape, about 2.3 ms of host time per call on average over a batched generation's
+prefills on the H200 (2026-12-03, ``scripts/device/profile_generation.py``; docs/benchmarks.md).
+
 ``SPECULUM_ATTENTION=sdpa`` in the environment (read when a forward is captured or run eagerly) sends decode and
 verify steps down the SDPA path too: the "before" of benchmarks, and a way around a
 kernel problem on an unusual GPU.
@@ -35,12 +40,27 @@ from speculum.tree import TreeMask
 if triton is not None:
     import triton.language as tl
 
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    #: SDPA's kernels for shapes that change from call to call: cuDNN's plans are per shape
+    NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+except ImportError:  # an older torch: its SDPA has no cuDNN kernel to avoid
+    sdpa_kernel = None
+
 #: query tokens per row up to which decode and verify steps take the Triton kernel
 MAX_QUERY = 64
 #: keys per inner iteration
 BLOCK_N = 64
 #: programs the split of the context aims at (an H200 has 132 SMs)
 TARGET_PROGRAMS = 264
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` without cuDNN's kernel on CUDA (the module doc says why)."""
+    if sdpa_kernel is None or q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    with sdpa_kernel(NO_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 def causal_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -61,8 +81,10 @@ def sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     flat = slots.reshape(-1)  # index_select: the same copy as k_pool[slots], 4x faster on a CPU
     kc = k_pool.index_select(0, flat).view(B, Lc, Hkv, D).transpose(1, 2)  # [B, Hkv, Lc, D]
     vc = v_pool.index_select(0, flat).view(B, Lc, Hkv, D).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, scale=scale,
-                                         enable_gqa=Hq != Hkv)
+    gqa = Hq != Hkv
+    if gqa and q.device.type == "cuda":  # the memory-efficient kernel (a mask: not flash) reads no grouped heads
+        kc, vc, gqa = kc.repeat_interleave(Hq // Hkv, dim=1), vc.repeat_interleave(Hq // Hkv, dim=1), False
+    out = sdpa(q.transpose(1, 2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
@@ -71,7 +93,7 @@ def fresh_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """The first prefill chunk of sequences with no earlier context: causal attention over
     the chunk's own keys (just written at ``write_slots`` [B, T]), ``q`` [B, T, Hq, D] ->
     [B, T, Hq, D]. No gathered context of the block-table width and no mask, so SDPA takes
-    its flash kernel. Right padding is harmless: a padded key sits after every real query."""
+    its flash kernel (:func:`sdpa`: not cuDNN's). Right padding is harmless: a padded key sits after every real query."""
     B, T, Hq, D = q.shape
     Hkv = k_pool.shape[1]
     flat = write_slots.reshape(-1)
@@ -79,8 +101,7 @@ def fresh_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     v = v_pool.index_select(0, flat).view(B, T, Hkv, D)
     if Hq != Hkv:  # query head h reads KV head h // (Hq / Hkv)
         k, v = k.repeat_interleave(Hq // Hkv, dim=2), v.repeat_interleave(Hq // Hkv, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, scale=scale)
+    out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -237,4 +258,4 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-__all__ = ["MAX_QUERY", "causal_mask", "paged_decode_attention", "sdpa_attention", "use_decode_kernel"]
+__all__ = ["MAX_QUERY", "causal_mask", "paged_decode_attention", "sdpa", "sdpa_attention", "use_decode_kernel"]
