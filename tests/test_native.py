@@ -146,3 +146,26 @@ def test_fresh_prefill_attention_equals_the_gathered_causal_path(hq, hkv):
         v_pool[read[:, :T]].repeat_interleave(hq // hkv, 2).transpose(1, 2), scale=D ** -0.5).transpose(1, 2)
     assert not torch.allclose(wrong[0], ref[0], atol=1e-3)
 
+
+
+def test_sdpa_leaves_cudnn_out_on_cuda_only(monkeypatch):
+    """Every SDPA call of the native runner, the heads' prefill and the transformers runner's
+    forwards runs with cuDNN's attention switched off on CUDA (it builds a plan per new
+    shape: 2.3 ms of host time a call in a batched generation on the H200) and the other
+    kernels on; on the CPU nothing changes. The flags are read here without a GPU."""
+    from speculum.backends.torch import hf_runner
+    from speculum.backends.torch.native import attention
+    flags = torch.backends.cuda
+    assert flags.cudnn_sdp_enabled()
+    with attention.no_cudnn_attention("cuda"):
+        assert not flags.cudnn_sdp_enabled() and flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled()
+    assert flags.cudnn_sdp_enabled()
+    with attention.no_cudnn_attention("cpu"):
+        assert flags.cudnn_sdp_enabled()
+    seen = []
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(flags.cudnn_sdp_enabled()) or a[0])
+    q = torch.zeros(1, 1, 2, 8)
+    attention.sdpa(q, q, q, is_causal=True)
+    assert seen == [True]  # a CPU tensor: cuDNN's flag untouched
+    assert hf_runner.no_cudnn_attention is attention.no_cudnn_attention

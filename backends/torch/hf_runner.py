@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from speculum.backends.torch.native.attention import no_cudnn_attention
 from speculum.interfaces import ForwardOutput
 from speculum.kv import SimpleKVAllocator
 from speculum.tree import TokenTree, column_tree
@@ -78,7 +79,8 @@ class HFRunner:
             mask = torch.zeros(seen.shape, dtype=dtype, device=self.device).masked_fill(~seen, torch.finfo(dtype).min)
         C = col_pos_old.shape[1]
         cache = self._cache_from_kv(kv)
-        with torch.inference_mode():
+        # (cuDNN's attention plans per shape, and here every step's context is a new one)
+        with torch.inference_mode(), no_cudnn_attention(self.device):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

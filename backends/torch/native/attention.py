@@ -29,6 +29,7 @@ kernel problem on an unusual GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -55,11 +56,17 @@ BLOCK_N = 64
 TARGET_PROGRAMS = 264
 
 
+def no_cudnn_attention(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """SDPA's kernels without cuDNN's on a CUDA ``device`` (the module doc says why); elsewhere
+    a context that changes nothing. The transformers runner runs its models' forwards in it."""
+    if sdpa_kernel is None or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(NO_CUDNN)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` without cuDNN's kernel on CUDA (the module doc says why)."""
-    if sdpa_kernel is None or q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, **kw)
-    with sdpa_kernel(NO_CUDNN):
+    with no_cudnn_attention(q.device):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
@@ -258,4 +265,4 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-__all__ = ["MAX_QUERY", "causal_mask", "paged_decode_attention", "sdpa", "sdpa_attention", "use_decode_kernel"]
+__all__ = ["MAX_QUERY", "causal_mask", "no_cudnn_attention", "paged_decode_attention", "sdpa", "sdpa_attention", "use_decode_kernel"]
