@@ -354,6 +354,13 @@ class ForwardOutput:
         """:attr:`finite`, or computed from the logits now."""
         return self.finite if self.finite is not None else self.finite_of(self.logits)
 
+    def take_rows(self, idx: torch.Tensor | slice) -> "ForwardOutput":
+        """The rows ``idx`` (an index tensor or a slice) of every per-row field."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+        return ForwardOutput(logits=self.logits[idx], hidden_states={l: h[idx] for l, h in self.hidden_states.items()},
+                             finite=pick(self.finite), argmax=pick(self.argmax))
+
 
 @runtime_checkable
 class ModelRunner(Protocol):

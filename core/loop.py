@@ -586,8 +586,7 @@ def _keep_states(out: ForwardOutput) -> ForwardOutput:
     stream, so they read this step's values. [B, 1, H] per layer: a few kernels."""
     if not out.hidden_states:
         return out
-    return ForwardOutput(logits=out.logits, hidden_states={l: h.clone() for l, h in out.hidden_states.items()},
-                         finite=out.finite, argmax=out.argmax)
+    return attrs.evolve(out, hidden_states={l: h.clone() for l, h in out.hidden_states.items()})
 
 
 def _to_host(verdict: Verdict, finite: torch.Tensor):

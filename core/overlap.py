@@ -225,10 +225,7 @@ class Overlap:
                 return ahead.out
             pos = {sid: i for i, sid in enumerate(ahead.seq_ids)}
             idx = on_device([pos[sid] for sid in ids], ahead.out.logits.device)
-            out = ahead.out
-            return ForwardOutput(logits=out.logits[idx], hidden_states={l: h[idx] for l, h in out.hidden_states.items()},
-                                 finite=None if out.finite is None else out.finite[idx],
-                                 argmax=None if out.argmax is None else out.argmax[idx])
+            return ahead.out.take_rows(idx)
         self._drop(ahead)
         return None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import torch
 
 TINY_VOCAB = 512
@@ -111,7 +112,6 @@ def static_output_buffers(runner) -> None:
     """Make ``runner.forward`` return its hidden states in buffers it reuses, one per shape
     (as a runner replaying CUDA graphs does): on a CPU, what a caller reads after the next
     forward then shows whether it copied them first."""
-    from speculum.interfaces import ForwardOutput
     inner, buffers = runner.forward, {}
 
     def forward(seq_ids, inputs, num_tokens, hidden_layers=(), **kw):
@@ -120,7 +120,7 @@ def static_output_buffers(runner) -> None:
         for layer, h in out.hidden_states.items():
             buf = buffers.setdefault((layer, tuple(h.shape)), torch.empty_like(h))
             states[layer] = buf.copy_(h)
-        return ForwardOutput(logits=out.logits, hidden_states=states)
+        return attrs.evolve(out, hidden_states=states)
 
     runner.forward = forward
 

@@ -436,8 +436,7 @@ class NativeRunner:
 def _replayed(graph, B: int) -> ForwardOutput:
     """A replay of a forward's graph (its outputs: :func:`_graph_outputs`), the first ``B`` rows."""
     logits, hidden, finite, argmax = graph.replay()
-    return ForwardOutput(logits=logits[:B], hidden_states={k: v[:B] for k, v in hidden.items()}, finite=finite[:B],
-                         argmax=argmax[:B])
+    return ForwardOutput(logits=logits, hidden_states=hidden, finite=finite, argmax=argmax).take_rows(slice(B))
 
 
 def _graph_outputs(logits: torch.Tensor, hidden: dict) -> tuple:
