@@ -4,7 +4,7 @@ SmolLM2-135M-shaped model with random weights (no model file), ``speculum.LLM`` 
 answers of 50-384, ignore_eos), greedy and sampled rows mixed as the data mix does;
 prints tokens/s, steps/s, the mean running batch and the host profile (cProfile).
 
-    python scripts/device/profile_generation.py [--batch 512] [--seconds 30] [--sampled 0.6] [--profile] [--torch-profile 10]
+    python scripts/device/profile_generation.py [--batch 512] [--seconds 30] [--sampled 0.6] [--profile] [--torch-profile 10] [--cudnn-too 3]
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                     help="after the timed part, STEPS more steps under torch.profiler: the top ops by device time")
+    ap.add_argument("--cudnn-too", type=int, default=0, metavar="ROUNDS",
+                    help="then ROUNDS pairs of windows (--seconds / ROUNDS each) in turn: without cuDNN's "
+                         "attention (the default) and with it; ms per step of each and their ratio")
     ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (a dry run on the CPU)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -67,27 +70,44 @@ def main() -> None:
         add()
     for _ in range(5):
         llm.step(include_running=False)
+    def timed(seconds: float) -> tuple[int, int, int, float]:
+        """(steps, finished tokens, summed running rows, seconds) of the batch kept full."""
+        steps = toks = running = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            while llm.num_waiting < a.batch // 8:
+                add()
+            running += llm.num_running if hasattr(llm, "num_running") else 0
+            for out in llm.step(include_running=False):
+                toks += len(out.token_ids)
+            steps += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return steps, toks, running, time.perf_counter() - t0
+
+    def figures(steps: int, toks: int, running: int, dt: float) -> dict:
+        return {"seconds": round(dt, 1), "steps": steps, "ms_per_step": round(dt / steps * 1e3, 2),
+                "finished_tokens_per_s": round(toks / dt), "mean_running": round(running / steps, 1)}
+
     pr = cProfile.Profile() if a.profile else None
-    steps = toks = running = 0
-    t0 = time.perf_counter()
     if pr:
         pr.enable()
-    while time.perf_counter() - t0 < a.seconds:
-        while llm.num_waiting < a.batch // 8:
-            add()
-        running += llm.num_running if hasattr(llm, "num_running") else 0
-        for out in llm.step(include_running=False):
-            toks += len(out.token_ids)
-        steps += 1
+    res = {"batch": a.batch, "sampled": a.sampled, **figures(*timed(a.seconds))}
     if pr:
         pr.disable()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    res = {"batch": a.batch, "sampled": a.sampled, "seconds": round(dt, 1), "steps": steps,
-           "ms_per_step": round(dt / steps * 1e3, 2), "finished_tokens_per_s": round(toks / dt),
-           "mean_running": round(running / steps, 1)}
     print(json.dumps(res))
+    if a.cudnn_too:  # the same generation with cuDNN's attention allowed, windows in turn
+        from speculum.backends.torch.native import attention
+        keep, sums = attention.sdpa_kernel, {"no cudnn": [0, 0, 0, 0.0], "cudnn allowed": [0, 0, 0, 0.0]}
+        for r in range(2 * a.cudnn_too):
+            name = "cudnn allowed" if r % 2 else "no cudnn"
+            attention.sdpa_kernel = None if r % 2 else keep
+            sums[name] = [x + y for x, y in zip(sums[name], timed(a.seconds / a.cudnn_too))]
+        attention.sdpa_kernel = keep
+        res["cudnn_ab"] = {name: figures(*v) for name, v in sums.items()}
+        res["cudnn_ab"]["ms_per_step_ratio"] = round(res["cudnn_ab"]["cudnn allowed"]["ms_per_step"]
+                                                     / res["cudnn_ab"]["no cudnn"]["ms_per_step"], 3)
+        print(json.dumps(res["cudnn_ab"]))
     if pr:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
