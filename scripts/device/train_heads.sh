@@ -67,8 +67,11 @@ PIDS=()
 METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # medusa4: Medusa with MEDUSA4_LAYERS (4) blocks per head, a deeper variant trained beside the shipped
 # shape; with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (their blocks, then identity ones)
+# medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced);
+# with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (a zero token map: they start as those)
 for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
-         "draft=draft $SHAPE ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}"; do
+         "draft=draft $SHAPE ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
+         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
   INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)

@@ -6,6 +6,10 @@
 ``{i}.{j}.linear.bias`` for residual block ``j`` of head ``i`` and ``{i}.{L}.weight`` for its
 LM head (``L = medusa_num_layers``). Heads saved without LM heads (``{i}.{L}.weight``
 absent; speculum writes ``"medusa_shared_lm_head": true``) use the target's LM head.
+Token-aware heads (:mod:`speculum_medusa.model`, speculum's extension) add
+``"speculum_token_input": true`` and the shared map ``token_proj.weight`` [H, H] (either
+one makes them token-aware here; the flag without the map is an error). Medusa's own
+loader would drop the map and draft worse, not wrongly: drafts never change the output.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def load_medusa(path: Path, target: TargetParts) -> MedusaHeads:
     cfg = read_config(path)
     where = f"Medusa heads {path}"
     sd = {k.removeprefix("medusa_head."): v for k, v in read_weights(path, WEIGHT_FILES).items()}
-    n_heads = int(cfg.get("medusa_num_heads") or len({k.split(".")[0] for k in sd}))
+    n_heads = int(cfg.get("medusa_num_heads") or len({k.split(".")[0] for k in sd if k.split(".")[0].isdigit()}))
     n_layers = int(cfg.get("medusa_num_layers", 1))
     if "0.0.linear.weight" not in sd:
         raise ConfigError(f"{where}: no '0.0.linear.weight'; is this a Medusa-1 checkpoint?")
@@ -39,8 +43,13 @@ def load_medusa(path: Path, target: TargetParts) -> MedusaHeads:
     own = f"0.{n_layers}.weight" in sd
     if own:
         target.check(f"{where} (LM head)", None, int(sd[f"0.{n_layers}.weight"].shape[0]))
+    token_input = bool(cfg.get("speculum_token_input")) or "token_proj.weight" in sd
+    if token_input and "token_proj.weight" not in sd:
+        raise ConfigError(f"{where}: config.json says speculum_token_input but the weights lack 'token_proj.weight'")
     heads = MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers,
-                        lm_head=None if own else target.lm_head)
+                        lm_head=None if own else target.lm_head, embed=target.embed if token_input else None)
+    if token_input:
+        copy_weight(heads.token_proj.weight, sd["token_proj.weight"], "token_proj.weight", where)
     for i in range(n_heads):
         for j in range(n_layers):
             for p in ("weight", "bias"):
@@ -62,6 +71,8 @@ def medusa_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
             sd[f"{i}.{j}.linear.bias"] = lin.bias.detach()
         if heads.heads is not None:
             sd[f"{i}.{heads.num_layers}.weight"] = heads.heads[i].weight.detach()
+    if heads.token_proj is not None:
+        sd["token_proj.weight"] = heads.token_proj.weight.detach()
     return sd
 
 
@@ -70,6 +81,8 @@ def save_medusa(heads: MedusaHeads, path: Path, base_model: str = "", meta: dict
     cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
            "base_model_name_or_path": base_model, "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
            "medusa_shared_lm_head": heads.heads is None}
+    if heads.token_input:
+        cfg["speculum_token_input"] = True
     if meta:
         cfg["speculum"] = meta
     return write_checkpoint(path, cfg, medusa_state(heads), filename=WEIGHT_FILES[0], dtype=dtype)

@@ -11,7 +11,8 @@ a static buffer of target states ``x`` [Bb, H]:
   (Medusa's own tree decoding, :class:`MedusaExpander`), so no
   tree bookkeeping is left to the host.
 
-It is captured once per batch bucket and replayed after one device copy of the states.
+Token-aware heads also read each row's last token ``tok`` [Bb] (a second static input).
+It is captured once per batch bucket and replayed after one device copy of the inputs.
 With ``use_graphs=False`` (CPU, tests) the same function runs eagerly, so the CPU tests
 check what the graph computes. Sampled drafts and logits processors stay on the eager
 path of the proposer.
@@ -31,7 +32,7 @@ class MedusaExpander:
     not depend on its token, only on its depth (head ``level`` gives depth ``level + 1``)."""
 
     def __init__(self, heads, x: torch.Tensor):
-        self.heads, self.x, self.device = heads, x, x.device  # x: [R, H] target states
+        self.heads, self.x, self.device = heads, x, x.device  # x: [R, H] the heads' features
 
     #: frontiers and nodes of dynamic trees chosen by the fused top-k on CUDA
     topk = staticmethod(topk)
@@ -53,29 +54,37 @@ class MedusaGraphs:
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.plan = StaticPlan(tree, self.device) if tree is not None and tree.is_static else None
-        #: batch bucket -> (graph, its input buffer of target states [Bb, H])
-        self._graphs: dict[int, tuple[StaticGraph, torch.Tensor]] = {}
+        #: batch bucket -> (graph, its input buffers: target states [Bb, H], last tokens [Bb])
+        self._graphs: dict[int, tuple[StaticGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = GraphPool()
 
-    def _draft(self, x: torch.Tensor) -> torch.Tensor:
-        """The static function: target states [Bb, H] -> drafts (see the module doc)."""
+    def _draft(self, x: torch.Tensor, tok: torch.Tensor | None) -> torch.Tensor:
+        """The static function: target states [Bb, H] (and last tokens [Bb]) -> drafts (see the
+        module doc)."""
+        x = self.heads.features(x, tok)
         if self.tree is None:
             return torch.stack([self.heads.logits(i, x).argmax(dim=-1) for i in range(self.k)], dim=1)
         return packed_tree(*draft_tree(MedusaExpander(self.heads, x), self.tree, self.plan))
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        """Drafts of the rows of ``x`` [R, H] (graph outputs: valid until the next run)."""
+    def run(self, x: torch.Tensor, tok: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafts of the rows of ``x`` [R, H] whose last tokens are ``tok`` [R] (read by
+        token-aware heads only; graph outputs: valid until the next run)."""
+        tok = tok if self.heads.token_input else None
         with torch.inference_mode():
             if not self.use_graphs:
-                return self._draft(x)
+                return self._draft(x, tok)
             R = x.shape[0]
             Bb = bucket(R)
-            graph, buf = self._graphs.get(Bb) or self._capture(Bb, x.shape[-1], x.dtype)
+            graph, buf, tbuf = self._graphs.get(Bb) or self._capture(Bb, x.shape[-1], x.dtype)
             buf[:R].copy_(x)
+            if tok is not None:
+                tbuf[:R].copy_(tok)
             return graph.replay()[:R]
 
-    def _capture(self, Bb: int, H: int, dtype: torch.dtype) -> tuple[StaticGraph, torch.Tensor]:
-        buf = torch.zeros(Bb, H, dtype=dtype, device=self.device)  # the input: filled before each replay
-        entry = (self._pool.capture(lambda: self._draft(buf)), buf)
+    def _capture(self, Bb: int, H: int, dtype: torch.dtype) -> tuple[StaticGraph, torch.Tensor, torch.Tensor]:
+        buf = torch.zeros(Bb, H, dtype=dtype, device=self.device)  # the inputs: filled before each replay
+        tbuf = torch.zeros(Bb, dtype=torch.int64, device=self.device)
+        tok = tbuf if self.heads.token_input else None
+        entry = (self._pool.capture(lambda: self._draft(buf, tok)), buf, tbuf)
         self._graphs[Bb] = entry
         return entry

@@ -4,6 +4,15 @@ Head ``i`` is ``medusa_num_layers`` residual blocks ``x + SiLU(Linear(x))`` foll
 an LM head (its own, or the target's when shared). Given the target's final normed state
 ``h_t`` (which the target's own head maps to ``x_{t+1}``), head ``i`` predicts
 ``x_{t+i+2}``: drafts 1..k come from heads 0..k-1 of one state, with no draft loop.
+
+Token-aware heads (``token_input``, speculum's extension; off in Medusa's own checkpoints):
+the token ``x_{t+1}`` is known when the heads run (it is the sequence's last token: the
+target produced it from ``h_t``), but a Medusa-1 head predicts ``x_{t+2}`` without seeing
+it. With ``token_input`` every head reads ``h_t + P e(x_{t+1})`` instead of ``h_t``, where
+``e`` is the target's input embedding (shared, not saved) and ``P`` one ``H x H`` map shared
+by the heads, zero-initialised: grown from a Medusa-1 checkpoint, the heads start out
+drafting exactly as it did. Still one state and no draft loop (EAGLE feeds the same token
+to an autoregressive head).
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ class MedusaHeads(nn.Module):
     """``num_heads`` Medusa heads; ``lm_head`` given = shared with the target (not saved)."""
 
     def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1,
-                 lm_head: torch.Tensor | None = None):
+                 lm_head: torch.Tensor | None = None, embed: torch.Tensor | None = None):
+        """``embed`` given: token-aware heads (the module doc) over the target's [V, H]
+        input embedding (a plain attribute, not saved)."""
         super().__init__()
         self.hidden_size, self.vocab_size = hidden, vocab
         self.num_heads, self.num_layers = num_heads, num_layers
@@ -39,10 +50,27 @@ class MedusaHeads(nn.Module):
         self.shared_lm_head = lm_head  # plain attribute: the target's tensor
         self.heads = None if lm_head is not None else nn.ModuleList(
             nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+        self.embed = embed
+        self.token_proj = None
+        if embed is not None:
+            self.token_proj = nn.Linear(hidden, hidden, bias=False)
+            nn.init.zeros_(self.token_proj.weight)
+
+    @property
+    def token_input(self) -> bool:
+        return self.token_proj is not None
+
+    def features(self, h: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """What the heads read [..., H] from final normed target states ``h`` [..., H] and the
+        tokens they produced ``tokens`` [...] (``x_{t+1}``; ignored by Medusa-1 heads)."""
+        if self.token_proj is None:
+            return h
+        w = self.token_proj.weight
+        return h.to(w.dtype) + self.token_proj(self.embed[tokens].to(w.dtype))
 
     def logits(self, i: int, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-        """Head ``i``'s logits [..., V] from final normed target states [..., H] (only the
-        rows ``vocab`` of its LM head if given)."""
+        """Head ``i``'s logits [..., V] from :meth:`features` [..., H] (for Medusa-1 heads the
+        final normed target states themselves; only the rows ``vocab`` of its LM head if given)."""
         x = self.blocks[i](h.to(self.blocks[i][0].linear.weight.dtype))
         w = self.heads[i].weight if self.heads is not None else self.shared_lm_head
         w = w if vocab is None else w[vocab]

@@ -4,6 +4,9 @@ Head ``i`` at position ``t`` reads the target's final normed state ``h_t`` and l
 target's distribution of ``x_{t+i+2}`` (soft cross-entropy against the target's own
 next-token distribution at ``t + i + 1``), weighted ``--head-decay ** i`` as in Medusa.
 Blocks start as the identity (zero weights) so each head starts as the target's head.
+``--token-input``: token-aware heads (:mod:`speculum_medusa.model`) that also read the token
+``x_{t+1}``; with ``--init-from`` a Medusa-1 checkpoint they start as its heads (the token
+map at zero).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, soft_ce
+from speculum.train.data import shifted
 from speculum_medusa.formats import load_medusa, save_medusa
 from speculum_medusa.model import MedusaHeads
 
@@ -27,6 +31,9 @@ class MedusaTrainer(Trainer):
         g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
         g.add_argument("--own-lm-head", action="store_true",
                        help="give each head its own LM head (a V x H copy each; default: share the target's)")
+        g.add_argument("--token-input", action="store_true",
+                       help="token-aware heads: each head also reads the token x_{t+1} its state produced "
+                            "(the sequence's last token, known when the heads run; speculum's extension)")
         g.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head i is decay**i")
         g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
@@ -36,7 +43,8 @@ class MedusaTrainer(Trainer):
 
     def build(self, args, target, state, data, train_ids):
         heads = MedusaHeads(target.hidden_size, target.vocab_size, args.num_heads, args.num_layers,
-                            lm_head=None if args.own_lm_head else target.lm_head)
+                            lm_head=None if args.own_lm_head else target.lm_head,
+                            embed=target.embed if args.token_input else None)
         if heads.heads is not None:
             with torch.no_grad():
                 for h in heads.heads:
@@ -47,7 +55,7 @@ class MedusaTrainer(Trainer):
         K = args.num_heads
         vocab = loss_vocab(heads, target, args)
         td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not heads.training)
-        x = batch.hidden[-1]
+        x = heads.features(batch.hidden[-1], shifted(batch.tokens, 1))  # h_t and x_{t+1}
         T = x.shape[1]
         total = torch.zeros((), device=x.device)
         ok, scored = [], []
@@ -68,7 +76,8 @@ class MedusaTrainer(Trainer):
     def load(self, path, target, args):
         """The checkpoint at ``path``; with ``--num-layers`` above its own, grown to that many
         blocks per head: the checkpoint's blocks first, then zero-initialised ones (identity
-        maps), so the grown heads start out drafting exactly as the checkpoint's did."""
+        maps); with ``--token-input`` and Medusa-1 heads, given a zero token map. Either way
+        the grown heads start out drafting exactly as the checkpoint's did."""
         heads = load_medusa(path, target)
         extra = args.num_layers - heads.num_layers
         if extra < 0:
@@ -76,12 +85,22 @@ class MedusaTrainer(Trainer):
             raise ConfigError(f"--init-from {path}: its heads have {heads.num_layers} blocks each, --num-layers "
                               f"asks for {args.num_layers}; give --num-layers {heads.num_layers} (or more: the "
                               "checkpoint's blocks, then identity ones)")
-        if extra <= 0 or heads.heads is not None or args.own_lm_head:
+        if heads.token_input and not args.token_input:
+            from speculum.errors import ConfigError
+            raise ConfigError(f"--init-from {path}: its heads are token-aware (speculum_token_input); give --token-input")
+        token = args.token_input and not heads.token_input
+        if extra <= 0 and not token:
             return heads
-        grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, args.num_layers,
-                            lm_head=heads.shared_lm_head)
+        grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, max(args.num_layers, heads.num_layers),
+                            lm_head=heads.shared_lm_head,
+                            embed=target.embed if args.token_input or heads.token_input else None)
         with torch.no_grad():
             for old, new in zip(heads.blocks, grown.blocks):
                 for j, block in enumerate(old):
                     new[j].load_state_dict(block.state_dict())
+            if heads.heads is not None:  # their own LM heads
+                for old, new in zip(heads.heads, grown.heads):
+                    new.weight.copy_(old.weight)
+            if heads.token_input:
+                grown.token_proj.weight.copy_(heads.token_proj.weight)
         return grown

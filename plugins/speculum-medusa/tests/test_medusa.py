@@ -296,3 +296,103 @@ def test_keep_best_exports_the_best_validated_weights(target, trained, tmp_path)
     plain = train_tiny("medusa", target, tmp_path / "last", steps=4, extra=args)
     assert "kept" not in json.loads((plain / "training.json").read_text())
     assert not all(torch.equal(w.float(), read_weights(plain)[k]) for k, w in before.items())
+
+
+# ------------------------------------------------------------------ token-aware heads
+@pytest.fixture(scope="module")
+def token_trained(target, tmp_path_factory):
+    return train_tiny("medusa", target, tmp_path_factory.mktemp("train_tok"), extra=("--num-heads", "3", "--token-input"))
+
+
+def test_token_aware_heads_round_trip_and_read_the_token(parts, tmp_path):
+    heads = MedusaHeads(parts.hidden_size, parts.vocab_size, 3, 2, lm_head=parts.lm_head, embed=parts.embed)
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    save_medusa(heads, tmp_path / "m", base_model="tiny")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["speculum_token_input"] is True and "token_proj.weight" in read_weights(tmp_path / "m")
+    loaded = load_medusa(tmp_path / "m", parts)
+    h, tok = torch.randn(4, parts.hidden_size), torch.tensor([1, 2, 3, 4])
+    for i in range(3):
+        assert torch.equal(loaded.logits(i, loaded.features(h, tok)), heads.logits(i, heads.features(h, tok)))
+    # the token matters: other tokens, other features; Medusa-1 heads ignore it
+    assert not torch.equal(loaded.features(h, tok), loaded.features(h, tok + 1))
+    assert torch.equal(random_heads(parts, own=False).features(h, tok), h)
+    bad = tmp_path / "bad"
+    save_medusa(random_heads(parts, own=False), bad)
+    (bad / "config.json").write_text(json.dumps({**json.loads((bad / "config.json").read_text()),
+                                                 "speculum_token_input": True}))
+    with pytest.raises(ConfigError, match="lack 'token_proj.weight'"):
+        load_medusa(bad, parts)
+
+
+@pytest.mark.parametrize("runner", ["native", "hf"])
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 3}, TREE_CONFIGS["static"], TREE_CONFIGS["dynamic"]],
+                         ids=["chain", "static-tree", "dynamic-tree"])
+def test_token_aware_greedy_output_is_identical_to_no_speculation(target, token_trained, runner, spec):
+    spec = {"method": "medusa", "model": str(token_trained), **spec}
+    if "num_speculative_tokens" in spec:
+        base = make_llm(target, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
+        llm = make_llm(target, spec, runner=runner, max_num_seqs=2)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]
+        assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+    else:
+        assert_tree_greedy_lossless(lambda sp, **kw: make_llm(target, sp, runner=runner, **kw), spec, PROMPTS,
+                                    GREEDY, max_num_seqs=2)
+
+
+def test_token_aware_drafts_read_the_last_state_and_the_token_it_produced(target, token_trained):
+    """Each chain equals the heads' argmax on (the state that produced the sequence's last
+    token, that token), computed here from a fresh prefill: not the proposer's own code."""
+    llm = make_llm(target, {"method": "medusa", "model": str(token_trained), "num_speculative_tokens": 3},
+                   max_num_seqs=4)
+    heads = llm.proposer.heads
+    assert heads.token_input and heads.token_proj.weight.abs().sum() > 0  # training moved the map
+    drafts = record_drafts(llm)
+    llm.generate(PROMPTS, GREEDY)
+    prefill = PrefillHidden(target, (-1,))
+    checked = 0
+    for rows, live in drafts:
+        for toks, got in zip(rows, live.tolist()):
+            if len(toks) < 2:  # a one-token prompt: no state yet, nothing drafted
+                assert got == [-1] * 3
+                continue
+            x = prefill(toks[:-1])[-1][-1]
+            with torch.inference_mode():
+                z = heads.features(x, torch.tensor(toks[-1]))
+                want = [int(heads.logits(i, z).argmax()) for i in range(3)]
+            assert got == want
+            checked += 1
+    assert checked > 10
+
+
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 7}],
+                         ids=["chain", "tree"])
+def test_token_aware_drafts_from_the_verdict_change_nothing(target, token_trained, tree):
+    """Drafted from the device verdict (the new last token gathered there), the chains and
+    trees equal those of a run without overlap, and outputs plain decoding's."""
+    spec = {"method": "medusa", "model": str(token_trained), **(tree or {"num_speculative_tokens": 3})}
+    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS,
+                                             SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
+    assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+
+
+def test_token_aware_heads_grow_from_medusa_1_heads(target, trained, token_trained, parts, tmp_path, capsys):
+    """--token-input --init-from Medusa-1 heads: a zero token map, so at a learning rate of 0 the
+    exported heads give the checkpoint's logits; a token-aware checkpoint without --token-input
+    is refused (its map would be dropped silently)."""
+    out = train_tiny("medusa", target, tmp_path / "tok", steps=2, num_prompts=16, max_tokens=16,
+                     extra=("--num-heads", "3", "--token-input", "--init-from", str(trained), "--lr", "0",
+                            "--save-dtype", "float32"))
+    after = read_weights(out)
+    assert not after["token_proj.weight"].any()
+    old, new = load_medusa(trained, parts), load_medusa(out, parts)
+    assert new.token_input and not old.token_input
+    h, tok = torch.randn(5, parts.hidden_size), torch.arange(5)
+    for i in range(3):
+        torch.testing.assert_close(new.logits(i, new.features(h, tok)), old.logits(i, h))
+    with pytest.raises(RuntimeError):
+        train_tiny("medusa", target, tmp_path / "drop", steps=2, num_prompts=16, max_tokens=16,
+                   extra=("--num-heads", "3", "--init-from", str(token_trained)))
+    assert "token-aware (speculum_token_input); give --token-input" in capsys.readouterr().err
