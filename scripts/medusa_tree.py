@@ -63,8 +63,7 @@ def head_ranks(llm, heads, chats, max_tokens: int, depth: int, width: int):
         runner.remove(sid)
         with torch.inference_mode():  # the heads on the answer's states only: [D, len - P + 1, V]
             # (token-aware heads also read the token each state produced, toks[t + 1]; none after the last)
-            tok = torch.tensor(toks[P:] + [0] * (h.shape[0] - len(toks) + 1), device=h.device)[: h.shape[0] - P + 1]
-            x = heads.features(h[P - 1:], tok)
+            x = heads.features(h[P - 1:], torch.tensor(toks[P:] + [0], device=h.device))
             logits = torch.stack([heads.logits(i, x) for i in range(depth)]).float()
             top.append(logits.log_softmax(-1).topk(width, dim=-1).values[:, : max(T - P - 1, 0)].transpose(0, 1).cpu())
             # states inside the answer with a token 2 ahead (t = P - 1 + u): head i's rank of

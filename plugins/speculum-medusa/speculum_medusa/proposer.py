@@ -120,9 +120,9 @@ class MedusaProposer:
             return None
         with torch.inference_mode():
             x = last_accepted_state(hidden_states[-1], verdict)
-            tok = verdict.token_ids.gather(1, verdict.num_accepted.view(-1, 1)).squeeze(1) \
+            last_tok = verdict.token_ids.gather(1, verdict.num_accepted.view(-1, 1)).squeeze(1) \
                 if self.heads.token_input else None  # the row's new last token, on the device
-            out = self.graphs.run(x, tok)
+            out = self.graphs.run(x, last_tok)
         R = len(seq_ids)
         draft = Draft(token_ids=out, lengths=[out.shape[1]] * R) if self.tree is None else \
             self._tree_draft(R, list(range(R)), out)
@@ -142,18 +142,18 @@ class MedusaProposer:
         if not rows:
             return Draft(token_ids=torch.full((B, k), -1, dtype=torch.int64, device=self.device), lengths=[0] * B)
         x = torch.stack([self.last[seqs[b].seq_id] for b in rows])  # [R, H]
-        tok = torch.tensor([seqs[b].token_ids[-1] for b in rows], dtype=torch.int64).to(self.device, non_blocking=True) \
-            if self.heads.token_input else None  # the token each state produced
+        last_tok = torch.tensor([seqs[b].token_ids[-1] for b in rows], dtype=torch.int64).to(
+            self.device, non_blocking=True) if self.heads.token_input else None  # the token each state produced
         if self.tree is not None:
-            return self._tree_draft(B, rows, self.graphs.run(x, tok))
+            return self._tree_draft(B, rows, self.graphs.run(x, last_tok))
         sample = self.sample and not batch.sampling.all_greedy
         probs = None
         if not sample and not batch.sampling.needs_processing and k <= self.graphs.k:
-            drafts = self.graphs.run(x, tok)[:, :k]  # a shorter step keeps a prefix of the heads' drafts
+            drafts = self.graphs.run(x, last_tok)[:, :k]  # a shorter step keeps a prefix of the heads' drafts
         else:
             drafts, probs = [], []
             with torch.inference_mode():
-                x = self.heads.features(x, tok)
+                x = self.heads.features(x, last_tok)
                 for i in range(k):
                     tok, p = pick_tokens(self.heads.logits(i, x), rows, batch.sampling, sample,
                                          torch.stack(drafts, dim=1) if drafts else None)

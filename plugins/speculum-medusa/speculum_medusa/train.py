@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from speculum.errors import ConfigError
 from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, soft_ce
 from speculum.train.data import shifted
 from speculum_medusa.formats import load_medusa, save_medusa
@@ -81,19 +82,16 @@ class MedusaTrainer(Trainer):
         heads = load_medusa(path, target)
         extra = args.num_layers - heads.num_layers
         if extra < 0:
-            from speculum.errors import ConfigError
             raise ConfigError(f"--init-from {path}: its heads have {heads.num_layers} blocks each, --num-layers "
                               f"asks for {args.num_layers}; give --num-layers {heads.num_layers} (or more: the "
                               "checkpoint's blocks, then identity ones)")
         if heads.token_input and not args.token_input:
-            from speculum.errors import ConfigError
             raise ConfigError(f"--init-from {path}: its heads are token-aware (speculum_token_input); give --token-input")
         token = args.token_input and not heads.token_input
         if extra <= 0 and not token:
             return heads
-        grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, max(args.num_layers, heads.num_layers),
-                            lm_head=heads.shared_lm_head,
-                            embed=target.embed if args.token_input or heads.token_input else None)
+        grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, args.num_layers,
+                            lm_head=heads.shared_lm_head, embed=target.embed if args.token_input else None)
         with torch.no_grad():
             for old, new in zip(heads.blocks, grown.blocks):
                 for j, block in enumerate(old):
