@@ -230,9 +230,8 @@ class DraftVerifyLoop(Overlap):
         self.k_counts[k_step] += 1
         self._steps += 1
         planned = self._claim_planned(seqs, k_step)
-        wrote = 0  # tokens a forward launched from the verdict wrote per row (0: the plan's)
         if planned is not None:  # drafted and launched at the end of the last step (overlap)
-            plan, out, wrote = planned.plan, planned.out, planned.wrote
+            plan, out = planned.plan, planned.out
         else:
             plan = self._plan(seqs, sampling, k_step, timing=True)
             out = self._take_ahead(seqs, plan.k) or self.target.forward(
@@ -293,7 +292,7 @@ class DraftVerifyLoop(Overlap):
             if vf is not None:
                 vf.bases[s.seq_id] = old_len + a
                 self.target.truncate(s.seq_id, old_len + a + vf.q)
-            elif drafted[b] or tree is not None or wrote > 1:
+            elif drafted[b] or tree is not None:
                 self.target.truncate(s.seq_id, old_len + a)
             s.metrics.record_step(drafted[b], a, depths[b] if tree is not None and drafted[b] else None)
             if asked[b]:

@@ -73,11 +73,10 @@ class Overlap:
         # state from these, not only from the first steps after an admission or a switch)
         plan = self._plan(seqs, self._sampling(seqs), k_step, timing=True)
         if vf is not None:
-            # the same drafts (the proposer returned what it launched): rows with fewer real
-            # drafts (n-gram's, without a match; a row near its limit) verify padding after them
+            # the same drafts (the proposer returned what it launched), every row all of them
             if (plan.draft is vf.draft and not any(s.finished for s in seqs)
-                    and all(n <= vf.q for n in plan.num_tokens)):
-                self._ahead = _Ahead(tuple(s.seq_id for s in seqs), vf.bases, vf.out, plan, k_step, vf.q)
+                    and all(n == vf.q for n in plan.num_tokens)):
+                self._ahead = _Ahead(tuple(s.seq_id for s in seqs), vf.bases, vf.out, plan, k_step)
                 return
             self._drop_verdict_forward(seqs, vf)
         launched = None
@@ -96,8 +95,7 @@ class Overlap:
         this step. Its observe settles them, its plan ahead takes them; otherwise they are
         rewound."""
         if not (self.from_verdict and self.overlap and ahead and not failed_rows and plan.k
-                and (out.hidden_states or not self.hidden_layers) and len(plan.rows) == len(seqs)
-                and self._may_plan_ahead(seqs)):
+                and out.hidden_states and len(plan.rows) == len(seqs) and self._may_plan_ahead(seqs)):
             return None
         try:
             launched = self.proposer.draft_from_verdict([s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],
@@ -242,9 +240,6 @@ class _Ahead:
     out: ForwardOutput
     plan: _Plan | None = None
     k_step: int = 0
-    #: tokens the forward wrote per row when that is more than the plan's (launched from the
-    #: verdict, as wide as the widest outcome); 0 = the plan's
-    wrote: int = 0
 
 
 @attrs.define

@@ -404,7 +404,7 @@ def tight_kv_options(bytes_per_token: int, tokens: int, block_size: int = 4) -> 
 
 
 def assert_drafts_from_verdict_under_preemption(target, spec: dict, kv_cache_memory: int,
-                                                forward_from_verdict: bool = False, max_model_len: int = 256) -> None:
+                                                forward_from_verdict: bool = False) -> None:
     """Overlap forced on (a CPU engine does not overlap) with a KV budget that forces
     preemption: eight repeating prompts of 6-18 tokens x 40 greedy tokens, rows leave and
     come back while their chains or trees are drafted from the device verdict
@@ -412,14 +412,13 @@ def assert_drafts_from_verdict_under_preemption(target, spec: dict, kv_cache_mem
     :func:`use_static_chain_drafts`); the scheduler's books balance, more than ten steps
     drafted from the verdict, and outputs equal plain decoding. ``forward_from_verdict``: a
     chain's next verify forward is launched from the verdict too (more than ten of them used,
-    some dropped). A method without a cache of its own needs a smaller ``max_model_len``
-    for a budget that still holds one sequence and preempts."""
+    some dropped)."""
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17] * (1 + i % 3)} for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=kv_cache_memory,
-              max_model_len=max_model_len, max_num_seqs=8)
+    llm = LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=kv_cache_memory, max_model_len=256,
+              max_num_seqs=8)
     llm.loop.overlap = True
     if llm.speculative_config.tree is None and getattr(llm.proposer, "graphs", True) is None:
         use_static_chain_drafts(llm)

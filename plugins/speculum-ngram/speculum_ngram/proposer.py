@@ -22,10 +22,8 @@ import numpy as np
 import torch
 
 from speculum.errors import ConfigError
-from speculum.devices import on_device
-from speculum.interfaces import Draft, ProposeBatch, StepFeedback, Verdict
+from speculum.interfaces import Draft, ProposeBatch, StepFeedback
 from speculum.tree import TokenTree, TreeSpec
-from speculum_ngram.device import DeviceHistory, match_drafts
 
 DEFAULT_MIN, DEFAULT_MAX = 2, 5
 
@@ -91,13 +89,14 @@ class SuffixIndex:
     lengths are fixed at construction: what is indexed depends on them.
     """
 
-    __slots__ = ("tokens", "n_min", "n_max", "done", "last")
+    __slots__ = ("tokens", "n_min", "n_max", "done", "last", "seen")
 
     def __init__(self, tokens: list[int], n_min: int, n_max: int):
         self.tokens = tokens
         self.n_min, self.n_max = max(n_min, 1), n_max
         self.done = 0  # window ends 0 .. done - 1 are indexed
         self.last: dict[tuple[int, ...], int] = {}
+        self.seen = 0
 
     def draft(self, k: int, window: int = 0) -> list[int]:
         t, last, n_min, n_max = self.tokens, self.last, self.n_min, self.n_max
@@ -226,23 +225,20 @@ class NgramProposer:
     #: no KV cache of its own: nothing beyond the tree's nodes to reserve
     kv_lookahead = 0
 
+    #: steps after which the index of a sequence not seen since is dropped (finished
+    #: requests; one that comes back after a pause is simply indexed again)
+    forget_after = 256
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, search_window: int = 0,
-                 tree: TreeSpec | None = None, k: int | None = None):
+                 tree: TreeSpec | None = None):
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
         self.search_window = search_window
         #: the tree drafted each step (dynamic: ``topk`` continuations of ``depth`` tokens,
         #: ``num_nodes`` nodes at most); None = chains
         self.tree = tree
-        #: the config's k: the width of drafts made from a verdict (None: the verdict's k)
-        self.k = k
         self._index: dict[int, SuffixIndex] = {}
-        #: each running sequence's own token list (add_request), for the device history
-        self._tokens: dict[int, list[int]] = {}
-        #: the running sequences' tokens on the target's device (made on the first device draft)
-        self._history: DeviceHistory | None = None
-        #: drafts made from a verdict not yet on the host, until the next propose or rewind
-        self._launched: _Launched | None = None
+        self._calls = 0
 
     def _index_of(self, seq) -> SuffixIndex:
         index = self._index.get(seq.seq_id)
@@ -250,6 +246,7 @@ class NgramProposer:
             index = self._index[seq.seq_id] = (
                 SuffixIndex(seq.token_ids, self.n_min, self.n_max) if self.tree is None
                 else TreeSuffixIndex(seq.token_ids, self.n_min, self.n_max, keep=self.tree.topk))
+        index.seen = self._calls
         return index
 
     def _draft(self, seq, k: int) -> list[int]:
@@ -279,70 +276,14 @@ class NgramProposer:
                 f"drafts at most tree_topk x tree_depth = {tree.topk * tree.depth} (tree_topk={tree.topk} "
                 f"continuations of tree_depth={tree.depth} tokens); the rest would be padding verified every "
                 f"step: set num_draft_tokens <= {tree.topk * tree.depth + 1}")
-        return cls(lo, hi, opts.search_window, tree=tree, k=cfg.num_speculative_tokens)
-
-    # -- sequences entering and leaving (for the device history) --------------------------
-    def add_request(self, seq) -> None:
-        self._tokens[seq.seq_id] = seq.token_ids
-        if self._history is not None:
-            self._history.add(seq.seq_id)
-
-    def remove_request(self, seq_id: int) -> None:
-        self._tokens.pop(seq_id, None)
-        self._index.pop(seq_id, None)
-        if self._history is not None:
-            self._history.remove(seq_id)
-        if self._launched is not None and seq_id in self._launched.seq_ids:
-            self._launched = None
-
-    def rewind(self, seq_ids) -> None:
-        """Drafts made from a verdict that no step will verify are dropped; nothing else
-        changes (the host index only grows with the sequences' own tokens)."""
-        self._launched = None
-
-    def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict, hidden_states) -> Draft | None:
-        """The next chain drafts of ``seq_ids`` (``lengths``: their lengths before this
-        step's tokens), made on the device from ``verdict`` before the host reads it: the
-        verdict's tokens are appended to each row's device history and the chain rule runs
-        there (:func:`~speculum_ngram.device.match_drafts`). Every row gets ``k`` columns;
-        the true counts come back to the host with the drafts' lengths (:meth:`propose`).
-        None for trees, a search window, or sequences it does not know."""
-        if (self.tree is not None or verdict.path is not None or self.search_window or self._launched is not None
-                or any(sid not in self._tokens for sid in seq_ids)):
-            return None
-        ids = verdict.token_ids
-        width = ids.shape[1]
-        k = self.k or width - 1
-        hist = self._history
-        if hist is None or hist.device != ids.device:
-            hist = self._history = DeviceHistory(ids.device)
-            for sid in self._tokens:
-                hist.add(sid)
-        hist.reserve(max(lengths) + max(width, k + 1))
-        for sid, n in zip(seq_ids, lengths):
-            hist.sync(sid, self._tokens[sid], n)
-        R = len(seq_ids)
-        with torch.inference_mode():
-            slots = on_device([hist.slot[sid] for sid in seq_ids], ids.device)
-            at = on_device(lengths, ids.device).view(R, 1) + torch.arange(width, device=ids.device)
-            hist.buf[slots.view(R, 1), at] = ids  # the accepted drafts, the new token, then -1s
-            length = at[:, 0] + verdict.num_accepted.to(ids.device) + 1
-            W = max(lengths) + width  # no row has a token past this
-            drafts, n = match_drafts(hist.buf[slots, :W], length, max(self.n_min, 1), self.n_max, k)
-            counts = n.to("cpu", non_blocking=True)  # read by propose, before the next forward ends
-        done = torch.cuda.Event() if ids.device.type == "cuda" else None
-        if done is not None:
-            done.record()
-        draft = Draft(token_ids=drafts, probs=None, lengths=[k] * R)
-        self._launched = _Launched(tuple(seq_ids), draft, counts, done)
-        return draft
+        return cls(lo, hi, opts.search_window, tree=tree)
 
     def propose(self, batch: ProposeBatch) -> Draft:
         k = batch.num_speculative_tokens
-        launched, self._launched = self._launched, None
-        if (launched is not None and launched.seq_ids == tuple(s.seq_id for s in batch.seqs)
-                and k == launched.draft.token_ids.shape[1] and launched.observed == set(launched.seq_ids)):
-            return launched.settle()
+        self._calls += 1
+        if self._calls % self.forget_after == 0:
+            old = self._calls - self.forget_after
+            self._index = {sid: ix for sid, ix in self._index.items() if ix.seen > old}
         if self.tree is not None and k > 0:
             return self._propose_tree(batch)
         rows = [self._draft(seq, k) if k > 0 else [] for seq in batch.seqs]
@@ -371,33 +312,4 @@ class NgramProposer:
         return Draft(token_ids=torch.tensor(tokens, dtype=torch.int64), probs=None, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:
-        """After a step drafted from the verdict, the device history holds each row's new
-        tokens: the host learns how many."""
-        if self._launched is not None and self._history is not None:
-            known, launched = self._history.known, self._launched
-            for sid, n in zip(feedback.seq_ids, feedback.new_lengths):
-                if sid in known and sid in launched.seq_ids:
-                    known[sid] = n
-                    launched.observed.add(sid)
-
-
-@attrs.define(eq=False)
-class _Launched:
-    """Chain drafts made from a verdict on the device (:meth:`NgramProposer.draft_from_verdict`)."""
-
-    seq_ids: tuple[int, ...]
-    #: the drafts, every row ``k`` wide, as the next propose of the same rows returns them
-    draft: Draft
-    #: each row's real drafts, copied to the host behind the drafts ([R] int64)
-    counts: torch.Tensor
-    #: recorded after that copy (CUDA); None where copies are synchronous
-    done: "torch.cuda.Event | None"
-    #: rows whose step was observed (the device history then holds its tokens)
-    observed: set[int] = attrs.field(factory=set)
-
-    def settle(self) -> Draft:
-        """The drafts, with each row's true count of real drafts as its length."""
-        if self.done is not None:
-            self.done.synchronize()  # the copy queued behind the drafts, not the forward after them
-        self.draft.lengths = self.counts.tolist()
-        return self.draft
+        """Stateless: nothing to roll back."""

@@ -227,8 +227,9 @@ def test_indexing_many_windows_at_once_drafts_what_the_search_drafts(vocab, n_mi
 
 def test_an_index_is_never_used_for_another_sequence():
     """A seq_id that comes back with another token list (a new request) is indexed anew;
-    a sequence's index is dropped when it leaves (remove_request)."""
+    indexes of sequences not seen for forget_after steps are dropped."""
     p = NgramProposer(1, 3)
+    p.forget_after = 4
     params = [SamplingParams(temperature=0)]
 
     def one(view, k=2):
@@ -237,6 +238,6 @@ def test_an_index_is_never_used_for_another_sequence():
 
     assert one(SequenceView(0, [5, 6, 7, 5], 1)) == [6, 7]
     assert one(SequenceView(0, [9, 8, 9], 1)) == [8, 9]  # same id, another list: not [6, 7]
-    one(SequenceView(1, [1, 2, 1], 1))
-    p.remove_request(0)
+    for i in range(8):
+        one(SequenceView(1, [1, 2, 1], 1))
     assert 0 not in p._index and 1 in p._index
