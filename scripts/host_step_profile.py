@@ -1,4 +1,5 @@
-"""Host time per loop step: autoregressive, an EAGLE-3 chain and an EAGLE-3 token tree.
+"""Host time per loop step: autoregressive, an EAGLE-3 chain and an EAGLE-3 token tree (and
+``plain``: the head kept current on steps that do not draft).
 
 By default the target is a tiny random Llama (4 layers, hidden 64, vocabulary 512) and the
 EAGLE-3 head one trained on it here for a few seconds, on the CPU with one torch thread: the compute is
@@ -33,6 +34,9 @@ CONFIGS = {
     "ar": None,
     "chain": {"method": "eagle3", "num_speculative_tokens": 4},
     "tree": {"method": "eagle3", "tree_topk": 8, "tree_depth": 4, "num_draft_tokens": 32},
+    # the head loaded and kept up to date, but every step plain (a load schedule of k = 0):
+    # what a head costs the steps on which the cost model switched drafting off
+    "plain": {"method": "eagle3", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": {"1-4096": 0}},
 }
 
 
