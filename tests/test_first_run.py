@@ -378,8 +378,45 @@ def test_a_pooled_comparison_fills_the_batch_and_keeps_each_category(tiny_llama)
     assert lines[2].split()[:2] == ["a", "-"] and lines[-1].split()[0] == "total"
     d = pooled[1].as_dict(pooled[0])
     assert d["categories"]["a"]["tokens_per_s"] is None and d["total"]["tokens_per_s"] > 0
-    with pytest.raises(ValueError, match="cannot pool"):
-        methods.compare([cfg], groups, params, make, interleave=True, pooled=True)
+    with pytest.raises(ValueError, match="rounds > 1"):
+        methods.compare([cfg], groups, params, make, pooled=True, rounds=3)
+
+
+def test_pooled_runs_in_turns_report_each_configs_median_round(tiny_llama):
+    """`bench offline --batch-size 16 --interleave`: every engine is loaded at once and runs the
+    whole pooled batch in turn, ``rounds`` times (a run of a few seconds per config, one config
+    after the other, carried 15-30% on the H200). Each config reports its median round: that
+    round's seconds, the same outputs and MAL as a pooled run alone, and the counters of that
+    round only (not of all three); every round's seconds are in the JSON."""
+    from speculum import LLM
+    from speculum.bench import methods
+
+    groups = {c: [{"prompt_token_ids": [5 + i, 6, 7, 5 + i, 6, 7]} for i in range(3)] for c in ("a", "b")}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    order = []
+
+    def make(cfg):
+        llm = LLM(str(tiny_llama), cfg, device="cpu", dtype="float32", max_num_seqs=8)
+        inner = llm.generate
+
+        def generate(prompts, *a, **kw):
+            order.append(cfg is None)
+            return inner(prompts, *a, **kw)
+        llm.generate = generate
+        return llm
+
+    cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    alone = methods.compare([cfg], groups, params, make, warmup_tokens=0, pooled=True)
+    order.clear()
+    turns = methods.compare([cfg], groups, params, make, warmup_tokens=0, pooled=True, interleave=True, rounds=3)
+    assert order == [True, False] * 3  # the baseline and the config in turn, three rounds
+    for a, b in zip(alone, turns):
+        rounds = b.extra["round_seconds"]
+        assert len(rounds) == 3 and b.total.seconds == sorted(rounds)[1]
+        assert b.total.outputs == a.total.outputs and b.total.tokens == a.total.tokens
+        assert b.total.metrics.as_dict() == a.total.metrics.as_dict()
+        assert b.steps_per_k == a.steps_per_k  # one round's steps, not three rounds'
+    assert turns[1].as_dict(turns[0])["total"]["identical"] is True
 
 
 def test_the_warm_up_fills_the_batch_with_the_longest_prompts(tiny_llama):
@@ -496,7 +533,7 @@ def test_bench_runs_the_baseline_again_after_every_config_to_show_the_drift(tiny
 
 def test_bench_offline_pools_above_batch_one_unless_told_not_to():
     """Batches above 1 pool the categories; --per-category-batches keeps the old way;
-    --interleave (one category at a time through every engine) cannot pool: a clear error."""
+    --interleave pools too (the whole batch through every engine in turn, --rounds times)."""
     import argparse
 
     from speculum.bench import offline
@@ -507,9 +544,26 @@ def test_bench_offline_pools_above_batch_one_unless_told_not_to():
     assert offline._pooled(args(batch_size=16))
     assert not offline._pooled(args(batch_size=16, per_category_batches=True))
     assert not offline._pooled(args(interleave=True))
-    with pytest.raises(SystemExit, match="--per-category-batches"):
-        offline._pooled(args(batch_size=16, interleave=True))
+    assert offline._pooled(args(batch_size=16, interleave=True))
     groups = {"a": ["a1", "a2", "a3"], "b": ["b1"], "c": ["c1", "c2"]}
     assert offline._profile_prompts(groups, 1) == ["a1", "b1", "c1"]  # the first of each, as before
     assert offline._profile_prompts(groups, 5) == ["a1", "b1", "c1", "a2", "c2"]
     assert offline._profile_prompts(groups, 16) == ["a1", "b1", "c1", "a2", "c2", "a3"]
+
+
+def test_rounds_are_for_pooled_runs_in_turns():
+    """``--rounds``: 3 by default for a pooled ``--interleave`` run, 1 otherwise; a number of
+    rounds where nothing runs in turns is a clear error, not ignored."""
+    import argparse
+
+    from speculum.bench.offline import _rounds
+
+    def args(**kw):
+        base = dict(batch_size=16, interleave=True, per_category_batches=False, rounds=None)
+        return argparse.Namespace(**{**base, **kw})
+    assert _rounds(args()) == 3 and _rounds(args(rounds=5)) == 5
+    assert _rounds(args(batch_size=1)) == 1 and _rounds(args(interleave=False)) == 1
+    for bad in (args(rounds=0), args(batch_size=1, rounds=3), args(interleave=False, rounds=2),
+                args(per_category_batches=True, rounds=2)):
+        with pytest.raises(SystemExit, match="--rounds"):
+            _rounds(bad)

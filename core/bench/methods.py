@@ -174,9 +174,12 @@ def _counters(llm) -> tuple[list[int], int, int, int, int]:
 
 
 def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
-            before: tuple[list[int], int, int, int, int], seconds: float | None = None) -> MethodResult:
-    """``seconds``: the wall time of a pooled run (else the sum of the groups' times)."""
+            before: tuple[list[int], int, int, int, int], seconds: float | None = None,
+            now: tuple[list[int], int, int, int, int] | None = None) -> MethodResult:
+    """``seconds``: the wall time of a pooled run (else the sum of the groups' times);
+    ``now``: the counters at the end of the run (default: the engine's, read now)."""
     k_before, used, dropped, drafted_fv, forwards_fv = before
+    k_now, used_now, dropped_now, drafted_now, forwards_now = now or _counters(llm)
     total = GroupResult()
     texts: list[str] = []
     for g in out.values():
@@ -185,13 +188,12 @@ def _result(llm, name: str, config: dict | None, out: dict[str, GroupResult],
         texts += g.texts
     if seconds is not None:
         total.seconds = seconds
-    steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(llm.loop.k_counts)]
+    steps_per_k = [n - (k_before[i] if i < len(k_before) else 0) for i, n in enumerate(k_now)]
     # overlapped steps: forwards (with their drafts) made during the step before, used or dropped
-    loop = llm.loop
-    extra = {"steps_run_ahead": loop.ahead_used - used, "steps_dropped_ahead": loop.ahead_dropped - dropped,
+    extra = {"steps_run_ahead": used_now - used, "steps_dropped_ahead": dropped_now - dropped,
              # ... of which the next drafts, and the next verify forward, started from the device verdict
-             "drafted_from_verdict": loop.drafted_from_verdict - drafted_fv,
-             "forwards_from_verdict": loop.forwards_from_verdict - forwards_fv}
+             "drafted_from_verdict": drafted_now - drafted_fv,
+             "forwards_from_verdict": forwards_now - forwards_fv}
     return MethodResult(name, config, out, total, texts, extra=extra, steps_per_k=steps_per_k)
 
 
@@ -217,8 +219,8 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
             warmup_tokens: int = 16, progress: Callable[[str], Any] | None = None,
             after: Callable[[Any, MethodResult], Any] | None = None,
             errors: list | None = None, interleave: bool = False, pooled: bool = False,
-            baseline_again: bool = False, measured: Callable[[list[MethodResult]], Any] | None = None
-            ) -> list[MethodResult]:
+            baseline_again: bool = False, measured: Callable[[list[MethodResult]], Any] | None = None,
+            rounds: int = 1) -> list[MethodResult]:
     """Baseline (no speculation) first, then each config; one engine at a time.
     ``baseline_again``: a fresh baseline engine once more after every config, named
     :data:`AGAIN`; its speedup is the run's drift (the same work measured twice).
@@ -231,10 +233,17 @@ def compare(configs: list[dict | None], groups: dict[str, list], params, make_ll
 
     ``interleave``: every engine is loaded at once and each group runs through all of
     them before the next group, so a machine whose speed drifts (a shared CPU) slows
-    every config alike instead of whichever ran during the slow minute."""
+    every config alike instead of whichever ran during the slow minute. Pooled, every
+    engine runs the whole pooled batch in turn, ``rounds`` times; each config reports
+    its median round (:func:`_compare_pooled_in_turns`)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1 (got {rounds})")
+    if interleave and pooled:
+        return _compare_pooled_in_turns(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
+                                        baseline_again, measured, rounds)
+    if rounds > 1:
+        raise ValueError("rounds > 1 runs pooled batches in turns: it needs interleave and pooled")
     if interleave:
-        if pooled:
-            raise ValueError("interleave runs each group through every engine in turn: it cannot pool the groups")
         return _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
                                     baseline_again, measured)
     results = []
@@ -330,6 +339,46 @@ def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progr
     if measured is not None:  # every timed figure exists now, before any (slow) after-work
         measured(results)
     for (cfg, llm, name, before), result in zip(engines, results):
+        if after is not None:
+            after(llm, result)
+    engines.clear()
+    gc.collect()
+    return results
+
+
+def _compare_pooled_in_turns(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
+                             baseline_again: bool, measured, rounds: int) -> list[MethodResult]:
+    """Pooled runs (every question at once) with every engine loaded at once: each round runs
+    the pooled batch through every engine in turn, and each config keeps its median round
+    (the round's seconds, outputs and counters; every round's seconds in ``extra``). A pooled
+    run of a few seconds per config, one config after the other, carried 15-30% between
+    configs doing the same work (batch 16 on the H200, 2026-12-04): in turns, a slow minute
+    hits every config, and the median drops a round that met one."""
+    engines = []  # (config, engine, name)
+    for cfg, again in _runs(configs, baseline_again):
+        try:
+            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, pooled=True, again=again)
+        except Exception as exc:
+            _skip(cfg, exc, errors)
+            continue
+        engines.append((cfg, llm, name))
+    runs: list[list[tuple]] = [[] for _ in engines]  # per engine, per round: (out, seconds, before, after)
+    for r in range(rounds):
+        for (cfg, llm, name), mine in zip(engines, runs):
+            if progress:
+                progress(f"{name}: round {r + 1} of {rounds}, {sum(map(len, groups.values()))} prompts at once")
+            before = _counters(llm)
+            out, seconds = run_pooled(llm, groups, params)
+            mine.append((out, seconds, before, _counters(llm)))
+    results = []
+    for (cfg, llm, name), mine in zip(engines, runs):
+        out, seconds, before, now = sorted(mine, key=lambda x: x[1])[(len(mine) - 1) // 2]
+        res = _result(llm, name, cfg, out, before, seconds, now)
+        res.extra["round_seconds"] = [x[1] for x in mine]
+        results.append(res)
+    if measured is not None:
+        measured(results)
+    for (cfg, llm, name), result in zip(engines, results):
         if after is not None:
             after(llm, result)
     engines.clear()

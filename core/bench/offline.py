@@ -58,7 +58,11 @@ def add_parser(sub) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="load every config at once and run each category through all of them in turn, so a "
                         "machine whose speed drifts (a shared CPU) slows every config alike (default: one engine "
-                        "at a time, all categories)")
+                        "at a time, all categories); pooled (--batch-size above 1), every config runs the whole "
+                        "batch in turn, --rounds times, and reports its median round")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="with --interleave above batch 1: pooled runs per config, in turns (default 3); the "
+                        "median round is reported, every round's seconds are in the JSON")
     p.add_argument("--baseline-again", action="store_true",
                    help="run autoregressive decoding once more after every config (a fresh engine, warmed the same "
                         "way): its ratio to the first run is this run's drift, the noise under every other ratio")
@@ -90,16 +94,25 @@ def _profile_prompts(groups: dict[str, list], batch_size: int) -> list:
 def _pooled(args) -> bool:
     """Batches above 1 pool every category into one call: a category of 10 questions run on
     its own never fills a batch of 16 (the runs of 2026-12-02 and before did just that)."""
-    if args.batch_size > 1 and args.interleave and not args.per_category_batches:
-        raise SystemExit("bench offline: --interleave runs one category at a time through every engine; with "
-                         "--batch-size above 1 add --per-category-batches (each category its own batch)")
     return args.batch_size > 1 and not args.per_category_batches
+
+
+def _rounds(args) -> int:
+    """Pooled runs per config (``--rounds``; 3 for a pooled ``--interleave`` run, else 1)."""
+    pooled_turns = args.interleave and _pooled(args)
+    if args.rounds is None:
+        return 3 if pooled_turns else 1
+    if args.rounds < 1 or (args.rounds > 1 and not pooled_turns):
+        raise SystemExit(f"bench offline: --rounds {args.rounds}: rounds are pooled runs in turns; give a number "
+                         ">= 1 with --interleave and --batch-size above 1 (not --per-category-batches)")
+    return args.rounds
 
 
 def run(args) -> int:
     from speculum.bench import methods
 
     groups = _prompts(args)
+    rounds = _rounds(args)
     if args.temperature < 0:
         raise SystemExit(f"bench offline: --temperature must be >= 0 (got {args.temperature})")
     if args.temperature > 0 and args.batch_invariant:
@@ -142,7 +155,7 @@ def run(args) -> int:
                               warmup_tokens=args.max_tokens if args.warmup_tokens is None else args.warmup_tokens,
                               after=after, errors=errors, interleave=args.interleave, pooled=_pooled(args),
                               baseline_again=args.baseline_again,
-                              measured=all_measured)
+                              measured=all_measured, rounds=rounds)
     print(methods.table(results, greedy=args.temperature == 0))
     if args.profile:
         from speculum.bench.step_profile import profile_table
@@ -192,6 +205,7 @@ def _write(args, results, devices, errors=(), partial: bool = False) -> None:
               "seed": args.seed if args.temperature > 0 else None,
               "overlap": not args.no_overlap,
               "prompts_per_category": args.prompts_per_category, "partial": partial, "pooled": _pooled(args),
+              "interleave": args.interleave, "rounds": _rounds(args),
               "results": [r.as_dict(base, greedy=args.temperature == 0) for r in results],
               "failed": [{"config": c, "error": e} for c, e in errors]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@
 #   PART=b1b    all 80 questions, batch 1: autoregressive, mtp and medusa chain vs best tree
 #   PART=quick  batch 1, PPC (3) questions per category: autoregressive, and per METHODS (eagle3 medusa)
 #               chain k=4 against its trees (MEDUSA_TREE too): a short run measuring one change
-#   PART=b16    all 80 questions at once, batch 16 (bench offline pools the categories above batch 1
+#   PART=b16    (INTERLEAVE=1: every engine loaded, the pooled batch through each in turn, ROUNDS times)
+#               all 80 questions at once, batch 16 (bench offline pools the categories above batch 1
 #               since 2026-12-02: before, each category ran alone, 5-10 sequences at most): every
 #               config above, with the step profile
 # (if the sweep of all four methods would not fit one call: METHODS="eagle eagle3" TAG=_a, then
@@ -149,6 +150,9 @@ b16)
     b=$(trees $m | head -1)
     ARGS+=(--method "$(chain $m)" --method "$b" --method "$(auto "$b")"); done
   AG=(); [ "${AGAIN:-1}" = 1 ] && AG=(--baseline-again)
+  # INTERLEAVE=1: every engine loaded at once, the pooled batch through each in turn, ROUNDS (3)
+  # times, each config's median round (a one-after-the-other run carried 15-30% on 2026-12-04)
+  [ "${INTERLEAVE:-0}" = 1 ] && AG+=(--interleave --rounds ${ROUNDS:-3})
   run --batch-size 16 --prompts-per-category ${PPC:-10} --profile "${AG[@]}" "${ARGS[@]}" --json $OUT/trees_b16.json ;;
 *) echo "unknown PART=$PART (tests, quick, sweep, b1, b1a, b1b, b16)"; exit 2 ;;
 esac
