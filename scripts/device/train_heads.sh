@@ -69,9 +69,12 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # shape; with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (their blocks, then identity ones)
 # medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced);
 # with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (a zero token map: they start as those)
+# eagle3tail: EAGLE-3 drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary);
+# with INIT_FROM_SHIPPED=1 grown from the shipped eagle3 head (METHODS="eagle3 eagle3tail": the tail's effect
+# on the same data and time)
 for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
          "draft=draft $SHAPE ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
-         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input"; do
+         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
   INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)

@@ -10,7 +10,10 @@ EAGLE-3: ``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``, op
 ``target_hidden_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``; weights
 ``fc.weight`` [H, 3H], ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}``,
 ``midlayer.self_attn.*`` (q/k/v over 2H), ``midlayer.mlp.*``, ``norm.weight``,
-``lm_head.weight`` [Vd, H], ``d2t`` [Vd] and ``t2d`` [V].
+``lm_head.weight`` [Vd, H], ``d2t`` [Vd] and ``t2d`` [V]. speculum's
+``"speculum_target_tail": true`` (``speculum train eagle3 --draft-tail``) drafts the tokens
+outside the draft vocabulary through the target's LM head, after ``tail_map.weight`` [H, H]
+(the only extra tensor; a reader that skips it has a plain EAGLE-3 checkpoint of ``Vd`` rows).
 
 Aux layer ids follow vLLM: id ``i`` is the *input* of target layer ``i`` (the output
 of layer ``i - 1``); the default is ``(2, L // 2, L - 3)`` for a target of ``L`` layers.
@@ -183,21 +186,31 @@ def load_eagle3(path: Path, target: TargetParts, aux_ids: Sequence[int] | None =
         head.set_vocab(torch.arange(draft_vocab))
     else:
         raise ConfigError(f"{where}: draft vocabulary {draft_vocab} != target's {target.vocab_size} and no d2t map")
+    if cfg.get("speculum_target_tail"):
+        if "tail_map.weight" not in sd:
+            raise ConfigError(f"{where}: config.json says speculum_target_tail but the weights lack 'tail_map.weight'")
+        head.use_target_tail(target.lm_head)
+        copy_weight(head.tail_map.weight, sd["tail_map.weight"], "tail_map.weight", where)
     return head
 
 
 def eagle3_config(head: Eagle3Head, meta: dict | None = None) -> dict:
     a = head.arch
-    return _llama_config(a, EAGLE3_ARCH, 1, meta, draft_vocab_size=int(head.lm_head.weight.shape[0]),
-                         target_hidden_size=head.fc.weight.shape[1] // len(head.feature_layers), hidden_act="silu",
-                         attention_bias=a.qkv_bias, tie_word_embeddings=False,
-                         eagle_config={"eagle_aux_hidden_state_layer_ids": layers_to_aux_ids(head.feature_layers)})
+    cfg = _llama_config(a, EAGLE3_ARCH, 1, meta, draft_vocab_size=int(head.lm_head.weight.shape[0]),
+                        target_hidden_size=head.fc.weight.shape[1] // len(head.feature_layers), hidden_act="silu",
+                        attention_bias=a.qkv_bias, tie_word_embeddings=False,
+                        eagle_config={"eagle_aux_hidden_state_layer_ids": layers_to_aux_ids(head.feature_layers)})
+    if head.tail is not None:
+        cfg["speculum_target_tail"] = True
+    return cfg
 
 
 def eagle3_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
     sd = {"fc.weight": head.fc.weight.detach(), "norm.weight": head.norm.weight.detach(),
           "lm_head.weight": head.lm_head.weight.detach(), "d2t": head.d2t.clone(), "t2d": head.t2d.clone(),
           "midlayer.hidden_norm.weight": head.hidden_norm.weight.detach()}
+    if head.tail is not None:
+        sd["tail_map.weight"] = head.tail_map.weight.detach()
     sd.update(layer_state(head.layer, "midlayer."))
     return sd
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from speculum.backends.torch.heads import arch_from_config
+from speculum.errors import ConfigError
 from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, loss_vocab
 from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, load_eagle1, load_eagle3, save_eagle1, save_eagle3
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -93,6 +94,10 @@ class Eagle3Trainer(Trainer):
     def add_arguments(self, p) -> None:
         _common(p)
         p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+        p.add_argument("--draft-tail", action="store_true",
+                       help="draft every target token: the draft vocabulary through the head's own LM head, every "
+                            "other token through the target's (shared, not stored; the loss then covers the whole "
+                            "vocabulary). A head trained without it grows one (--init-from)")
         p.set_defaults(loss_vocab=0)  # the draft vocabulary is the loss vocabulary
         p.add_argument("--aux-layers", default=None,
                        help="comma separated aux layer ids (inputs of target layers, as vLLM); default 2,L/2,L-3")
@@ -121,16 +126,27 @@ class Eagle3Trainer(Trainer):
             if norm is not None:
                 head.norm.weight.copy_(norm)
         _init_layer(head.layer, target, state, args.init_layer)
+        if args.draft_tail:
+            head.use_target_tail(target.lm_head)
         return head
 
     def loss(self, head, batch, target, args):
-        # the target's distribution over the draft vocabulary; validation compares with its
-        # argmax over the whole vocabulary (a token outside the draft vocabulary is a miss)
-        return chain_loss(head, batch, target, args, head.draft_to_target, head.draft_logits)
+        # the target's distribution over the draft vocabulary (all of it with the target's
+        # tail); validation compares with its argmax over the whole vocabulary (a token outside
+        # the draft vocabulary is a miss)
+        return chain_loss(head, batch, target, args, None if head.tail is not None else head.draft_to_target,
+                          head.draft_logits)
 
     def export(self, head, out, target, args, meta):
         save_eagle3(head, out, meta=meta, dtype=DTYPES[args.save_dtype])
 
     def load(self, path, target, args):
         ids = [int(x) for x in args.aux_layers.split(",")] if getattr(args, "aux_layers", None) else None
-        return load_eagle3(path, target, ids)
+        head = load_eagle3(path, target, ids)
+        if head.tail is not None and not args.draft_tail:
+            raise ConfigError(f"{path} drafts every token through the target's LM head (speculum_target_tail); "
+                              "continue it with --draft-tail (without it that part would be dropped)")
+        if head.tail is None and args.draft_tail:  # grown: the map fitted to the head's own rows
+            head.use_target_tail(target.lm_head)
+            head.fit_tail_map()
+        return head

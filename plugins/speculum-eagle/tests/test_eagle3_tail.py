@@ -1,0 +1,148 @@
+"""EAGLE-3 heads that draft every target token (``speculum train eagle3 --draft-tail``): the
+draft vocabulary through the head's own LM head, every other token through the target's.
+A reduced draft vocabulary can never draft a token outside it (on the H200's answers to the
+training prompts 5.7% of the tokens are outside the shipped head's 8,192): the tail lifts
+that cap without storing more rows. Tiny models, CPU, fp32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speculum import LLM, SamplingParams
+from speculum.backends.torch.heads import TargetParts, arch_from_config, init_layer
+from speculum.errors import ConfigError
+from speculum.proposers.head_checkpoint import read_weights
+from speculum.testing import (TREE_CONFIGS, assert_static_draft_matches_eager, assert_tree_greedy_lossless,
+                              record_drafts, tiny_model_dir, train_tiny)
+from speculum_eagle.formats import eagle3_state, load_eagle3, save_eagle3
+from speculum_eagle.model import Eagle3Head
+
+PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0, num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def parts(target):
+    return TargetParts.from_checkpoint(target)
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    """A head trained with the tail from the start, and one trained without it (the
+    shipped kind), both on a draft vocabulary of 64 of the target's 512 tokens."""
+    work = tmp_path_factory.mktemp("train")
+    return {"tail": train_tiny("eagle3", target, work / "tail", extra=("--draft-vocab", "64", "--draft-tail")),
+            "plain": train_tiny("eagle3", target, work / "plain", extra=("--draft-vocab", "64"))}
+
+
+def make_llm(target, spec=None, **kw) -> LLM:
+    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
+
+
+def test_logits_cover_every_token_and_the_checkpoint_stays_eagle3(parts, tmp_path):
+    """The head's own rows give the draft vocabulary's logits, the target's LM head every
+    other token's; saved, the weights are a plain EAGLE-3 checkpoint of the draft vocabulary
+    (no target rows), with ``speculum_target_tail`` in config.json."""
+    torch.manual_seed(0)
+    head = Eagle3Head(arch_from_config(parts.config, num_layers=1), parts.embed, parts.hidden_size, 200, (1, 1, 0))
+    init_layer(head.layer, 0.1)
+    for p in (head.fc.weight, head.lm_head.weight, head.norm.weight, head.hidden_norm.weight):
+        torch.nn.init.normal_(p, std=0.1)
+    head.set_vocab(torch.arange(0, 400, 2))
+    plain_state = {k: v.clone() for k, v in eagle3_state(head).items()}
+    head.use_target_tail(parts.lm_head)
+    out = torch.randn(3, 64)
+    logits = head.logits(out)
+    x = head.norm(out)
+    assert logits.shape == (3, 512) and torch.isfinite(logits).all()
+    assert torch.allclose(logits[:, :400:2], head.lm_head(x), atol=1e-6)
+    rest = torch.ones(512, dtype=torch.bool)
+    rest[:400:2] = False
+    assert torch.allclose(logits[:, rest], F.linear(x, parts.lm_head.float())[:, rest], atol=1e-6)
+    assert torch.equal(head.greedy(out), logits.argmax(-1))
+    save_eagle3(head, tmp_path / "e3")
+    assert json.loads((tmp_path / "e3" / "config.json").read_text())["speculum_target_tail"] is True
+    sd = read_weights(tmp_path / "e3")
+    assert set(sd) == set(plain_state) | {"tail_map.weight"} and sd["lm_head.weight"].shape == (200, 64)
+    loaded = load_eagle3(tmp_path / "e3", parts)
+    assert loaded.tail is parts.lm_head
+    assert torch.allclose(loaded.logits(out), logits, atol=1e-6)
+    del sd["tail_map.weight"]  # the flag without the map: a clear error
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "e3" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="tail_map"):
+        load_eagle3(tmp_path / "e3", parts)
+
+
+def test_the_fitted_map_reads_the_head_rows_out_of_the_target_rows(parts):
+    """A head whose own rows are the target's rows through some map A (as a head that drifted
+    from its initialisation, linearly): fit_tail_map recovers A, and every token, inside the
+    draft vocabulary or not, is scored as that head would score it."""
+    torch.manual_seed(1)
+    head = Eagle3Head(arch_from_config(parts.config, num_layers=1), parts.embed, parts.hidden_size, 200, (1, 1, 0))
+    head.set_vocab(torch.arange(0, 400, 2))
+    a = torch.eye(64) + 0.3 * torch.randn(64, 64)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(parts.lm_head.float()[head.own_ids] @ a)
+    head.use_target_tail(parts.lm_head)
+    head.fit_tail_map(ridge=0.0)
+    assert torch.allclose(head.tail_map.weight, a, atol=1e-3)
+    x = torch.randn(5, 64)
+    want = x @ (parts.lm_head.float() @ a).T  # the rows A would give every token
+    assert torch.allclose(head.draft_logits(x), F.linear(head.norm(x), parts.lm_head.float() @ a), atol=1e-3)
+    assert want.shape == (5, 512)
+
+
+def test_a_head_with_the_tail_drafts_tokens_outside_its_vocabulary_losslessly(target, heads):
+    """Greedy output identical to no speculation (chains and a tree), and some accepted
+    drafts are tokens the draft vocabulary lacks."""
+    spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3}
+    base = make_llm(target, max_num_seqs=4).generate(PROMPTS, GREEDY)
+    llm = make_llm(target, spec, max_num_seqs=2)
+    drafts = record_drafts(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    own = set(llm.proposer.head.own_ids.tolist())
+    drafted = {t for _, live in drafts for t in live.flatten().tolist() if t >= 0}
+    assert drafted - own, "no draft outside the draft vocabulary"
+    assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+    assert_tree_greedy_lossless(lambda s=None, **kw: make_llm(target, s, **kw),
+                                {"method": "eagle3", "model": str(heads["tail"]), **TREE_CONFIGS["dynamic"]},
+                                PROMPTS, GREEDY)
+
+
+def test_static_draft_function_drafts_like_the_eager_loop(target, heads):
+    assert_static_draft_matches_eager(lambda spec: make_llm(target, spec, max_num_seqs=4),
+                                      {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3},
+                                      PROMPTS, GREEDY)
+
+
+def test_a_head_grows_the_tail_and_keeps_it(target, heads, tmp_path, capsys):
+    """--init-from a head without the tail plus --draft-tail: at a learning rate of 0 its
+    weights come back unchanged and config.json gains the flag. A head with the tail
+    continued without --draft-tail is refused, not silently cut back to its vocabulary."""
+    out = train_tiny("eagle3", target, tmp_path / "grow", steps=2, num_prompts=16, max_tokens=16,
+                     extra=("--draft-vocab", "64", "--draft-tail", "--init-from", str(heads["plain"]), "--lr", "0",
+                            "--save-dtype", "bfloat16"))
+    before, after = read_weights(heads["plain"]), read_weights(out)
+    assert set(after) == set(before) | {"tail_map.weight"}
+    for name, w in before.items():
+        assert torch.equal(w, after[name]), name
+    assert json.loads((out / "config.json").read_text())["speculum_target_tail"] is True
+    grown = load_eagle3(out, TargetParts.from_checkpoint(target))
+    assert not torch.allclose(grown.tail_map.weight.float(), torch.eye(64), atol=0.05)  # fitted, not the identity
+    with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
+        train_tiny("eagle3", target, tmp_path / "cut", steps=1, num_prompts=16, max_tokens=16,
+                   extra=("--draft-vocab", "64", "--init-from", str(heads["tail"])))
+    assert "continue it with --draft-tail" in capsys.readouterr().err
