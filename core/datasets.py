@@ -32,7 +32,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise RequestError(f"prompt file {path} not found; give an existing JSONL file")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # lines end at "\n" only: str.splitlines() also splits at U+0085, U+2028 and other
+    # separators that JSON strings may hold raw (the shipped training prompts have one)
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -567,3 +567,14 @@ def test_rounds_are_for_pooled_runs_in_turns():
                 args(per_category_batches=True, rounds=2)):
         with pytest.raises(SystemExit, match="--rounds"):
             _rounds(bad)
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold U+0085 or U+2028 raw (line 532 of the shipped training prompts
+    does); str.splitlines() would cut such a row in two and call the file broken."""
+    from speculum.datasets import TRAIN_PROMPTS, data_path, read_jsonl
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a\u0085b"}\r\n{"prompt": "c\u2028d"}\n\n', encoding="utf-8")
+    assert [r["prompt"] for r in read_jsonl(f)] == ["a\u0085b", "c\u2028d"]
+    assert len(read_jsonl(data_path(TRAIN_PROMPTS))) == 4728
