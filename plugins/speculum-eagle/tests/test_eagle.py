@@ -34,17 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    # 4 layers: EAGLE-3's default aux layers (2, L//2, L-3) exist and avoid the last one
-    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0, num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def parts(target):
-    return TargetParts.from_checkpoint(target)
-
-
-@pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
     work = tmp_path_factory.mktemp("train")
     return {"eagle": train_tiny("eagle", target, work), "eagle3": train_tiny("eagle3", target, work,

@@ -17,7 +17,7 @@ from speculum.backends.torch.heads import TargetParts, arch_from_config, init_la
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_weights
 from speculum.testing import (TREE_CONFIGS, assert_static_draft_matches_eager, assert_tree_greedy_lossless,
-                              record_drafts, tiny_model_dir, train_tiny)
+                              record_drafts, train_tiny)
 from speculum_eagle.formats import eagle3_state, load_eagle3, save_eagle3
 from speculum_eagle.model import Eagle3Head
 
@@ -25,16 +25,6 @@ PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 3
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0, num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def parts(target):
-    return TargetParts.from_checkpoint(target)
 
 
 @pytest.fixture(scope="module")
