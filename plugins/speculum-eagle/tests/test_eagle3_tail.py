@@ -136,3 +136,24 @@ def test_a_head_grows_the_tail_and_keeps_it(target, heads, tmp_path, capsys):
         train_tiny("eagle3", target, tmp_path / "cut", steps=1, num_prompts=16, max_tokens=16,
                    extra=("--draft-vocab", "64", "--init-from", str(heads["tail"])))
     assert "continue it with --draft-tail" in capsys.readouterr().err
+
+
+def test_sampled_drafts_carry_mass_beyond_the_draft_vocabulary(target, heads):
+    """Sampled requests draft from the head's processed distribution over every token (the
+    rejection sampler then keeps the target's law): the probabilities sum to one and put
+    mass outside the draft vocabulary, where a head without the tail puts none."""
+    llm = make_llm(target, {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3})
+    seen = []
+    inner = llm.proposer.propose
+    llm.proposer.propose = lambda b: seen.append(inner(b)) or seen[-1]
+    outs = llm.generate(PROMPTS[1:3], SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    own = torch.zeros(512, dtype=torch.bool)
+    own[llm.proposer.head.own_ids] = True
+    outside = 0.0
+    for d in seen:
+        rows = d.token_ids[:, 0] >= 0
+        p = d.probs[rows]
+        assert torch.allclose(p.sum(-1), torch.ones(p.shape[:2]), atol=1e-5)
+        outside += float(p[..., ~own].sum())
+    assert outside > 0
