@@ -319,31 +319,47 @@ def _runs(configs, baseline_again: bool) -> list[tuple[dict | None, bool]]:
     return [(None, False)] + [(c, False) for c in configs if c is not None] + ([(None, True)] if baseline_again else [])
 
 
-def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
-                         baseline_again: bool = False, measured=None) -> list[MethodResult]:
-    engines = []  # (config, engine, name, counters before)
+def _start_all(configs, groups, params, make_llm, warmup_tokens, errors, baseline_again: bool,
+               pooled: bool = False) -> list[tuple]:
+    """Every config's engine loaded and warmed at once (the comparisons in turns): (config,
+    engine, name) in run order; a config that fails to start is skipped (:func:`_skip`)."""
+    engines = []
     for cfg, again in _runs(configs, baseline_again):
         try:
-            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, again=again)
+            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, pooled=pooled, again=again)
         except Exception as exc:
             _skip(cfg, exc, errors)
             continue
-        engines.append((cfg, llm, name, _counters(llm)))
-    outs: list[dict[str, GroupResult]] = [{} for _ in engines]
-    for cat, prompts in groups.items():
-        for (cfg, llm, name, _), out in zip(engines, outs):
-            if progress:
-                progress(f"{name}: {cat} ({len(prompts)} prompts)")
-            out[cat] = run_group(llm, prompts, params)
-    results = [_result(llm, name, cfg, out, before) for (cfg, llm, name, before), out in zip(engines, outs)]
-    if measured is not None:  # every timed figure exists now, before any (slow) after-work
+        engines.append((cfg, llm, name))
+    return engines
+
+
+def _hand_over(engines: list[tuple], results: list[MethodResult], measured, after) -> list[MethodResult]:
+    """Every timed figure to ``measured`` first, then each engine's ``after`` work (slow: a run
+    cut short during it keeps the figures); the engines go."""
+    if measured is not None:
         measured(results)
-    for (cfg, llm, name, before), result in zip(engines, results):
-        if after is not None:
+    if after is not None:
+        for (cfg, llm, name), result in zip(engines, results):
             after(llm, result)
     engines.clear()
     gc.collect()
     return results
+
+
+def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
+                         baseline_again: bool = False, measured=None) -> list[MethodResult]:
+    engines = _start_all(configs, groups, params, make_llm, warmup_tokens, errors, baseline_again)
+    befores = [_counters(llm) for _, llm, _ in engines]
+    outs: list[dict[str, GroupResult]] = [{} for _ in engines]
+    for cat, prompts in groups.items():
+        for (cfg, llm, name), out in zip(engines, outs):
+            if progress:
+                progress(f"{name}: {cat} ({len(prompts)} prompts)")
+            out[cat] = run_group(llm, prompts, params)
+    results = [_result(llm, name, cfg, out, before)
+               for (cfg, llm, name), out, before in zip(engines, outs, befores)]
+    return _hand_over(engines, results, measured, after)
 
 
 def _compare_pooled_in_turns(configs, groups, params, make_llm, warmup_tokens, progress, after, errors,
@@ -354,14 +370,7 @@ def _compare_pooled_in_turns(configs, groups, params, make_llm, warmup_tokens, p
     run of a few seconds per config, one config after the other, carried 15-30% between
     configs doing the same work (batch 16 on the H200, 2026-12-04): in turns, a slow minute
     hits every config, and the median drops a round that met one."""
-    engines = []  # (config, engine, name)
-    for cfg, again in _runs(configs, baseline_again):
-        try:
-            llm, name = _start(make_llm, cfg, groups, params, warmup_tokens, pooled=True, again=again)
-        except Exception as exc:
-            _skip(cfg, exc, errors)
-            continue
-        engines.append((cfg, llm, name))
+    engines = _start_all(configs, groups, params, make_llm, warmup_tokens, errors, baseline_again, pooled=True)
     runs: list[list[tuple]] = [[] for _ in engines]  # per engine, per round: (out, seconds, before, after)
     for r in range(rounds):
         for (cfg, llm, name), mine in zip(engines, runs):
@@ -376,14 +385,7 @@ def _compare_pooled_in_turns(configs, groups, params, make_llm, warmup_tokens, p
         res = _result(llm, name, cfg, out, before, seconds, now)
         res.extra["round_seconds"] = [x[1] for x in mine]
         results.append(res)
-    if measured is not None:
-        measured(results)
-    for (cfg, llm, name), result in zip(engines, results):
-        if after is not None:
-            after(llm, result)
-    engines.clear()
-    gc.collect()
-    return results
+    return _hand_over(engines, results, measured, after)
 
 
 def _num(x: float | None, spec: str) -> str:
