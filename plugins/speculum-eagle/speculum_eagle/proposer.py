@@ -27,9 +27,13 @@ def _ids(value):
 @attrs.frozen
 class Eagle3Options:
     """``aux_hidden_state_layer_ids``: target layers whose inputs are fused (vLLM's ids,
-    i.e. the outputs of layers ``id - 1``); None = the checkpoint's, else (2, L//2, L-3)."""
+    i.e. the outputs of layers ``id - 1``); None = the checkpoint's, else (2, L//2, L-3).
+    ``draft_tail``: with a head trained with ``--draft-tail``, False drafts from its own
+    draft vocabulary only (a cheaper draft step where the full-vocabulary product costs
+    more than the tokens outside gain, as on a CPU)."""
 
     aux_hidden_state_layer_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_ids)
+    draft_tail: bool = attrs.field(default=True, converter=bool)
 
 
 def _ready(head, target: TargetParts):
@@ -51,6 +55,9 @@ def make_eagle3(ctx) -> ChainHeadProposer:
     target = TargetParts.from_runner(ctx.target)
     opts = ctx.options or Eagle3Options()
     head = _ready(load_eagle3(path, target, opts.aux_hidden_state_layer_ids), target)
+    if not opts.draft_tail:
+        head.drop_tail()
+    head.fold_tail()
     log.info("EAGLE-3 head %s: features from target layers %s, draft vocabulary %d", path,
              head.feature_layers, head.lm_head.weight.shape[0])
     return ChainHeadProposer.for_head(ctx, head, head.feature_layers, name="eagle3")

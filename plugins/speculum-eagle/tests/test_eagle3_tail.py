@@ -100,6 +100,7 @@ def test_a_head_with_the_tail_drafts_tokens_outside_its_vocabulary_losslessly(ta
     spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3}
     base = make_llm(target, max_num_seqs=4).generate(PROMPTS, GREEDY)
     llm = make_llm(target, spec, max_num_seqs=2)
+    assert llm.proposer.head.folded is not None  # inference: one product a draft step
     drafts = record_drafts(llm)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
@@ -157,3 +158,40 @@ def test_sampled_drafts_carry_mass_beyond_the_draft_vocabulary(target, heads):
         assert torch.allclose(p.sum(-1), torch.ones(p.shape[:2]), atol=1e-5)
         outside += float(p[..., ~own].sum())
     assert outside > 0
+
+
+def test_the_folded_tail_scores_as_the_unfolded_one_and_training_drops_it(parts):
+    """fold_tail makes one [V, H] matrix of the map, the target's rows and the own rows: the
+    same logits as the three-part path; train() drops it (the weights are about to change)."""
+    torch.manual_seed(2)
+    head = Eagle3Head(arch_from_config(parts.config, num_layers=1), parts.embed, parts.hidden_size, 200, (1, 1, 0))
+    for p in (head.lm_head.weight, head.norm.weight):
+        torch.nn.init.normal_(p, std=0.1)
+    head.set_vocab(torch.arange(0, 400, 2))
+    head.use_target_tail(parts.lm_head)
+    with torch.no_grad():
+        head.tail_map.weight.add_(0.2 * torch.randn(64, 64))
+    x = torch.randn(4, 64)
+    unfolded = head.draft_logits(x)
+    head.eval().fold_tail()
+    assert head.folded is not None and head.folded.shape == (512, 64)
+    assert torch.allclose(head.draft_logits(x), unfolded, atol=1e-5)
+    assert torch.equal(head.greedy(x), unfolded.argmax(-1))
+    assert "folded" not in head.state_dict() and "tail_map.weight" in eagle3_state(head)
+    head.train()
+    assert head.folded is None
+
+
+def test_draft_tail_false_drafts_from_the_own_vocabulary_only(target, heads):
+    """``options.draft_tail: false`` reads a tail head as a plain EAGLE-3 head: every draft
+    inside its draft vocabulary, output still identical to no speculation."""
+    spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3,
+            "options": {"draft_tail": False}}
+    base = make_llm(target, max_num_seqs=4).generate(PROMPTS, GREEDY)
+    llm = make_llm(target, spec, max_num_seqs=2)
+    assert llm.proposer.head.tail is None and llm.proposer.head.folded is None
+    drafts = record_drafts(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]
+    own = set(llm.proposer.head.own_ids.tolist())
+    drafted = {t for _, live in drafts for t in live.flatten().tolist() if t >= 0}
+    assert drafted and drafted <= own
