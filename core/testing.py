@@ -189,14 +189,15 @@ def default_model_baseline(num_prompts: int, max_tokens: int) -> list:
 
 
 def assert_shipped_head_lossless(method: str, baseline: list, num_prompts: int, max_tokens: int, k: int = 4,
-                                 tree: dict | None = None):
+                                 tree: dict | None = None, options: dict | None = None):
     """Greedy output with ``method``'s shipped head on the default model (fp32, CPU) equals
     ``baseline`` (:func:`default_model_baseline`), and the head's drafts are accepted.
     ``tree``: tree keys of the speculative config (e.g. :data:`TREE_CONFIGS` entries)
-    instead of a chain of ``k``."""
+    instead of a chain of ``k``; ``options``: the method's options."""
     from speculum.engine import LLM
     from speculum.sampling import SamplingParams
-    spec = {"method": method, **(tree if tree is not None else {"num_speculative_tokens": k})}
+    spec = {"method": method, **(tree if tree is not None else {"num_speculative_tokens": k}),
+            **({"options": options} if options else {})}
     llm = LLM(speculative_config=spec, dtype="float32", device="cpu", max_num_seqs=num_prompts)
     outs = llm.generate(mt_bench_chat_prompts(num_prompts),
                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

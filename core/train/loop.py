@@ -148,6 +148,22 @@ def start_from(module, loaded, where: str) -> None:
     log.info("starting from %s", where)
 
 
+def lineage(init_from: str | Path | None) -> list[dict]:
+    """What the head ``--init-from`` names was trained with, then what it grew from, newest
+    first (from its config.json's ``speculum.training``): a continued head records its whole
+    recipe. Empty without one, or for a checkpoint made elsewhere."""
+    if not init_from:
+        return []
+    try:
+        t = json.loads((Path(init_from) / "config.json").read_text()).get("speculum", {}).get("training") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not t:
+        return []
+    keep = ("command", "device", "steps", "train_seconds", "expected_acceptance_length", "eval_first_turns")
+    return [{k: t[k] for k in keep if k in t}, *t.get("grown_from", [])]
+
+
 class BestWeights:
     """``--keep-best``: a host copy of the module's weights at its best validated step (by
     expected acceptance length on the validation split; a tie goes to the later, more
@@ -433,6 +449,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
                                                                  "sequences", "tokens", "sequences_per_kind",
                                                                  "answer_tokens_per_kind", "dropped_overlaps")
                                   if k in report["data"]}}}
+    if grown := lineage(getattr(args, "init_from", None)):
+        meta["training"]["grown_from"] = grown
     trainer.export(module, out, target, args, meta)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     normalize_modes(out)

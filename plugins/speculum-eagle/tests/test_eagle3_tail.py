@@ -26,6 +26,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+#: on a CPU the tail is off unless asked for (options.draft_tail; the default is a GPU only)
+TAIL = {"options": {"draft_tail": True}}
+
 
 @pytest.fixture(scope="module")
 def heads(target, tmp_path_factory):
@@ -97,7 +100,7 @@ def test_the_fitted_map_reads_the_head_rows_out_of_the_target_rows(parts):
 def test_a_head_with_the_tail_drafts_tokens_outside_its_vocabulary_losslessly(target, heads):
     """Greedy output identical to no speculation (chains and a tree), and some accepted
     drafts are tokens the draft vocabulary lacks."""
-    spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3, **TAIL}
     base = make_llm(target, max_num_seqs=4).generate(PROMPTS, GREEDY)
     llm = make_llm(target, spec, max_num_seqs=2)
     assert llm.proposer.head.folded is not None  # inference: one product a draft step
@@ -109,13 +112,13 @@ def test_a_head_with_the_tail_drafts_tokens_outside_its_vocabulary_losslessly(ta
     assert drafted - own, "no draft outside the draft vocabulary"
     assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
     assert_tree_greedy_lossless(lambda s=None, **kw: make_llm(target, s, **kw),
-                                {"method": "eagle3", "model": str(heads["tail"]), **TREE_CONFIGS["dynamic"]},
+                                {"method": "eagle3", "model": str(heads["tail"]), **TREE_CONFIGS["dynamic"], **TAIL},
                                 PROMPTS, GREEDY)
 
 
 def test_static_draft_function_drafts_like_the_eager_loop(target, heads):
     assert_static_draft_matches_eager(lambda spec: make_llm(target, spec, max_num_seqs=4),
-                                      {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3},
+                                      {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3, **TAIL},
                                       PROMPTS, GREEDY)
 
 
@@ -130,7 +133,11 @@ def test_a_head_grows_the_tail_and_keeps_it(target, heads, tmp_path, capsys):
     assert set(after) == set(before) | {"tail_map.weight"}
     for name, w in before.items():
         assert torch.equal(w, after[name]), name
-    assert json.loads((out / "config.json").read_text())["speculum_target_tail"] is True
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculum_target_tail"] is True
+    parent = json.loads((heads["plain"] / "config.json").read_text())["speculum"]["training"]
+    assert cfg["speculum"]["training"]["grown_from"] == [  # the recipe it continued, recorded
+        {k: parent[k] for k in ("command", "device", "steps", "train_seconds", "expected_acceptance_length")}]
     grown = load_eagle3(out, TargetParts.from_checkpoint(target))
     assert not torch.allclose(grown.tail_map.weight.float(), torch.eye(64), atol=0.05)  # fitted, not the identity
     with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
@@ -143,7 +150,7 @@ def test_sampled_drafts_carry_mass_beyond_the_draft_vocabulary(target, heads):
     """Sampled requests draft from the head's processed distribution over every token (the
     rejection sampler then keeps the target's law): the probabilities sum to one and put
     mass outside the draft vocabulary, where a head without the tail puts none."""
-    llm = make_llm(target, {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3})
+    llm = make_llm(target, {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3, **TAIL})
     seen = []
     inner = llm.proposer.propose
     llm.proposer.propose = lambda b: seen.append(inner(b)) or seen[-1]
@@ -182,11 +189,11 @@ def test_the_folded_tail_scores_as_the_unfolded_one_and_training_drops_it(parts)
     assert head.folded is None
 
 
-def test_draft_tail_false_drafts_from_the_own_vocabulary_only(target, heads):
-    """``options.draft_tail: false`` reads a tail head as a plain EAGLE-3 head: every draft
-    inside its draft vocabulary, output still identical to no speculation."""
-    spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3,
-            "options": {"draft_tail": False}}
+@pytest.mark.parametrize("options", [{"draft_tail": False}, {}], ids=["off", "default-on-cpu"])
+def test_without_the_tail_it_drafts_from_the_own_vocabulary_only(target, heads, options):
+    """``options.draft_tail: false``, and the default on a CPU, read a tail head as a plain
+    EAGLE-3 head: every draft inside its draft vocabulary, output identical to no speculation."""
+    spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3, "options": options}
     base = make_llm(target, max_num_seqs=4).generate(PROMPTS, GREEDY)
     llm = make_llm(target, spec, max_num_seqs=2)
     assert llm.proposer.head.tail is None and llm.proposer.head.folded is None
@@ -195,3 +202,12 @@ def test_draft_tail_false_drafts_from_the_own_vocabulary_only(target, heads):
     own = set(llm.proposer.head.own_ids.tolist())
     drafted = {t for _, live in drafts for t in live.flatten().tolist() if t >= 0}
     assert drafted and drafted <= own
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the default is a GPU only)")
+def test_on_a_gpu_the_tail_is_on_by_default_and_folded(target, heads):
+    spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3}
+    base = LLM(str(target), device="cuda", dtype="float32", kv_cache_memory=16 << 20).generate(PROMPTS, GREEDY)
+    llm = LLM(str(target), spec, device="cuda", dtype="float32", kv_cache_memory=16 << 20)
+    assert llm.proposer.head.tail is not None and llm.proposer.head.folded is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]

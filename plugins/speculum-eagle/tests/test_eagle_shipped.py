@@ -38,3 +38,11 @@ def test_shipped_head_trees_are_lossless_on_the_default_model(baseline, method):
     """A dynamic EAGLE-2 tree (top-4, depth 4, 16 tokens verified) with the shipped head."""
     assert_shipped_head_lossless(method, baseline, NUM_PROMPTS, MAX_TOKENS,
                                  tree={"tree_topk": 4, "tree_depth": 4, "num_draft_tokens": 16})
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 4, "tree_depth": 4, "num_draft_tokens": 16}], ids=["chain", "tree"])
+def test_shipped_eagle3_head_drafting_every_token_is_lossless(baseline, tree):
+    """The shipped EAGLE-3 head carries the target's tail (``--draft-tail``), used by default
+    on a GPU only: asked for on the CPU it is lossless too."""
+    assert_shipped_head_lossless("eagle3", baseline, NUM_PROMPTS, MAX_TOKENS, tree=tree, options={"draft_tail": True})
