@@ -69,19 +69,21 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # shape; with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (their blocks, then identity ones)
 # medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced);
 # with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (a zero token map: they start as those)
-# eagle3tail: EAGLE-3 drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary);
-# with INIT_FROM_SHIPPED=1 grown from the shipped eagle3 head (METHODS="eagle3 eagle3tail": the tail's effect
-# on the same data and time)
-for m in "eagle=eagle" "eagle3=eagle3" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
+# eagle3: drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary), the kind
+# shipped since the twenty-fourth session; eagle3tail: the same (its earlier name, kept for old commands);
+# eagle3own: the draft vocabulary only (from scratch: a head with the tail cannot be continued without it)
+for m in "eagle=eagle" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
          "draft=draft $SHAPE ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
-         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail"; do
+         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail" \
+         "eagle3own=eagle3"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
   INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)
   if [ "${INIT_FROM_SHIPPED:-0}" = 1 ]; then
     base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
     for d in plugins/speculum-*/speculum_*/heads/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
-    [ -n "$INIT" ] || echo "$n: no shipped head carried: trained from scratch"
+    [ "$n" = eagle3own ] && INIT=""
+    [ -n "$INIT" ] || echo "$n: no shipped head carried (or eagle3own): trained from scratch"
   fi
   speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
   PIDS+=($!)
