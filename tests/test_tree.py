@@ -347,6 +347,9 @@ def test_bench_labels_step_profile_and_report(tiny_llama, tmp_path, capsys):
         "eagle(tree4x5/16)"
     assert method_name({"method": "medusa", "speculative_token_tree": [[0], [1], [0, 0]]}) == "medusa(static3)"
     assert method_name({"method": "eagle", "num_speculative_tokens": 4}) == "eagle(k=4)"
+    # configs of one method with their own heads or options keep apart
+    assert method_name({"method": "eagle3", "num_speculative_tokens": 4, "model": "/tmp/tr/eagle3tail",
+                        "options": {"draft_tail": False}}) == "eagle3(k=4,eagle3tail,draft_tail=False)"
     # a tree and the same tree under "auto" (the batch-16 benchmark runs both): two names
     assert method_name({"method": "eagle", "tree_topk": 8, "tree_depth": 4, "num_draft_tokens": 32,
                         "num_speculative_tokens_per_batch_size": "auto"}) == "eagle(tree8x4/32,auto)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import attrs
@@ -111,6 +112,10 @@ def method_name(config: dict | None, resolved_method: str | None = None) -> str:
         how = f",n={lo if lo is not None else ''}-{hi if hi is not None else ''}{how}"
     if config.get("from_verdict") not in (None, "draft"):  # the default goes unnamed
         how += f",{config['from_verdict']}"
+    if config.get("model"):  # a head or draft model of one's own: columns of one method told apart
+        how += f",{Path(str(config['model'])).name}"
+    for key, value in sorted((config.get("options") or {}).items()):
+        how += f",{key}={value}"
     if tree is not None:
         return f"{method}({tree.label()}{how})"
     return f"{method}(k={config.get('num_speculative_tokens')}{how})"
@@ -397,19 +402,20 @@ def table(results: list[MethodResult], greedy: bool = True) -> str:
     base = results[0]
     rows = list(base.groups) + ["total"]
     head = f"{'category':<12}{'AR tok/s':>9}"
-    for r in results[1:]:
-        head += f" | {r.name[:24]:<24} {'tok/s':>7} {'x':>5} {'MAL':>5} {'same':>5}"
+    widths = [max(24, len(r.name)) for r in results[1:]]
+    for r, w in zip(results[1:], widths):
+        head += f" | {r.name:<{w}} {'tok/s':>7} {'x':>5} {'MAL':>5} {'same':>5}"
     lines = [head, "-" * len(head)]
     for c in rows:
         key = None if c == "total" else c
         b = base.total if key is None else base.groups[c]
         line = f"{c:<12}{_num(b.tokens_per_s, '.1f'):>9}"
-        for r in results[1:]:
+        for r, w in zip(results[1:], widths):
             g = r.total if key is None else r.groups[c]
             mal = g.metrics.mean_acceptance_length
             same, n = r.identical(base, key)
             ident = f"{same}/{n}" if greedy else "n/a"
-            line += (f" | {'':<24} {_num(g.tokens_per_s, '.1f'):>7} {_num(r.speedup(base, key), '.2f'):>5} "
+            line += (f" | {'':<{w}} {_num(g.tokens_per_s, '.1f'):>7} {_num(r.speedup(base, key), '.2f'):>5} "
                      f"{_num(mal, '.2f'):>5} {ident:>5}")
         lines.append(line)
     return "\n".join(lines)
