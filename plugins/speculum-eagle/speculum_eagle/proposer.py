@@ -36,7 +36,7 @@ class Eagle3Options:
     product of every draft step costing more than the tokens outside gain."""
 
     aux_hidden_state_layer_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_ids)
-    draft_tail: bool | None = attrs.field(default=None, converter=attrs.converters.optional(bool))
+    draft_tail: bool | None = None
 
 
 def _ready(head, target: TargetParts):
