@@ -4,7 +4,8 @@
 Along greedy answers of the target (to training prompts, never MT-bench) it runs the head over
 each answer's true features, as its catch-up does, and counts how often its first draft equals
 the target's next-but-one token: with the head's own vocabulary only, and with the tail grown
-(the map fitted to the head's rows, :meth:`Eagle3Head.fit_tail_map`). It also prints the share
+(the map fitted to the head's rows, :meth:`Eagle3Head.fit_tail_map`; a head trained with the
+tail, as the shipped one since the twenty-fourth session, is read both ways). It also prints the share
 of answer tokens outside the draft vocabulary (a first draft can never be right there).
 
     OMP_NUM_THREADS=1 python scripts/eagle3_tail_check.py [--head DIR] [--prompts 24] [--max-tokens 128]
@@ -72,6 +73,7 @@ def main() -> None:
     parts = TargetParts.from_runner(llm.loop.target)
     path = args.head or str(next(Path(HEADS).glob("eagle3-*")))
     head = load_eagle3(Path(path), parts).float().eval()
+    head.drop_tail()  # a head trained with the tail (the shipped one), read on its own vocabulary
     answers = answers_from_cache(args.answers, args.prompts, 1024) if args.answers else \
         answers_generated(llm, args.prompts, args.max_tokens, args.seed)
     own_ok = tail_ok = total = outside = 0
