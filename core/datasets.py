@@ -15,11 +15,17 @@ from pathlib import Path
 from speculum.errors import RequestError
 
 MT_BENCH = "mt_bench.jsonl"
+#: 40 prompts of five task types MT-bench lacks (translation, summarization, qa,
+#: math_reasoning, rag), written for speculum: a check that heads carry over; never trained on
+OTHER_TASKS = "other_tasks.jsonl"
+#: evaluation sets by name (``--eval-prompts``, ``bench offline --mt-bench``)
+EVAL_SETS = {"mt_bench": MT_BENCH, "other_tasks": OTHER_TASKS}
 TRAIN_PROMPTS = "train_prompts.jsonl"
 
 
 def data_path(name: str) -> Path:
-    """Path of a file shipped in ``speculum/data`` (``mt_bench.jsonl``, ``train_prompts.jsonl``)."""
+    """Path of a file shipped in ``speculum/data`` (``mt_bench.jsonl``, ``other_tasks.jsonl``,
+    ``train_prompts.jsonl``)."""
     path = Path(str(resources.files("speculum").joinpath("data", name)))
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the speculum package; reinstall speculum")
@@ -75,8 +81,9 @@ def per_category(rows: list[dict], per_category: int | None = None,
 
 
 def eval_set_path(name: str) -> str:
-    """``mt_bench`` (the shipped questions) or a JSONL path, as a path."""
-    return str(data_path(MT_BENCH)) if name == "mt_bench" else name
+    """A shipped evaluation set by name (:data:`EVAL_SETS`: ``mt_bench``, ``other_tasks``)
+    or a JSONL path, as a path."""
+    return str(data_path(EVAL_SETS[name])) if name in EVAL_SETS else name
 
 
 def train_prompts_path() -> Path:

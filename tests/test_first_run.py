@@ -41,6 +41,26 @@ def test_data_ships_inside_the_package():
     assert not mt & {json.loads(l)["prompt"] for l in data_path(TRAIN_PROMPTS).open()}, "MT-bench in training data"
 
 
+def test_other_task_types_ship_for_evaluation_and_stay_out_of_training():
+    """other_tasks.jsonl: 8 prompts for each of five task types MT-bench lacks, in MT-bench's
+    layout; none of them is close to a training prompt (the overlap check training applies to
+    evaluation sets finds none) nor to an MT-bench question."""
+    from speculum.datasets import eval_set_path
+    from speculum.train.mix import drop_overlaps, eval_texts, read_rows
+    rows = mt_bench(path=eval_set_path("other_tasks"))
+    cats = {}
+    for r in rows:
+        cats[r["category"]] = cats.get(r["category"], 0) + 1
+    assert cats == {"translation": 8, "summarization": 8, "qa": 8, "math_reasoning": 8, "rag": 8}
+    assert len({r["question_id"] for r in rows}) == 40
+    texts = eval_texts([eval_set_path("other_tasks")])
+    kept, dropped = drop_overlaps(read_rows(str(train_prompts_path())), texts)
+    assert dropped == 0 and len(kept) == 4728
+    _, dropped = drop_overlaps(read_rows(eval_set_path("mt_bench")), texts)
+    assert dropped == 0
+    assert drop_overlaps(read_rows(eval_set_path("other_tasks")), texts)[1] == 40  # the check does see them
+
+
 def _package_copy(dest: Path) -> Path:
     """A copy of the import package laid out as installed, with no shared/ anywhere above."""
     for pkg, src in LAYOUT.items():

@@ -142,7 +142,10 @@ def test_train_refuses_mt_bench_and_unknown_methods(tiny_llama, tmp_path, capsys
     bench = tmp_path / "mt_bench.jsonl"
     bench.write_text("")
     assert train(["eagle", "--model", str(tiny_llama), "--prompts", str(bench)]) == 2
-    assert "MT-bench is for evaluation only" in capsys.readouterr().err
+    assert "mt_bench is for evaluation only" in capsys.readouterr().err
+    from speculum.datasets import eval_set_path
+    assert train(["eagle", "--model", str(tiny_llama), "--data", eval_set_path("other_tasks")]) == 2
+    assert "other_tasks is for evaluation only" in capsys.readouterr().err
     assert train(["nonsense"]) == 2
     assert "no trainer for method 'nonsense'" in capsys.readouterr().err
     assert train([]) == 0

@@ -67,7 +67,9 @@ def add_parser(sub) -> None:
                    help="run autoregressive decoding once more after every config (a fresh engine, warmed the same "
                         "way): its ratio to the first run is this run's drift, the noise under every other ratio")
     p.add_argument("--mt-bench", default=None,
-                   help="MT-bench style JSONL (default: the 80 questions shipped with speculum)")
+                   help="MT-bench style JSONL, or a shipped set by name: mt_bench (the default: the 80 "
+                        "questions) or other_tasks (40 prompts of translation, summarization, qa, "
+                        "math_reasoning and rag: task types MT-bench lacks)")
     p.add_argument("--profile", action="store_true",
                    help="also time one step of each config split into draft, verify and host work (the first "
                         "question of each category, then more up to --batch-size; after the throughput run)")
@@ -76,9 +78,10 @@ def add_parser(sub) -> None:
 
 
 def _prompts(args) -> dict[str, list]:
-    from speculum.datasets import first_turn, mt_bench, per_category
+    from speculum.datasets import eval_set_path, first_turn, mt_bench, per_category
     wanted = set(args.categories.split(",")) if args.categories else None
-    groups = per_category(mt_bench(path=args.mt_bench), args.prompts_per_category, wanted)
+    path = eval_set_path(args.mt_bench) if args.mt_bench else None
+    groups = per_category(mt_bench(path=path), args.prompts_per_category, wanted)
     return {c: [[{"role": "user", "content": first_turn(r)}] for r in rows] for c, rows in groups.items()}
 
 

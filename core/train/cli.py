@@ -82,8 +82,8 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--val-max-seqs", type=int, default=64, help="at most this many validation sequences")
     g.add_argument("--eval-prompts", default=None, metavar="JSONL",
                    help="also report accuracy and acceptance length on the target's answers to these prompts "
-                        "(e.g. mt_bench: the shipped MT-bench questions; training prompts matching them are "
-                        "dropped). "
+                        "(e.g. mt_bench: the shipped MT-bench questions, or other_tasks: the shipped prompts "
+                        "of five other task types; training prompts matching them are dropped). "
                         "MT-bench is always kept out of training")
     g.add_argument("--eval-num-prompts", type=int, default=80, help="prompts of --eval-prompts used")
     g.add_argument("--eval-answer-tokens", type=int, default=256,
@@ -160,9 +160,9 @@ def cmd_train(args) -> int:
         from speculum.datasets import eval_set_path
         targs.eval_prompts = eval_set_path(targs.eval_prompts)
     for f in [targs.prompts, *targs.data]:
-        if "mt_bench" in Path(f).name:
-            raise ConfigError(f"{f}: MT-bench is for evaluation only; leave --prompts unset to train on the shipped "
-                              "training prompts (and add --data files of your own)")
+        if any(name in Path(f).name for name in ("mt_bench", "other_tasks")):
+            raise ConfigError(f"{f}: {Path(f).stem} is for evaluation only; leave --prompts unset to train on the "
+                              "shipped training prompts (and add --data files of your own)")
     targs.argv = ["train", args.method, *args.rest]
     # the distillation data (cached, shared) records the layers every installed method needs
     run(trainer, targs, all_trainers=[trainer] + [t.create() for n, t in found.items() if n != args.method])

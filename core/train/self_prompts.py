@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--min-chars", type=int, default=12, help="shorter requests are dropped")
     ap.add_argument("--seed", type=int, default=0, help="request i is sampled with seed SEED + i")
     ap.add_argument("--eval-prompts", action="append", default=None, metavar="NAME_OR_JSONL",
-                    help="evaluation sets no request may match (repeatable; default: mt_bench)")
+                    help="evaluation sets no request may match (repeatable; default: mt_bench and other_tasks)")
     ap.add_argument("--batch", type=int, default=512, help="requests sampled per generate call")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from speculum.engine import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.batch)
-    exclude = [eval_set_path(e) for e in (args.eval_prompts or ["mt_bench"])]
+    exclude = [eval_set_path(e) for e in (args.eval_prompts or ["mt_bench", "other_tasks"])]
     source = args.source or f"self/{llm.model_path.stem}"
     kept = write_prompts(llm, args.num, Path(args.out), args.temperature, args.top_p, args.max_tokens,
                          args.min_chars, args.seed, exclude, args.batch, source=source)
