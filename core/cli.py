@@ -344,8 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the prompts without speculation and with each method; table, speedups, identity")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable) (default: MT-bench questions)")
     g.add_argument("--mt-bench", default=None, metavar="JSONL",
-                   help="MT-bench style JSONL (question_id, category, turns) (default: the 80 questions "
-                        "shipped with speculum)")
+                   help="MT-bench style JSONL (question_id, category, turns), or a shipped set by name: "
+                        "mt_bench (the default: the 80 questions) or other_tasks (40 prompts of five other task "
+                        "types)")
     g.add_argument("--category", default=None, help="only this MT-bench category (default: all)")
     g.add_argument("--num-prompts", type=int, default=8,
                    help="MT-bench questions to run, taken round-robin over the categories")

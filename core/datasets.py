@@ -51,8 +51,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def mt_bench(n: int | None = None, path: str | Path | None = None) -> list[dict]:
-    """MT-bench questions ``{question_id, category, turns}`` (the shipped 80, or ``path``)."""
-    rows = read_jsonl(path or data_path(MT_BENCH))
+    """MT-bench questions ``{question_id, category, turns}``: the shipped 80, or ``path`` (a
+    JSONL file in that layout, or a shipped set by name: :data:`EVAL_SETS`)."""
+    rows = read_jsonl(eval_set_path(str(path)) if path else data_path(MT_BENCH))
     return rows[:n] if n else rows
 
 

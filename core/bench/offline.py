@@ -78,10 +78,9 @@ def add_parser(sub) -> None:
 
 
 def _prompts(args) -> dict[str, list]:
-    from speculum.datasets import eval_set_path, first_turn, mt_bench, per_category
+    from speculum.datasets import first_turn, mt_bench, per_category
     wanted = set(args.categories.split(",")) if args.categories else None
-    path = eval_set_path(args.mt_bench) if args.mt_bench else None
-    groups = per_category(mt_bench(path=path), args.prompts_per_category, wanted)
+    groups = per_category(mt_bench(path=args.mt_bench), args.prompts_per_category, wanted)
     return {c: [[{"role": "user", "content": first_turn(r)}] for r in rows] for c, rows in groups.items()}
 
 
