@@ -401,7 +401,8 @@ def table(results: list[MethodResult], greedy: bool = True) -> str:
     """Per group: baseline tokens/s, then per method tokens/s, speedup, MAL, identical."""
     base = results[0]
     rows = list(base.groups) + ["total"]
-    head = f"{'category':<12}{'AR tok/s':>9}"
+    cw = max(12, *(len(c) + 1 for c in rows))
+    head = f"{'category':<{cw}}{'AR tok/s':>9}"
     widths = [max(24, len(r.name)) for r in results[1:]]
     for r, w in zip(results[1:], widths):
         head += f" | {r.name:<{w}} {'tok/s':>7} {'x':>5} {'MAL':>5} {'same':>5}"
@@ -409,7 +410,7 @@ def table(results: list[MethodResult], greedy: bool = True) -> str:
     for c in rows:
         key = None if c == "total" else c
         b = base.total if key is None else base.groups[c]
-        line = f"{c:<12}{_num(b.tokens_per_s, '.1f'):>9}"
+        line = f"{c:<{cw}}{_num(b.tokens_per_s, '.1f'):>9}"
         for r, w in zip(results[1:], widths):
             g = r.total if key is None else r.groups[c]
             mal = g.metrics.mean_acceptance_length
