@@ -1,7 +1,8 @@
 # device call 3: CUDA tests of the heads, then MT-bench (all 80 questions by default), greedy,
 # 256 new tokens, bf16, batch 1, chain k=4: tokens/s and acceptance for autoregressive, ngram,
 # the heads and the trained draft model in one run. With HEADS=/tmp/tr the heads just trained
-# by train_heads.sh (the machine must have stayed warm), else the shipped ones.
+# by train_heads.sh (the machine must have stayed warm), else the shipped ones. SET=other_tasks: the
+# 40 prompts of five task types MT-bench lacks (8 per type: PPC=8 for all), JSON heads_speed_bf16_other_tasks.json
 . scripts/device/common.sh
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -q tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -2
 K=${K:-4}
@@ -11,5 +12,6 @@ METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$
          --method "$(m medusa)")
 D=${DRAFT:-/tmp/tr/draft}
 [ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E}")
+SET=${SET:-mt_bench}; SUFFIX=""; [ "$SET" = mt_bench ] || SUFFIX="_$SET"
 speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC:-10} --max-tokens 256 \
-  "${METHODS[@]}" --json $OUT/heads_speed_bf16.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -14
+  --mt-bench $SET "${METHODS[@]}" --json $OUT/heads_speed_bf16$SUFFIX.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -14
