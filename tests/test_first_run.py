@@ -47,11 +47,9 @@ def test_other_task_types_ship_for_evaluation_and_stay_out_of_training():
     evaluation sets finds none) nor to an MT-bench question."""
     from speculum.datasets import eval_set_path
     from speculum.train.mix import drop_overlaps, eval_texts, read_rows
+    from collections import Counter
     rows = mt_bench(path=eval_set_path("other_tasks"))
-    cats = {}
-    for r in rows:
-        cats[r["category"]] = cats.get(r["category"], 0) + 1
-    assert cats == {"translation": 8, "summarization": 8, "qa": 8, "math_reasoning": 8, "rag": 8}
+    assert Counter(r["category"] for r in rows) == {"translation": 8, "summarization": 8, "qa": 8, "math_reasoning": 8, "rag": 8}
     assert len({r["question_id"] for r in rows}) == 40 and mt_bench(path="other_tasks") == rows  # by name too
     texts = eval_texts([eval_set_path("other_tasks")])
     kept, dropped = drop_overlaps(read_rows(str(train_prompts_path())), texts)

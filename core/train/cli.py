@@ -156,11 +156,11 @@ def cmd_train(args) -> int:
     if not targs.prompts:
         from speculum.datasets import train_prompts_path
         targs.prompts = str(train_prompts_path())
+    from speculum.datasets import EVAL_SETS, eval_set_path
     if targs.eval_prompts:
-        from speculum.datasets import eval_set_path
         targs.eval_prompts = eval_set_path(targs.eval_prompts)
     for f in [targs.prompts, *targs.data]:
-        if any(name in Path(f).name for name in ("mt_bench", "other_tasks")):
+        if any(name in Path(f).name for name in EVAL_SETS):
             raise ConfigError(f"{f}: {Path(f).stem} is for evaluation only; leave --prompts unset to train on the "
                               "shipped training prompts (and add --data files of your own)")
     targs.argv = ["train", args.method, *args.rest]

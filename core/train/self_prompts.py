@@ -131,11 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--source", default=None, help="the rows' 'source' (default: self/<model name>)")
     args = ap.parse_args(argv)
-    from speculum.datasets import eval_set_path
+    from speculum.datasets import EVAL_SETS, eval_set_path
     from speculum.engine import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.batch)
-    exclude = [eval_set_path(e) for e in (args.eval_prompts or ["mt_bench", "other_tasks"])]
+    exclude = [eval_set_path(e) for e in (args.eval_prompts or EVAL_SETS)]
     source = args.source or f"self/{llm.model_path.stem}"
     kept = write_prompts(llm, args.num, Path(args.out), args.temperature, args.top_p, args.max_tokens,
                          args.min_chars, args.seed, exclude, args.batch, source=source)
