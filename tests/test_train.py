@@ -90,6 +90,27 @@ def test_data_rows_have_their_own_cache_and_reuse_the_prompts_answers(tiny_llama
     assert s_d3 == s_d and s_p3 == s_p
 
 
+def test_each_data_file_has_its_own_cache(tiny_llama, prompts, tmp_path):
+    """A --data file added to those answered before answers only its own rows: each file is a
+    cache of its own (before 2026-12-04 the files shared one keyed by the whole list, and the
+    H200's data call answered 7,000 rows to add 3,000). A file given twice is one part."""
+    from speculum.train.distill import ensure_parts, parts
+
+    base = spec(tiny_llama, prompts, 0)
+    a = token_prompts_file(tmp_path / "a.jsonl", n=5, seed=7)
+    b = token_prompts_file(tmp_path / "b.jsonl", n=4, seed=8)
+    first = ensure_parts(attrs.evolve(base, data=(str(a),)), tmp_path, device="cpu", shard_size=8)
+    stamp = {n: (first[0][0] / n).stat().st_mtime_ns for n in first[0][1]}
+    both = attrs.evolve(base, data=(str(b), str(a), str(a)))
+    assert [p.data for p in parts(both)] == [(str(b),), (str(a),), ()]
+    found = ensure_parts(both, tmp_path, device="cpu", shard_size=8, generate=False)
+    assert found[1] == first[0]  # a's answers found under b's addition, in another order
+    assert found[0][1] == []  # b: nothing without generating
+    found = ensure_parts(both, tmp_path, device="cpu", shard_size=8)
+    assert len(DistillData.load(found[0][0], shards=found[0][1])) == 4
+    assert {n: (first[0][0] / n).stat().st_mtime_ns for n in first[0][1]} == stamp  # a's not redone
+
+
 def test_generation_time_is_shared_between_data_rows_and_training_prompts(tmp_path, monkeypatch):
     """With a generation time limit the --data part may spend only its share (by rows) and
     the training prompts get the rest: answered first with the whole limit, 1,000 rows of
@@ -418,6 +439,53 @@ def test_imported_answers_are_found_by_training_on_another_machine(tiny_llama, p
     assert d2.name != d.name and shards2 == shards
     a, b = DistillData.load(d, shards=shards), DistillData.load(d2, shards=shards2)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets)
+
+
+def test_imported_answers_keep_their_key_when_a_data_file_lies_elsewhere(tiny_llama, prompts, tmp_path):
+    """A data call writes the target's own requests to /tmp/tr/... and answers them; the
+    training call imports the answers before that file exists there and names the same
+    requests by another path. The import keys them by the name and size recorded where they
+    were made, so training finds them. Before (H200, 2026-12-04) the missing file entered the
+    key by its path, the training call saw no answer to those rows, and trained on the rest
+    (the wrong variant: no recorded ids, the shards are not found)."""
+    from speculum.train.distill import main as distill_main
+    (tmp_path / "made").mkdir()
+    mine = token_prompts_file(tmp_path / "made" / "self_prompts.jsonl", n=6, seed=7)
+    sp = attrs.evolve(spec(tiny_llama, prompts, 0), data=(str(mine),))
+    d, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    assert json.loads((d / "meta.json").read_text())["files"][str(mine)] == ["self_prompts.jsonl", mine.stat().st_size]
+    assert distill_main(["export", str(d), str(tmp_path / "b")]) == 0
+    elsewhere = tmp_path / "kept" / "self_prompts.jsonl"
+    elsewhere.parent.mkdir()
+    mine.rename(elsewhere)  # gone from where it was made; the same file under another path
+    assert distill_main(["import", str(tmp_path / "b" / d.name), "--model", str(tiny_llama),
+                         "--cache-root", str(tmp_path / "c")]) == 0
+    sp2 = attrs.evolve(sp, data=(str(elsewhere),))
+    d2, shards2 = ensure_distill(sp2, tmp_path / "c", max_num_seqs=5, device="cpu", shard_size=8, generate=False)
+    assert shards2 == shards and len(DistillData.load(d2, shards=shards2)) == 6
+    # a folder a failed run left without meta.json: export skips it (train_heads.sh exports every folder)
+    (tmp_path / "a" / "empty").mkdir()
+    assert distill_main(["export", str(tmp_path / "a" / "empty"), str(tmp_path / "b")]) == 0
+
+
+def test_lineage_skips_a_continuation_that_kept_its_start(tmp_path):
+    """A head continued with --keep-best that exported step 0 has its parent's weights: a head
+    grown from it records the parent's history, not a run that changed nothing (2026-12-04:
+    a continuation on the training prompts alone kept step 0; the head shipped grew from it)."""
+    from speculum.train.loop import lineage
+
+    def head(name, training):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"speculum": {"training": training}}))
+        return d
+    first = {"command": "train a", "steps": 10}
+    kept0 = head("kept0", {"command": "train b", "steps": 5, "kept": {"step": 0}, "grown_from": [first]})
+    moved = head("moved", {"command": "train c", "steps": 5, "kept": {"step": 4}, "grown_from": [first]})
+    assert lineage(kept0) == [first]
+    assert lineage(moved) == [{"command": "train c", "steps": 5}, first]
+    assert lineage(head("scratch", {"command": "train d", "kept": {"step": 0}})) == [{"command": "train d"}]
+    assert lineage(None) == [] and lineage(tmp_path / "missing") == []
 
 
 def test_init_from_is_refused_where_a_method_cannot_load_its_checkpoints(tiny_llama, prompts, tmp_path, capsys):

@@ -148,6 +148,15 @@ def test_self_prompts_are_the_targets_own_finished_requests(chat_target, tmp_pat
     assert all(row.turns[0] and row.source == "self" for row in read_rows(out))
     report = json.loads((tmp_path / "self.jsonl.json").read_text())
     assert report["kept"] == r["kept"] and "command" in report and "prompts" not in report
+    # a second run with the same seed writes the same requests (the wrong variant: what happened
+    # on the H200, 2026-12-04); continued --after the first file, none of them again
+    again = sp.write_prompts(llm, 6, tmp_path / "again.jsonl", max_tokens=12, min_chars=2, batch=64, progress=False)
+    assert again.prompts == kept.prompts
+    known, seed = sp.after([str(out)])
+    assert known == kept.prompts and seed == report["seed"] + report["generated"]
+    more = sp.write_prompts(llm, 6, tmp_path / "more.jsonl", max_tokens=12, min_chars=2, batch=64, progress=False,
+                            seed=seed, known=known)
+    assert more.prompts and not set(map(sp.normalise, more.prompts)) & set(map(sp.normalise, kept.prompts))
     # the filters, on their own: unfinished, short, repeated (after normalising), evaluation prompts
     k = sp.Kept()
     bench = mt_bench_prompts()[0]["turns"][0]

@@ -30,13 +30,13 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import attrs
 import torch
 
 from speculum.train.generate import PromptIds, Shard, engine, prefill_features, stream_jobs
-from speculum.train.mix import DATA_BASE, KINDS, Row, drop_overlaps, eval_texts, order_rows, read_rows
+from speculum.train.mix import DATA_BASE, KINDS, Row, drop_overlaps, eval_texts, normalise, order_rows, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +79,36 @@ class DistillSpec:
         t = self.extra_temperature
         return tuple(float(x) for x in t) if isinstance(t, (tuple, list)) else (float(t),)
 
-    def key(self) -> str:
+    def key(self, file_ids: Mapping[str, list] | None = None) -> str:
         """Everything but ``num_prompts``: shards are a prefix-stable sequence, so a larger
         run extends a smaller one's cache and a smaller run reuses its first shards. Fields
-        added later enter the key only when they differ from their defaults."""
+        added later enter the key only when they differ from their defaults. A file enters
+        by name and size; one that does not exist here by ``file_ids[path]`` (what
+        :meth:`file_ids` recorded where the cache was made), else by its path."""
         defaults = {f.name: f.default for f in attrs.fields(type(self))}
         d = {k: v for k, v in attrs.asdict(self).items()
              if k != "num_prompts" and (k in _ALWAYS_KEYED or v != defaults[k])}
+        known = file_ids or {}
 
         def file_id(f: str):
             p = Path(f)
-            return [p.name, p.stat().st_size] if p.exists() else f
+            return [p.name, p.stat().st_size] if p.exists() else known.get(f, f)
         d["prompts"] = file_id(self.prompts)
         for k in ("data", "exclude"):
             if k in d:
                 d[k] = [file_id(f) for f in d[k]]
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    def file_ids(self) -> dict[str, list]:
+        """How each prompt, data and exclude file that exists here enters :meth:`key`
+        (name and size), by path: kept in ``meta.json`` so that answers imported where a
+        file lies elsewhere, or is not yet written, keep their key."""
+        out = {}
+        for f in (self.prompts, *self.data, *self.exclude):
+            p = Path(f)
+            if p.exists():
+                out[f] = [p.name, p.stat().st_size]
+        return out
 
 
 @attrs.define
@@ -139,10 +153,21 @@ def select_rows(spec: DistillSpec, ids: PromptIds) -> Selection:
     return Selection(out, d1 + d2, too_long)
 
 
-def cache_dir(spec: DistillSpec, root: Path | None = None) -> Path:
+def repeated_rows(rows: Sequence[Row]) -> int:
+    """How many of ``rows`` have the same user turns (normalised) as an earlier one."""
+    seen: set[tuple[str, ...]] = set()
+    n = 0
+    for r in rows:
+        key = tuple(normalise(t) for t in r.turns) if r.turns else ("ids",) + tuple(map(str, r.token_ids or ()))
+        n += key in seen
+        seen.add(key)
+    return n
+
+
+def cache_dir(spec: DistillSpec, root: Path | None = None, file_ids: Mapping[str, list] | None = None) -> Path:
     from speculum.model_source import cache_root
     root = Path(root) if root else cache_root() / "distill"
-    return root / f"{Path(spec.model).name}-{spec.key()}"
+    return root / f"{Path(spec.model).name}-{spec.key(file_ids)}"
 
 
 def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: int = 32, device: str = "auto",
@@ -163,6 +188,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {
         "spec": {k: v for k, v in attrs.asdict(spec).items() if k != "num_prompts"}, "shard_size": shard_size,
         "shards": [], "sizes": {}, "mix": {}}
+    meta.setdefault("files", spec.file_ids())  # the key's file ids, for import_answers elsewhere
     shard_size = meta["shard_size"]
     known = meta.get("selections", {}).get(str(spec.num_prompts))
 
@@ -219,13 +245,22 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
 
 
 def parts(spec: DistillSpec) -> list[DistillSpec]:
-    """The caches ``spec``'s data lives in: the ``data`` files' rows in one (answered
-    first), the prompt file's ``num_prompts`` in another, keyed without the ``data`` files.
-    So adding or changing ``--data`` reuses the answers to the training prompts already
-    made (a carried cache, an earlier run's) and answers only the new rows."""
+    """The caches ``spec``'s data lives in: each ``data`` file's rows in one of its own
+    (answered first, in the order given), the prompt file's ``num_prompts`` in another, keyed
+    without the ``data`` files. So adding a ``--data`` file, or giving them in another order,
+    reuses every answer already made (a carried cache, an earlier run's) and answers only the
+    new file's rows; a file given twice (by name and size) is one part, its answers read once.
+    (Until 2026-12-04 all data files shared one cache keyed by the whole list: a new file
+    meant answering every earlier one again.)"""
     if not spec.data:
         return [spec]
-    return [attrs.evolve(spec, num_prompts=0), attrs.evolve(spec, data=())]
+    out, keys = [], set()
+    for f in spec.data:
+        part = attrs.evolve(spec, num_prompts=0, data=(f,))
+        if part.key() not in keys:
+            keys.add(part.key())
+            out.append(part)
+    return out + [attrs.evolve(spec, data=())]
 
 
 def ensure_parts(spec: DistillSpec, root: Path | None = None, time_limit: float = 0, generate: bool = True,
@@ -235,12 +270,16 @@ def ensure_parts(spec: DistillSpec, root: Path | None = None, time_limit: float 
     the parts before it left unused; a part reached after the limit uses the shards
     finished before. Returns each part's (cache directory, finished shards).
 
-    Why shares: the ``data`` part is answered first, and on the H200 (2026-12-02) 1,000 rows
+    Why shares: the ``data`` parts are answered first, and on the H200 (2026-12-02) 1,000 rows
     of the target's own requests with their extra answers took the whole 160 s, so the
     4,728 training prompts got none and the head trained on a narrower mix accepted less
     (expected acceptance on MT-bench's answers 2.78 -> 2.70)."""
     t0, out = time.perf_counter(), []
     pieces = parts(spec)
+    rows = [r for part in pieces[:-1] if Path(part.data[0]).exists() for r in read_rows(part.data[0])]
+    if repeats := repeated_rows(rows):  # answered as given (a cache's rows must not move), but said
+        log.warning("self-distillation: %d rows of the --data files repeat an earlier row (the same user turns); "
+                    "`python -m speculum.train.self_prompts --after FILE` writes requests that are new", repeats)
     # each part's deadline: the shares so far, the last part up to the whole limit
     ends = [time_limit * x for x in itertools.accumulate(time_shares(pieces))][:-1] + [time_limit]
     for part, end in zip(pieces, ends):
@@ -345,12 +384,22 @@ def import_answers(src: Path, model: str, root: Path | None = None) -> Path:
             return str(data_path(Path(f).name))
         except FileNotFoundError:
             return f
+    recorded = meta.get("files", {})  # name and size of each file where the answers were made
+    ids = {}
+    for f in (spec["prompts"], *spec.get("data", []), *spec.get("exclude", [])):
+        if not Path(here(f)).exists():
+            if f in recorded:  # keyed as it was there: training finds it by any path with that name and size
+                ids[f] = recorded[f]
+            else:
+                log.warning("%s: %s does not exist here and its size was not recorded (answers exported "
+                            "before 2026-12-04): training finds these answers only if given that very path",
+                            src.name, f)
     spec["prompts"] = here(spec["prompts"])
     for k in ("data", "exclude"):
         spec[k] = [here(f) for f in spec.get(k, [])]
     fields = {f.name for f in attrs.fields(DistillSpec)}
     spec = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k in fields}
-    out = cache_dir(DistillSpec(**spec), root)
+    out = cache_dir(DistillSpec(**spec), root, ids)
     out.mkdir(parents=True, exist_ok=True)
     for name in meta["shards"]:
         if not (out / name).exists():
@@ -446,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "import":
         for src in args.src:
             print(f"imported {src} -> {import_answers(Path(src), args.model, args.cache_root)}")
+        return 0
+    if not (Path(args.src) / "meta.json").exists():  # a run that stopped before its first answer (a missing file)
+        print(f"{args.src}: no meta.json, no answers: skipped")
         return 0
     out = export_answers(Path(args.src), Path(args.dst))
     size = sum(f.stat().st_size for f in out.iterdir())

@@ -160,6 +160,9 @@ def lineage(init_from: str | Path | None) -> list[dict]:
         return []
     if not t:
         return []
+    if (t.get("kept") or {}).get("step") == 0 and t.get("grown_from"):
+        # --keep-best exported its start: the same weights as its own parent's, nothing to add
+        return list(t["grown_from"])
     keep = ("command", "device", "steps", "train_seconds", "expected_acceptance_length", "eval_first_turns")
     return [{k: t[k] for k in keep if k in t}, *t.get("grown_from", [])]
 

@@ -58,7 +58,9 @@ EXPLAIN = ("Give the answer, then explain your reasoning step by step.", "Answer
 FOLLOWUP_REQUEST = "Write a follow-up question I could ask you about your answer."
 FOLLOWUP_STARTS = ("Can you explain", "Why", "How", "What", "Could you give an example of", "Can you tell me more about",
                    "What if", "Is it", "What are the", "How would you")
-#: a data file's rows get group ids from ``DATA_BASE * (file number + 1)`` on
+#: a data file's rows get group ids from ``DATA_BASE * (file number + 1)`` on (each file has a
+#: cache of its own, so its number is 0: rows of two files may share a group, which only keeps
+#: them on one side of the train / validation split together)
 DATA_BASE = 10 ** 8
 #: characters of an answer kept in a follow-up question's context
 CONTEXT_CHARS = 2000

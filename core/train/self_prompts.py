@@ -15,6 +15,11 @@ at least ``--min-chars`` characters, each once (compared after
 :func:`speculum.train.mix.normalise`), none matching an evaluation set (MT-bench by
 default: the same check as the training data's). A JSON report beside the file counts
 what each filter dropped and records the command.
+
+``--after FILE`` (repeatable) continues earlier files instead of repeating them: their
+requests count as duplicates, and sampling starts past the seeds their reports used (request
+``i`` is sampled with seed ``SEED + i``, so a second run with the same seed writes the same
+requests: on the H200, 2026-12-04, 3,000 "new" requests were the last run's, byte for byte).
 """
 
 from __future__ import annotations
@@ -73,14 +78,17 @@ class Kept:
 
 def write_prompts(llm, num: int, out: Path, temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 128,
                   min_chars: int = 12, seed: int = 0, exclude: Sequence[str] = (), batch: int = 512,
-                  max_rounds: int = 50, source: str = "self", progress: bool = True) -> Kept:
+                  max_rounds: int = 50, source: str = "self", progress: bool = True,
+                  known: Iterable[str] = ()) -> Kept:
     """Sample requests from ``llm`` until ``num`` are kept (or ``max_rounds`` batches ran);
-    write them to ``out`` (JSONL) and the report to ``out`` + ``.json``."""
+    write them to ``out`` (JSONL) and the report to ``out`` + ``.json``. ``known``: requests
+    written before (an earlier file's): drawn again, they count as duplicates."""
     from speculum.sampling import SamplingParams
 
     prefix = llm.tokenizer.user_turn_prefix()
     texts = eval_texts(exclude)
     kept = Kept()
+    kept._seen.update(normalise(t) for t in known)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -111,6 +119,20 @@ def write_prompts(llm, num: int, out: Path, temperature: float = 1.0, top_p: flo
     return kept
 
 
+def after(files: Sequence[str]) -> tuple[list[str], int]:
+    """The requests of ``files`` (any prompt file: their first user turns) and the first seed
+    past those their reports used (0 when none has a report)."""
+    from speculum.train.mix import read_rows
+    known, seed = [], 0
+    for f in files:
+        known += [r.turns[0] for r in read_rows(f) if r.turns]
+        rep = Path(str(f) + ".json")
+        if rep.exists():
+            r = json.loads(rep.read_text())
+            seed = max(seed, int(r.get("seed", 0)) + int(r.get("generated", 0)))
+    return known, seed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m speculum.train.self_prompts",
@@ -122,7 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--max-tokens", type=int, default=128, help="a request longer than this is dropped")
     ap.add_argument("--min-chars", type=int, default=12, help="shorter requests are dropped")
-    ap.add_argument("--seed", type=int, default=0, help="request i is sampled with seed SEED + i")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="request i is sampled with seed SEED + i (default 0, or past the seeds of the --after files)")
+    ap.add_argument("--after", action="append", default=[], metavar="JSONL",
+                    help="a file of requests written before (repeatable): none of its requests again, and the "
+                         "seeds continue past those its report (JSONL.json) used")
     ap.add_argument("--eval-prompts", action="append", default=None, metavar="NAME_OR_JSONL",
                     help="evaluation sets no request may match (repeatable; default: mt_bench and other_tasks)")
     ap.add_argument("--batch", type=int, default=512, help="requests sampled per generate call")
@@ -134,11 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from speculum.datasets import EVAL_SETS, eval_set_path
     from speculum.engine import LLM
 
+    known, seed = after(args.after)
+    seed = seed if args.seed is None else args.seed
     llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.batch)
     exclude = [eval_set_path(e) for e in (args.eval_prompts or EVAL_SETS)]
     source = args.source or f"self/{llm.model_path.stem}"
     kept = write_prompts(llm, args.num, Path(args.out), args.temperature, args.top_p, args.max_tokens,
-                         args.min_chars, args.seed, exclude, args.batch, source=source)
+                         args.min_chars, seed, exclude, args.batch, source=source, known=known)
     r = kept.report()
     print(f"kept {r['kept']} of {r['generated']} requests (unfinished {r['unfinished']}, too short "
           f"{r['too_short']}, duplicates {r['duplicates']}, matching an evaluation prompt {r['eval_overlaps']}); "

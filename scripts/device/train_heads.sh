@@ -30,8 +30,11 @@ fi
 # (seconds on the H200; the file comes back in $OUT)
 SELF=""
 if [ "${SELF_PROMPTS:-0}" -gt 0 ]; then
+  # --after: the DATA_ARGS files' requests are not written again, and the seeds continue past theirs
+  # (the same seed writes the same requests: 2026-12-04's "new" 3,000 were 2026-12-03's)
   python3 -m speculum.train.self_prompts --model $M --num $SELF_PROMPTS --out $TR/self_prompts.jsonl \
-    --dtype bfloat16 --batch 512 2>&1 | grep -v -E "it/s|prompt/s|INFO" | tail -2
+    --dtype bfloat16 --batch 512 $(echo " ${DATA_ARGS:-}" | sed 's/ --data / --after /g') 2>&1 \
+    | grep -v -E "it/s|prompt/s|INFO" | tail -2
   cp $TR/self_prompts.jsonl $TR/self_prompts.jsonl.json $OUT/ && SELF="--data $TR/self_prompts.jsonl"
   echo "self prompts: $(( $(date +%s) - T0 )) s"
 fi
@@ -39,7 +42,9 @@ D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-5
    --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --template-long-form ${TLONG:-1} \
    --second-turns ${SECOND:-0.5} \
    --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
-   --eval-prompts mt_bench --eval-num-prompts 80 $SELF ${DATA_ARGS:-}"
+   --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-} $SELF"
+# (each --data file's answers are a cache of their own, found by the file's name and size in any order:
+# a training call after a data call gives the same DATA_ARGS plus --data <the self_prompts.jsonl that came back>)
 speculum train eagle3 $D --prepare-only > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
 grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
