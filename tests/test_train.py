@@ -134,6 +134,16 @@ def test_generation_time_is_shared_between_data_rows_and_training_prompts(tmp_pa
     asked.clear()
     distill.ensure_parts(both, tmp_path)  # no limit: none for either
     assert asked == [(True, 0, True), (False, 0, True)]
+    # the training prompts answered in full (a carried cache), 40 of the data rows too: the data
+    # part gets the whole limit (by rows left; the wrong variant, by rows, gave the prompts 3/4)
+    for part, done in zip(distill.parts(both), (40, 300)):
+        d = distill.cache_dir(part, tmp_path)
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(json.dumps({"sizes": {"shard_00000.safetensors": done}}))
+    assert distill.time_shares(distill.parts(both), tmp_path) == [1.0, 0.0]
+    asked.clear()
+    distill.ensure_parts(both, tmp_path, time_limit=160)
+    assert asked[0] == (True, 160.0, True)
 
 
 def train(args: list[str]) -> int:

@@ -281,7 +281,7 @@ def ensure_parts(spec: DistillSpec, root: Path | None = None, time_limit: float 
         log.warning("self-distillation: %d rows of the --data files repeat an earlier row (the same user turns); "
                     "`python -m speculum.train.self_prompts --after FILE` writes requests that are new", repeats)
     # each part's deadline: the shares so far, the last part up to the whole limit
-    ends = [time_limit * x for x in itertools.accumulate(time_shares(pieces))][:-1] + [time_limit]
+    ends = [time_limit * x for x in itertools.accumulate(time_shares(pieces, root))][:-1] + [time_limit]
     for part, end in zip(pieces, ends):
         left = end - (time.perf_counter() - t0) if time_limit > 0 else 0
         if time_limit > 0 and left <= 0:
@@ -291,18 +291,28 @@ def ensure_parts(spec: DistillSpec, root: Path | None = None, time_limit: float 
     return out
 
 
-def time_shares(pieces: Sequence[DistillSpec]) -> list[float]:
-    """Each part's share of a generation time limit, by its rows (a ``data`` part: the
-    non-empty lines of its files; the prompt part: ``num_prompts``)."""
+def time_shares(pieces: Sequence[DistillSpec], root: Path | None = None) -> list[float]:
+    """Each part's share of a generation time limit, by the rows it has still to answer: its
+    rows (as selected before, from its cache's ``meta.json``; else a ``data`` part's non-empty
+    lines, the prompt part's ``num_prompts``) less those answered in its cache under ``root``.
+    A part answered in full gets nothing: on the H200 (2026-12-04) the training prompts, all
+    answered, were given 181 of 450 s by their rows and used none, while the target's own
+    requests stopped at their share with 4,700 of 7,000 unanswered."""
     rows = []
     for part in pieces:
-        n = part.num_prompts
-        for f in part.data:
-            try:
-                n += sum(1 for line in Path(f).read_text().splitlines() if line.strip())
-            except OSError:
-                pass  # select_rows reports a missing file
-        rows.append(n)
+        meta_file = cache_dir(part, root) / "meta.json"
+        meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        known = meta.get("selections", {}).get(str(part.num_prompts))
+        if known:
+            n = known["selection"]["rows"]
+        else:
+            n = part.num_prompts
+            for f in part.data:
+                try:
+                    n += sum(1 for line in Path(f).read_text().splitlines() if line.strip())
+                except OSError:
+                    pass  # select_rows reports a missing file
+        rows.append(max(0, n - sum(meta.get("sizes", {}).values())))
     total = sum(rows)
     return [r / total for r in rows] if total else [1.0 / len(rows)] * len(rows)
 
