@@ -287,9 +287,9 @@ def head_topk(head, out: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
     """(log-probs, target ids) of the head's ``width`` best tokens for outputs [..., H]
     (over the draft vocabulary when the head has one, as EAGLE-3)."""
     draft_logits = getattr(head, "draft_logits", None)
-    if draft_logits is not None and hasattr(head, "draft_to_target"):
+    if draft_logits is not None and hasattr(head, "to_target"):
         lp, idx = topk_logprobs(draft_logits(out), width)
-        return lp, head.draft_to_target[idx]
+        return lp, head.to_target(idx)
     return topk_logprobs(head.logits(out), width)
 
 

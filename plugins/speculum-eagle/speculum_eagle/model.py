@@ -157,6 +157,11 @@ class Eagle3Head(nn.Module):
             return torch.arange(self.vocab_size, device=self.d2t.device)
         return self.own_ids
 
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of the draft ids ``ids``: ``draft_to_target[ids]`` without building
+        the map (with the target's tail, ``ids`` themselves)."""
+        return ids if self.tail is not None else ids + self.d2t[ids]
+
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """Use the target ids ``draft_ids`` (ascending) as the draft vocabulary."""
         ids = draft_ids.to(self.d2t.device, torch.int64)
@@ -190,8 +195,7 @@ class Eagle3Head(nn.Module):
     def greedy(self, out: torch.Tensor) -> torch.Tensor:
         """Argmax target ids without the full-vocabulary scatter (``draft_to_target`` is
         ascending, so ties break as in :meth:`logits`)."""
-        best = self.draft_logits(out).argmax(dim=-1)
-        return best if self.tail is not None else self.draft_to_target[best]
+        return self.to_target(self.draft_logits(out).argmax(dim=-1))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         d = self.draft_logits(out)

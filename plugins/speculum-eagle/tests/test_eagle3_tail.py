@@ -189,6 +189,17 @@ def test_the_folded_tail_scores_as_the_unfolded_one_and_training_drops_it(parts)
     assert head.folded is None
 
 
+def test_draft_ids_map_to_target_ids_without_building_the_map(parts):
+    """to_target (greedy drafts, tree top-k) gives draft_to_target[ids], with and without the tail."""
+    head = Eagle3Head(arch_from_config(parts.config, num_layers=1), parts.embed, parts.hidden_size, 200, (1, 1, 0))
+    head.set_vocab(torch.arange(0, 400, 2))
+    ids = torch.tensor([[0, 5, 199], [7, 7, 1]])
+    assert torch.equal(head.to_target(ids), head.draft_to_target[ids]) and head.to_target(ids)[0, 2] == 398
+    head.use_target_tail(parts.lm_head)
+    ids = torch.tensor([[0, 301, 511]])
+    assert torch.equal(head.to_target(ids), head.draft_to_target[ids]) and head.to_target(ids) is ids
+
+
 @pytest.mark.parametrize("options", [{"draft_tail": False}, {}], ids=["off", "default-on-cpu"])
 def test_without_the_tail_it_drafts_from_the_own_vocabulary_only(target, heads, options):
     """``options.draft_tail: false``, and the default on a CPU, read a tail head as a plain
