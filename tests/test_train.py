@@ -451,6 +451,29 @@ def test_imported_answers_are_found_by_training_on_another_machine(tiny_llama, p
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets)
 
 
+def test_a_data_call_leaves_carried_answers_without_states(tiny_llama, prompts, tmp_path, capsys):
+    """`--prepare-only --answers-only` (train_heads.sh DATA_ONLY=1): answers carried in without
+    hidden states stay without them (the H200's data call spent 92 s of its 507 on states it
+    threw away); the training run that follows computes them. --answers-only alone is refused."""
+    from safetensors import safe_open
+
+    from speculum.train.distill import main as distill_main
+    sp = spec(tiny_llama, prompts, 12)
+    d, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    assert distill_main(["export", str(d), str(tmp_path / "b")]) == 0
+
+    def has_states(folder):
+        with safe_open(str(folder / shards[0]), "pt") as f:
+            return any(k.startswith("hidden.") for k in f.keys())
+    copied = tmp_path / "b" / d.name
+    assert ensure_distill(sp, tmp_path / "b", device="cpu", shard_size=8, states=False)[1] == shards
+    assert not has_states(copied)
+    assert ensure_distill(sp, tmp_path / "b", device="cpu", shard_size=8)[1] == shards and has_states(copied)
+    assert train(["eagle3", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "8",
+                  "--device", "cpu", "--answers-only"]) == 2
+    assert "use it with --prepare-only" in capsys.readouterr().err
+
+
 def test_imported_answers_keep_their_key_when_a_data_file_lies_elsewhere(tiny_llama, prompts, tmp_path):
     """A data call writes the target's own requests to /tmp/tr/... and answers them; the
     training call imports the answers before that file exists there and names the same

@@ -172,13 +172,15 @@ def cache_dir(spec: DistillSpec, root: Path | None = None, file_ids: Mapping[str
 
 def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: int = 32, device: str = "auto",
                    dtype: str = "auto", shard_size: int = 64, progress: bool = True, time_limit: float = 0,
-                   max_model_len: int = 2048, generate: bool = True) -> tuple[Path, list[str]]:
+                   max_model_len: int = 2048, generate: bool = True, states: bool = True) -> tuple[Path, list[str]]:
     """Generate (or reuse) the cached distillation data of ``spec``.
 
     Returns the cache directory and the finished shard files that make up
     ``spec.num_prompts`` (all of them, unless ``time_limit`` seconds of generation ran out
     first; with ``generate=False``, those made before, nothing new). ``meta.json`` there records the data mix (sequences and answer tokens per
-    kind), the rows dropped as evaluation prompts and the generation time.
+    kind), the rows dropped as evaluation prompts and the generation time. Answers carried in
+    without hidden states get them by prefill, unless ``states=False`` (a call that only makes
+    answers for another to train on: the states would be thrown away).
     """
     from speculum.model_source import resolve_model_path
     from speculum.tokenizer import Tokenizer
@@ -199,7 +201,8 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         finished = [n for n, k in zip(known["shards"], known["sizes"]) if meta["sizes"].get(n) == k]
         if len(finished) == len(known["shards"]) or not generate:
             # nothing written unless answers came without states: other processes may be reading
-            fill_features(out, finished, spec, make_llm)
+            if states:
+                fill_features(out, finished, spec, make_llm)
             return out, finished
     ids = PromptIds(Tokenizer.load(resolve_model_path(spec.model)))
     sel = select_rows(spec, ids)
@@ -210,7 +213,8 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         "selection": {"rows": len(sel.rows), "dropped_overlaps": sel.dropped_overlaps, "too_long": sel.too_long}}
     # a shard is done when it holds all its rows (a smaller earlier run may have cut it)
     todo = [s for s, n in zip(shards, names) if meta["sizes"].get(n) != len(s.rows)]
-    fill_features(out, [n for s, n in zip(shards, names) if s not in todo], spec, make_llm)
+    if states:
+        fill_features(out, [n for s, n in zip(shards, names) if s not in todo], spec, make_llm)
     if not todo or not generate:
         _save_meta(meta_file, meta)
         return out, [n for s, n in zip(shards, names) if s not in todo]

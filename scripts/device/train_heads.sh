@@ -45,7 +45,8 @@ D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-5
    --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-} $SELF"
 # (each --data file's answers are a cache of their own, found by the file's name and size in any order:
 # a training call after a data call gives the same DATA_ARGS plus --data <the self_prompts.jsonl that came back>)
-speculum train eagle3 $D --prepare-only > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
+# (DATA_ONLY: --answers-only, no prefill of the carried answers' hidden states: the training call makes them)
+speculum train eagle3 $D --prepare-only $([ "${DATA_ONLY:-0}" = 1 ] && echo --answers-only) > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
 grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
 export_answers() {  # the answers alone (token ids, no hidden states: megabytes) into /tmp/answers.tar
