@@ -16,6 +16,11 @@ nodes; a step accepts the longest path the answer follows. The rule is the n-gra
 proposer's own (``speculum_ngram.proposer``: ``TreeSuffixIndex``, ``continuation_trie``). The
 lossless loop verifies such a tree in one forward (docs/trees.md), so this is what
 several candidates per step would add over one.
+
+``--corpus FILE`` also replays chains that fall back on a corpus of the target's answers where
+the request has no match (``options.corpus``; ``python -m speculum_ngram.corpus build``), and
+``--answers-cache DIR`` replays the greedy first-turn answers of an answers cache (``speculum
+train --eval-prompts``: the H200's bf16 answers to MT-bench) instead of generating.
 """
 
 from __future__ import annotations
@@ -42,8 +47,27 @@ def generate(args) -> list[dict]:
             for r, o in zip(rows, outs)]
 
 
-def replay(data: list[dict], n_min: int, n_max: int, k: int) -> dict:
-    """Steps, tokens and drafting steps of lookup (n_min..n_max, k drafts) over the answers."""
+def from_cache(folder: str, max_tokens: int) -> list[dict]:
+    """The first-turn answers of a self-distillation answers cache (``speculum train
+    --eval-prompts``: the target's greedy answers to an evaluation set), as ``generate`` gives."""
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    out = []
+    for name in meta["shards"]:
+        d = load_file(str(Path(folder) / name))
+        for i in range(len(d["prompt_lens"])):
+            if int(d["kind"][i]) == 0 and float(d["temperature"][i]) == 0:  # first turns, greedy
+                seq, pl = d["tokens"][d["offsets"][i]: d["offsets"][i + 1]].tolist(), int(d["prompt_lens"][i])
+                out.append(dict(category=None, prompt=seq[:pl], output=seq[pl: pl + max_tokens]))
+    return out
+
+
+def replay(data: list[dict], n_min: int, n_max: int, k: int, corpus=None) -> dict:
+    """Steps, tokens and drafting steps of lookup (n_min..n_max, k drafts) over the answers;
+    with ``corpus`` (``speculum_ngram.corpus.Corpus``), looked up there where the request has
+    no match, as ``options.corpus`` does."""
     from speculum_ngram.proposer import SuffixIndex
 
     steps = tokens = drafted = 0
@@ -53,6 +77,8 @@ def replay(data: list[dict], n_min: int, n_max: int, k: int) -> dict:
         i = 0
         while i < len(out):
             d = index.draft(k)
+            if not d and corpus is not None:
+                d = corpus.draft(ctx, k)
             a = 0
             while a < len(d) and i + a < len(out) and d[a] == out[i + a]:
                 a += 1
@@ -62,8 +88,8 @@ def replay(data: list[dict], n_min: int, n_max: int, k: int) -> dict:
             tokens += n
             steps += 1
             drafted += bool(d)
-    return dict(n_min=n_min, n_max=n_max, k=k, steps=steps, tokens=tokens, tokens_per_forward=tokens / steps,
-                drafting_share=drafted / steps)
+    return dict(n_min=n_min, n_max=n_max, k=k, corpus=corpus is not None, steps=steps, tokens=tokens,
+                tokens_per_forward=tokens / steps, drafting_share=drafted / steps)
 
 
 def continuations(ctx: list[int], n_min: int, n_max: int, depth: int, m: int, keep: int | None = None
@@ -120,6 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--outputs", default=None, help="replay the answers saved in this JSON instead of generating")
+    p.add_argument("--answers-cache", default=None,
+                   help="or replay the first-turn greedy answers of this answers cache (speculum train --eval-prompts)")
+    p.add_argument("--corpus", default=None,
+                   help="also replay lookup that falls back on this corpus (python -m speculum_ngram.corpus build)")
     p.add_argument("-k", type=int, nargs="+", default=[2, 4], help="draft lengths to replay")
     p.add_argument("--trees", nargs="*", default=[], metavar="M:N",
                    help="also replay token trees of up to M continuations and N nodes, at each -k as depth")
@@ -127,11 +157,19 @@ def main(argv=None) -> int:
                    help="tree occurrences kept per n-gram (default M, as the proposer; 0 = all)")
     p.add_argument("--json", default="results/ngram_ceiling.json", help="where answers and figures go")
     args = p.parse_args(argv)
-    data = json.load(open(args.outputs))["answers"] if args.outputs else generate(args)
+    data = (json.load(open(args.outputs))["answers"] if args.outputs
+            else from_cache(args.answers_cache, args.max_tokens) if args.answers_cache else generate(args))
     rows = [replay(data, lo, hi, k) for k in args.k for lo, hi in ((2, 5), (1, 5), (3, 5), (2, 8))]
-    print(f"{'k':>2} {'n':>5} {'tokens/forward':>15} {'drafting share':>15}")
+    if args.corpus:
+        import numpy as np
+
+        from speculum_ngram.corpus import Corpus
+        corpus = Corpus(np.load(args.corpus), 2, 5)
+        rows += [replay(data, lo, hi, k, corpus) for k in args.k for lo, hi in ((2, 5), (1, 5))]
+    print(f"{'k':>2} {'n':>5} {'corpus':>6} {'tokens/forward':>15} {'drafting share':>15}")
     for r in rows:
-        print(f"{r['k']:>2} {r['n_min']}-{r['n_max']:<3} {r['tokens_per_forward']:>15.3f} {r['drafting_share']:>15.2f}")
+        print(f"{r['k']:>2} {r['n_min']}-{r['n_max']:<3} {'yes' if r['corpus'] else 'no':>6} "
+              f"{r['tokens_per_forward']:>15.3f} {r['drafting_share']:>15.2f}")
     trees = []
     for spec in args.trees:
         m, budget = (int(v) for v in spec.split(":"))
@@ -143,7 +181,7 @@ def main(argv=None) -> int:
                   f"{r['tokens_per_forward']:>15.3f} {r['mean_nodes']:>11.2f}")
     from pathlib import Path
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"answers": data, "replay": rows, "trees": trees}))
+    Path(args.json).write_text(json.dumps({"answers": data, "corpus": args.corpus, "replay": rows, "trees": trees}))
     print(f"wrote {args.json}")
     return 0
 

@@ -17,6 +17,8 @@ that would take the trie past the budget is skipped. ``scripts/ngram_ceiling.py
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 import numpy as np
 import torch
@@ -24,6 +26,9 @@ import torch
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, StepFeedback
 from speculum.tree import TokenTree, TreeSpec
+
+if TYPE_CHECKING:  # imported where used: `python -m speculum_ngram.corpus` runs that module as __main__
+    from speculum_ngram.corpus import Corpus
 
 DEFAULT_MIN, DEFAULT_MAX = 2, 5
 
@@ -33,9 +38,12 @@ class NgramOptions:
     """Plugin options (``"options": {...}`` in the speculative config).
 
     ``search_window``: only the last this-many tokens are searched (0 = all).
+    ``corpus``: a corpus file of the target's earlier answers (``python -m
+    speculum_ngram.corpus build``) searched when the request itself has no match (chains).
     """
 
     search_window: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    corpus: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
 
 
 def find_ngram_draft(tokens, n_min: int, n_max: int, k: int) -> list[int]:
@@ -230,10 +238,12 @@ class NgramProposer:
     forget_after = 256
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, search_window: int = 0,
-                 tree: TreeSpec | None = None):
+                 tree: TreeSpec | None = None, corpus: Corpus | None = None):
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
         self.search_window = search_window
+        #: the target's earlier answers, searched when the request has no match (None: off)
+        self.corpus = corpus
         #: the tree drafted each step (dynamic: ``topk`` continuations of ``depth`` tokens,
         #: ``num_nodes`` nodes at most); None = chains
         self.tree = tree
@@ -250,7 +260,10 @@ class NgramProposer:
         return index
 
     def _draft(self, seq, k: int) -> list[int]:
-        return self._index_of(seq).draft(k, self.search_window)
+        d = self._index_of(seq).draft(k, self.search_window)
+        if not d and self.corpus is not None:
+            d = self.corpus.draft(seq.token_ids, k)
+        return d
 
     @classmethod
     def from_context(cls, ctx) -> "NgramProposer":
@@ -276,7 +289,14 @@ class NgramProposer:
                 f"drafts at most tree_topk x tree_depth = {tree.topk * tree.depth} (tree_topk={tree.topk} "
                 f"continuations of tree_depth={tree.depth} tokens); the rest would be padding verified every "
                 f"step: set num_draft_tokens <= {tree.topk * tree.depth + 1}")
-        return cls(lo, hi, opts.search_window, tree=tree)
+        if opts.corpus and tree is not None:
+            raise ConfigError("options.corpus drafts chains: leave the tree out (tree_topk, tree_depth, "
+                              "num_draft_tokens) or the corpus")
+        corpus = None
+        if opts.corpus:
+            from speculum_ngram.corpus import load_corpus
+            corpus = load_corpus(opts.corpus, lo, hi)
+        return cls(lo, hi, opts.search_window, tree=tree, corpus=corpus)
 
     def propose(self, batch: ProposeBatch) -> Draft:
         k = batch.num_speculative_tokens
