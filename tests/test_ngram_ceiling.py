@@ -60,3 +60,17 @@ def test_tree_replay_takes_the_longest_path_of_several_continuations(tmp_path):
     assert (one["steps"], one["tokens"]) == (chain["steps"], chain["tokens"])
     assert mod.replay_tree(data, 2, 5, 2, 4, 3)["steps"] == 2
     assert mod.trie_nodes([(1, 2), (1, 3), (4,)]) == 4
+
+
+def test_answers_cache_replays_its_greedy_first_turns(tmp_path):
+    """--answers-cache: the greedy first turns (kind 0) of an answers cache, cut at --max-tokens;
+    second turns and sampled answers left out."""
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+    mod = _module()
+    save_file({"tokens": np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], dtype=np.int32),
+               "offsets": np.array([0, 5, 9, 12]), "prompt_lens": np.array([2, 1, 1], dtype=np.int32),
+               "kind": np.array([0, 4, 0], dtype=np.int32), "temperature": np.array([0, 0, 0.7], dtype=np.float32)},
+              str(tmp_path / "shard_00000.safetensors"))
+    (tmp_path / "meta.json").write_text(json.dumps({"shards": ["shard_00000.safetensors"]}))
+    assert mod.from_cache(str(tmp_path), 2) == [{"category": None, "prompt": [1, 2], "output": [3, 4]}]
