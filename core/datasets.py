@@ -87,6 +87,12 @@ def eval_set_path(name: str) -> str:
     return str(data_path(EVAL_SETS[name])) if name in EVAL_SETS else name
 
 
+def is_eval_set(path: str | Path) -> bool:
+    """Whether a prompt file is one of the shipped evaluation sets (by name): never trained on,
+    and never a source of drafts."""
+    return any(name in Path(path).name for name in EVAL_SETS)
+
+
 def train_prompts_path() -> Path:
     """The shipped training prompts (never MT-bench)."""
     return data_path(TRAIN_PROMPTS)

@@ -52,15 +52,13 @@ def from_cache(folder: str, max_tokens: int) -> list[dict]:
     --eval-prompts``: the target's greedy answers to an evaluation set), as ``generate`` gives."""
     from pathlib import Path
 
-    from safetensors.numpy import load_file
-    meta = json.loads((Path(folder) / "meta.json").read_text())
-    out = []
-    for name in meta["shards"]:
-        d = load_file(str(Path(folder) / name))
-        for i in range(len(d["prompt_lens"])):
-            if int(d["kind"][i]) == 0 and float(d["temperature"][i]) == 0:  # first turns, greedy
-                seq, pl = d["tokens"][d["offsets"][i]: d["offsets"][i + 1]].tolist(), int(d["prompt_lens"][i])
-                out.append(dict(category=None, prompt=seq[:pl], output=seq[pl: pl + max_tokens]))
+    from speculum.train.data import DistillData
+    d = DistillData.load(Path(folder), layers=())  # token ids only
+    off, out = d.offsets.tolist(), []
+    for i, (pl, kind, temp) in enumerate(zip(d.prompt_lens.tolist(), d.kind.tolist(), d.temperature.tolist())):
+        if kind == 0 and temp == 0:  # first turns, greedy
+            seq = d.tokens[off[i]: off[i + 1]].tolist()
+            out.append(dict(category=None, prompt=seq[:pl], output=seq[pl: pl + max_tokens]))
     return out
 
 

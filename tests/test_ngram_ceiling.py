@@ -70,6 +70,7 @@ def test_answers_cache_replays_its_greedy_first_turns(tmp_path):
     mod = _module()
     save_file({"tokens": np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], dtype=np.int32),
                "offsets": np.array([0, 5, 9, 12]), "prompt_lens": np.array([2, 1, 1], dtype=np.int32),
+               "prompt_index": np.array([0, 0, 1], dtype=np.int32),
                "kind": np.array([0, 4, 0], dtype=np.int32), "temperature": np.array([0, 0, 0.7], dtype=np.float32)},
               str(tmp_path / "shard_00000.safetensors"))
     (tmp_path / "meta.json").write_text(json.dumps({"shards": ["shard_00000.safetensors"]}))

@@ -160,11 +160,11 @@ def cmd_train(args) -> int:
     if not targs.prompts:
         from speculum.datasets import train_prompts_path
         targs.prompts = str(train_prompts_path())
-    from speculum.datasets import EVAL_SETS, eval_set_path
+    from speculum.datasets import eval_set_path, is_eval_set
     if targs.eval_prompts:
         targs.eval_prompts = eval_set_path(targs.eval_prompts)
     for f in [targs.prompts, *targs.data]:
-        if any(name in Path(f).name for name in EVAL_SETS):
+        if is_eval_set(f):
             raise ConfigError(f"{f}: {Path(f).stem} is for evaluation only; leave --prompts unset to train on the "
                               "shipped training prompts (and add --data files of your own)")
     if targs.answers_only and not targs.prepare_only:

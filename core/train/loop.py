@@ -249,7 +249,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     layers = record_layers(list(all_trainers) or [trainer], args, L)
     spec = distill_spec(args, model_path, layers)
     found = ensure_parts(spec, args.cache_dir, time_limit=args.gen_time_limit, generate=not args.cached_data_only,
-                         states=not (getattr(args, "prepare_only", False) and getattr(args, "answers_only", False)),
+                         states=not getattr(args, "answers_only", False),  # (the CLI allows it with --prepare-only only)
                          **_gen_kwargs(args))
     # every part's shards by full path (the --data rows' cache, then the prompts')
     data_dir, shards = found[-1][0], [str(d / n) for d, names in found for n in names]

@@ -96,30 +96,32 @@ def load_corpus(path: str, n_min: int, n_max: int) -> Corpus:
         from speculum.errors import ConfigError
         raise ConfigError(f"n-gram corpus {path!r} not found: build one with `python -m speculum_ngram.corpus build "
                           "--answers <answers cache> --out corpus.npy` (the caches of `speculum train`)")
-    return Corpus(np.load(p, mmap_mode="r"), n_min, n_max)
+    return Corpus(np.load(p), n_min, n_max)
+
+
+def answered_prompts(cache: str | Path) -> str:
+    """The prompt file an answers cache answered (its ``meta.json``)."""
+    meta = json.loads((Path(cache) / "meta.json").read_text())
+    return str(meta.get("spec", {}).get("prompts", ""))
 
 
 def build(answer_dirs: Sequence[str], out: str, answers_only: bool = False) -> dict:
     """Write the token streams of answers caches (``$SPECULUM_CACHE/distill/...``, or folders
     exported by ``python -m speculum.train.distill export``) as a corpus file."""
-    from safetensors.numpy import load_file
-
-    from speculum.datasets import EVAL_SETS
+    from speculum.datasets import is_eval_set
     from speculum.errors import ConfigError
+    from speculum.train.data import DistillData
     parts, streams = [], 0
     for d in answer_dirs:
-        meta = json.loads((Path(d) / "meta.json").read_text())
-        prompts = Path(str(meta.get("spec", {}).get("prompts", ""))).name
-        if any(name in prompts for name in EVAL_SETS):  # MT-bench's answers would draft MT-bench's answers
-            raise ConfigError(f"{d}: answers to {prompts}, an evaluation set: a corpus must not hold them "
-                              "(build it from the training answers' caches)")
-        for name in meta["shards"]:
-            data = load_file(str(Path(d) / name))
-            off, pl, toks = data["offsets"], data["prompt_lens"], data["tokens"]
-            for i in range(len(pl)):
-                s = toks[off[i] + (pl[i] if answers_only else 0): off[i + 1]]
-                parts += [s.astype(np.int32), np.array([-1], dtype=np.int32)]
-                streams += 1
+        if is_eval_set(answered_prompts(d)):  # MT-bench's answers would draft MT-bench's answers
+            raise ConfigError(f"{d}: answers to {Path(answered_prompts(d)).name}, an evaluation set: a corpus must "
+                              "not hold them (build it from the training answers' caches)")
+        data = DistillData.load(Path(d), layers=())  # token ids only
+        off, pl, toks = data.offsets.tolist(), data.prompt_lens.tolist(), data.tokens.numpy()
+        for i in range(len(pl)):
+            parts += [toks[off[i] + (pl[i] if answers_only else 0): off[i + 1]].astype(np.int32),
+                      np.array([-1], dtype=np.int32)]
+            streams += 1
     arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     np.save(out, arr)
     return {"streams": streams, "tokens": int((arr >= 0).sum()), "bytes": int(arr.nbytes), "out": out}
@@ -135,16 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--out", required=True, help="the .npy to write")
     b.add_argument("--answers-only", action="store_true", help="leave the prompts out")
     args = ap.parse_args(argv)
-    from speculum.datasets import EVAL_SETS
+    from speculum.datasets import is_eval_set
     from speculum.errors import ConfigError
     dirs = list(args.answers)
     if args.cache_root:
-        for d in sorted(Path(args.cache_root).iterdir()):
-            meta = d / "meta.json"
-            if meta.is_file():
-                prompts = Path(str(json.loads(meta.read_text()).get("spec", {}).get("prompts", ""))).name
-                if not any(name in prompts for name in EVAL_SETS):
-                    dirs.append(str(d))
+        dirs += [str(d) for d in sorted(Path(args.cache_root).iterdir())
+                 if (d / "meta.json").is_file() and not is_eval_set(answered_prompts(d))]
     if not dirs:
         print("error: no answers cache given (--answers DIR or --cache-root DIR)", file=sys.stderr)
         return 2

@@ -70,7 +70,8 @@ def test_build_writes_answers_caches_as_streams(tmp_path):
     d = tmp_path / "cache"
     d.mkdir()
     save_file({"tokens": np.array([1, 2, 3, 4, 5, 6, 7], dtype=np.int32), "offsets": np.array([0, 4, 7]),
-               "prompt_lens": np.array([2, 1], dtype=np.int32)}, str(d / "shard_00000.safetensors"))
+               "prompt_lens": np.array([2, 1], dtype=np.int32), "prompt_index": np.array([0, 1], dtype=np.int32)},
+              str(d / "shard_00000.safetensors"))
     (d / "meta.json").write_text(json.dumps({"shards": ["shard_00000.safetensors"]}))
     assert build([str(d)], str(tmp_path / "all.npy"))["tokens"] == 7
     assert np.load(tmp_path / "all.npy").tolist() == [1, 2, 3, 4, SEP, 5, 6, 7, SEP]
