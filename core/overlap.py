@@ -95,7 +95,8 @@ class Overlap:
         this step. Its observe settles them, its plan ahead takes them; otherwise they are
         rewound."""
         if not (self.from_verdict and self.overlap and ahead and not failed_rows and plan.k
-                and out.hidden_states and len(plan.rows) == len(seqs) and self._may_plan_ahead(seqs)):
+                and (out.hidden_states or not self.wants_hidden) and len(plan.rows) == len(seqs)
+                and self._may_plan_ahead(seqs)):
             return None
         try:
             launched = self.proposer.draft_from_verdict([s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],

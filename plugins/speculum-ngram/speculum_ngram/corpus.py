@@ -32,71 +32,156 @@ _P = np.int64(1_000_003)  # window hash: sum of token * P^i, wrapping in int64; 
 
 
 class Corpus:
-    """The n-grams (``n_min`` to ``n_max``) of a token array (streams separated by -1)."""
+    """The n-grams (``n_min`` to ``n_max``) of a token array (streams separated by -1), each
+    with its voted continuation of up to ``depth`` tokens, computed once for all of them.
 
-    def __init__(self, tokens: np.ndarray, n_min: int = 2, n_max: int = 5, max_votes: int = 512):
-        self.toks = np.concatenate([np.asarray(tokens, dtype=np.int64), np.full(n_max + 8, -1, dtype=np.int64)])
-        self.n_min, self.n_max, self.max_votes = max(1, n_min), n_max, max_votes
-        self.index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        t, T = self.toks, len(self.toks)
-        for n in range(self.n_min, n_max + 1):
-            cols = [t[j: T - n + 1 + j] for j in range(n)]
-            h = np.zeros(T - n + 1, dtype=np.int64)
-            with np.errstate(over="ignore"):
-                for c in cols:
-                    h = h * _P + c
-            ok = np.all(np.stack(cols) >= 0, axis=0)
-            after = (np.flatnonzero(ok) + n).astype(np.int64)  # the position after each window
-            hs = h[ok]
-            order = np.argsort(hs, kind="stable")  # equal hashes keep position order
-            self.index[n] = (hs[order], after[order])
+    A lookup (:meth:`draft` on the host, :meth:`on` for the device) is then a binary search
+    per n from the longest down and one row read: no vote at drafting time (on the H200 the
+    per-call vote cost 0.24 ms a step, more than the lookup's yield was worth in some
+    categories). Per n the table holds the distinct n-grams' hashes (sorted), the n-grams
+    themselves (a hash collision is not a match) and their continuations (-1 padded).
+    """
+
+    def __init__(self, tokens: np.ndarray, n_min: int = 2, n_max: int = 5, max_votes: int = 512, depth: int = 8):
+        self.n_min, self.n_max, self.max_votes, self.depth = max(1, n_min), n_max, max_votes, depth
+        toks = np.concatenate([np.asarray(tokens, dtype=np.int64), np.full(n_max + depth + 2, -1, dtype=np.int64)])
+        self.num_tokens = int((toks >= 0).sum())
+        #: per n: (sorted hashes [G], n-grams [G, n] int32, continuations [G, depth] int32)
+        self.tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {
+            n: _voted_table(toks, n, depth, max_votes) for n in range(self.n_min, n_max + 1)}
+        self._devices: dict[str, "DeviceCorpus"] = {}
 
     def __len__(self) -> int:
-        return int((self.toks >= 0).sum())
+        return self.num_tokens
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens after the longest suffix of ``context`` (n from ``n_max`` down)
         that occurs in the corpus, voted token by token over its latest ``max_votes``
-        occurrences; [] when none occurs."""
+        occurrences (the most frequent next token among the occurrences that agree so far,
+        the smallest id on a tie); [] when none occurs."""
+        if k > self.depth:
+            raise ValueError(f"this corpus table holds continuations of {self.depth} tokens, {k} asked")
         ctx = np.asarray(context[-self.n_max:], dtype=np.int64)
         for n in range(min(self.n_max, len(ctx)), self.n_min - 1, -1):
             suffix = ctx[-n:]
-            key = np.int64(0)
-            with np.errstate(over="ignore"):
-                for x in suffix:
-                    key = key * _P + x
-            hs, after = self.index[n]
-            lo, hi = np.searchsorted(hs, key, "left"), np.searchsorted(hs, key, "right")
-            if hi <= lo:
-                continue
-            pos = after[lo: hi][-self.max_votes:]
-            match = np.ones(pos.size, dtype=bool)
-            for j in range(n):  # a hash collision is not a match
-                match &= self.toks[pos - n + j] == suffix[j]
-            pos = pos[match]
-            out: list[int] = []
-            while pos.size and len(out) < k:
-                nxt = self.toks[pos]
-                vals, counts = np.unique(nxt[nxt >= 0], return_counts=True)
-                if not vals.size:
-                    break
-                best = int(vals[counts.argmax()])
-                out.append(best)
-                pos = pos[nxt == best] + 1
-            if out:
-                return out
+            hs, grams, cont = self.tables[n]
+            i = int(np.searchsorted(hs, _hash(suffix)))
+            if i < len(hs) and hs[i] == _hash(suffix) and np.array_equal(grams[i], suffix):
+                c = cont[i, :k]
+                return c[c >= 0].tolist()
         return []
+
+    def on(self, device) -> "DeviceCorpus":
+        """The tables on ``device`` (copied once per device)."""
+        key = str(device)
+        if key not in self._devices:
+            self._devices[key] = DeviceCorpus(self, device)
+        return self._devices[key]
+
+
+def _hash(gram: np.ndarray) -> np.int64:
+    """The window hash of one n-gram (oldest token first), as the table's."""
+    key = np.int64(0)
+    with np.errstate(over="ignore"):
+        for x in gram:
+            key = key * _P + np.int64(x)
+    return key
+
+
+def _voted_table(t: np.ndarray, n: int, depth: int, max_votes: int):
+    """(hashes, n-grams, continuations) of every distinct n-gram of ``t`` (-1 separated,
+    padded with -1 at the end) that some token follows, its continuation voted over its
+    latest ``max_votes`` occurrences: per step, for every n-gram at once, the most frequent
+    next token among the occurrences still agreeing (smallest id on a tie), and those
+    occurrences move on one token."""
+    T = len(t)
+    cols = [t[j: T - n + 1 + j] for j in range(n)]
+    h = np.zeros(T - n + 1, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        for c in cols:
+            h = h * _P + c
+    ok = np.all(np.stack(cols) >= 0, axis=0)
+    after = np.flatnonzero(ok) + n  # the position after each window
+    hs = h[ok]
+    order = np.argsort(hs, kind="stable")  # equal hashes keep position order
+    hs, after = hs[order], after[order]
+    new = np.r_[True, hs[1:] != hs[:-1]] if hs.size else np.zeros(0, dtype=bool)
+    gid = np.cumsum(new) - 1
+    starts = np.flatnonzero(new)
+    G = starts.size
+    ends = np.r_[starts[1:], hs.size]
+    keep = ends[gid] - np.arange(hs.size) <= max_votes  # each n-gram's latest occurrences
+    g, pos = gid[keep], after[keep]
+    cont = np.full((G, depth), -1, dtype=np.int32)
+    V = int(t.max()) + 1 if T else 1
+    for step in range(depth):
+        v = t[pos]
+        good = v >= 0
+        if not good.any():
+            break
+        u, c = np.unique(g[good] * V + v[good], return_counts=True)  # (n-gram, next token) pairs
+        ug, uv = u // V, u % V
+        o = np.lexsort((uv, -c, ug))  # per n-gram: the most frequent next token, the smallest on a tie
+        first = o[np.r_[True, ug[o][1:] != ug[o][:-1]]]
+        best = np.full(G, -1, dtype=np.int64)
+        best[ug[first]] = uv[first]
+        cont[ug[first], step] = uv[first]
+        sel = good & (v == best[g])  # occurrences at a separator, or of an n-gram that stopped, stop
+        g, pos = g[sel], pos[sel] + 1
+    last = ends - 1  # each n-gram's latest occurrence gives its tokens
+    grams = np.stack([t[after[last] - n + j] for j in range(n)], axis=1).astype(np.int32) if G else \
+        np.zeros((0, n), dtype=np.int32)
+    has = cont[:, 0] >= 0  # an n-gram followed only by separators drafts nothing: a shorter one is tried
+    return hs[starts][has], grams[has], cont[has]
+
+
+class DeviceCorpus:
+    """A :class:`Corpus`'s tables as tensors on one device, looked up for a batch at once
+    (:meth:`lookup`), for drafts made on the device (n-gram drafting from the verdict)."""
+
+    def __init__(self, corpus: Corpus, device):
+        import torch
+        self.n_min, self.n_max, self.depth = corpus.n_min, corpus.n_max, corpus.depth
+        self.tables = {n: tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device, torch.int64) for a in tab)
+                       for n, tab in corpus.tables.items()}
+        # P^j wrapped to int64, j = 0 .. n_max - 1 (the newest token has j = 0)
+        pw, x = [], np.int64(1)
+        with np.errstate(over="ignore"):
+            for _ in range(self.n_max):
+                pw.append(x)
+                x = x * _P
+        self.powers = torch.tensor(np.array(pw, dtype=np.int64), device=device)
+
+    def lookup(self, suffix, length, k: int):
+        """([B, k] drafts, -1 padded; [B] found) for ``suffix`` [B, n_max] (column j the
+        (j+1)-th newest token) of contexts of ``length`` [B] tokens: :meth:`Corpus.draft`
+        for every row."""
+        import torch
+        B = suffix.shape[0]
+        out = torch.full((B, k), -1, dtype=torch.int64, device=suffix.device)
+        found = torch.zeros(B, dtype=torch.bool, device=suffix.device)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            hs, grams, cont = self.tables[n]
+            if not hs.numel():
+                continue
+            gram = suffix[:, :n].flip(1)  # oldest first
+            key = (suffix[:, :n] * self.powers[:n]).sum(1)
+            i = torch.searchsorted(hs, key).clamp_max(hs.numel() - 1)
+            hit = (hs[i] == key) & (grams[i] == gram).all(1) & (length >= n) & ~found
+            out = torch.where(hit.view(B, 1), cont[i, :k], out)
+            found |= hit
+        return out, found
 
 
 @functools.lru_cache(maxsize=4)
-def load_corpus(path: str, n_min: int, n_max: int) -> Corpus:
-    """The corpus of a ``.npy`` file, indexed once per process (engines share it)."""
+def load_corpus(path: str, n_min: int, n_max: int, depth: int = 8) -> Corpus:
+    """The corpus of a ``.npy`` file, its table made once per process (engines share it)."""
     p = Path(path)
     if not p.is_file():
         from speculum.errors import ConfigError
         raise ConfigError(f"n-gram corpus {path!r} not found: build one with `python -m speculum_ngram.corpus build "
                           "--answers <answers cache> --out corpus.npy` (the caches of `speculum train`)")
-    return Corpus(np.load(p), n_min, n_max)
+    return Corpus(np.load(p), n_min, n_max, depth=depth)
 
 
 def answered_prompts(cache: str | Path) -> str:

@@ -13,6 +13,10 @@ tokens, the most recent first (only the latest M occurrences of each n-gram are 
 :class:`TreeSuffixIndex`), merged into a trie (:func:`continuation_trie`); a candidate
 that would take the trie past the budget is skipped. ``scripts/ngram_ceiling.py
 --trees`` replays exactly this rule.
+
+Chains can also be drafted on the device from a verdict the host has not read yet
+(:class:`~speculum.interfaces.VerdictDrafter`, :mod:`speculum_ngram.device`): the same
+drafts, so that the loop may launch the next verify forward without a host round trip.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 import torch
 
 from speculum.errors import ConfigError
-from speculum.interfaces import Draft, ProposeBatch, StepFeedback
+from speculum.interfaces import Draft, ProposeBatch, StepFeedback, Verdict
 from speculum.tree import TokenTree, TreeSpec
 
 if TYPE_CHECKING:  # imported where used: `python -m speculum_ngram.corpus` runs that module as __main__
@@ -223,10 +227,22 @@ def continuation_trie(paths: list[tuple[int, ...]], budget: int) -> tuple[list[i
     return tokens, parents
 
 
+@attrs.define(eq=False)
+class _Launched:
+    """Chain drafts launched on the device from a verdict (:meth:`NgramProposer.draft_from_verdict`)."""
+
+    seq_ids: tuple[int, ...]
+    draft: Draft
+    #: sequences whose new length observe() has recorded
+    observed: set[int] = attrs.field(factory=set)
+
+
 class NgramProposer:
     """Proposes continuations by looking up the current suffix in the context (each
     sequence's n-grams indexed once, :class:`SuffixIndex`); with ``tree`` set, a trie of
-    several continuations per step (see the module doc)."""
+    several continuations per step (see the module doc). Chains may also be drafted from
+    a verdict still on the device (:meth:`draft_from_verdict`): each sequence's tokens are
+    then kept on the device as well (from the first such call on)."""
 
     #: drafts token trees when the config asks for a dynamic tree (``tree_topk`` etc.)
     supports_trees = True
@@ -249,6 +265,9 @@ class NgramProposer:
         self.tree = tree
         self._index: dict[int, SuffixIndex] = {}
         self._calls = 0
+        #: each sequence's tokens on the device (made by the first draft_from_verdict call)
+        self._history = None
+        self._launched: _Launched | None = None
 
     def _index_of(self, seq) -> SuffixIndex:
         index = self._index.get(seq.seq_id)
@@ -295,11 +314,17 @@ class NgramProposer:
         corpus = None
         if opts.corpus:
             from speculum_ngram.corpus import load_corpus
-            corpus = load_corpus(opts.corpus, lo, hi)
+            corpus = load_corpus(opts.corpus, lo, hi, depth=max(cfg.num_speculative_tokens or 0, 1))
         return cls(lo, hi, opts.search_window, tree=tree, corpus=corpus)
 
     def propose(self, batch: ProposeBatch) -> Draft:
         k = batch.num_speculative_tokens
+        launched = self._take_launched(batch.seqs)
+        if launched is not None and k <= launched.token_ids.shape[1]:  # drafted from the verdict already
+            return launched if k == launched.token_ids.shape[1] else Draft(
+                token_ids=launched.token_ids[:, :k], lengths=[k] * len(batch.seqs))
+        if self._history is not None:
+            self._history.sync(batch.seqs)
         self._calls += 1
         if self._calls % self.forget_after == 0:
             old = self._calls - self.forget_after
@@ -332,4 +357,63 @@ class NgramProposer:
         return Draft(token_ids=torch.tensor(tokens, dtype=torch.int64), probs=None, lengths=lengths, tree=tree)
 
     def observe(self, feedback: StepFeedback) -> None:
-        """Stateless: nothing to roll back."""
+        """Rows drafted from their verdict: their tokens on the device now reach the new length."""
+        launched = self._launched
+        if launched is None:
+            return
+        for sid, n in zip(feedback.seq_ids, feedback.new_lengths):
+            if sid in launched.seq_ids and sid not in launched.observed:
+                self._history.known[sid] = n
+                launched.observed.add(sid)
+
+    # -- drafting from a verdict still on the device (VerdictDrafter) ------------------------
+    def add_request(self, seq) -> None:
+        """Nothing to set up: a sequence's index and device tokens are made when first drafted for."""
+
+    def remove_request(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+        if self._history is not None:
+            self._history.release(seq_id)
+
+    def rewind(self, seq_ids) -> None:
+        """Drop drafts launched from a verdict (the tokens appended on the device are the
+        sequences' own: they stay)."""
+        self._launched = None
+
+    def _take_launched(self, seqs) -> Draft | None:
+        launched, self._launched = self._launched, None
+        if (launched is not None and tuple(s.seq_id for s in seqs) == launched.seq_ids
+                and launched.observed == set(launched.seq_ids)):
+            return launched.draft
+        return None
+
+    def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict, hidden_states) -> Draft | None:
+        """The next chain drafts of ``seq_ids`` (``lengths``: their token counts before this
+        step's tokens), looked up on the device after appending the verdict's tokens there
+        (:mod:`speculum_ngram.device`): what :meth:`propose` would draft once the host has
+        appended them. None for trees, and on the first call (which starts keeping the
+        sequences' tokens on the device) or for a sequence whose device tokens are behind."""
+        from speculum_ngram.device import DeviceHistory, suffix_match
+        if self.tree is not None or verdict.path is not None:
+            return None
+        self._launched = None
+        dev = verdict.token_ids.device
+        h = self._history
+        if h is None or h.device != dev:
+            self._history = DeviceHistory(dev)
+            return None
+        if any(h.known.get(sid) != n for sid, n in zip(seq_ids, lengths)):
+            return None
+        R, q = verdict.token_ids.shape
+        k = q - 1
+        rows, base = torch.tensor([h.rows_of(seq_ids), list(lengths)], dtype=torch.int64).to(dev, non_blocking=True)
+        h.append(rows, base, verdict.token_ids, max(lengths))
+        L = base + verdict.num_accepted.to(dev, torch.int64) + 1
+        hist = h.buf[rows, : max(lengths) + q]
+        draft, found, suffix = suffix_match(hist, L, self.n_min, self.n_max, k, self.search_window)
+        if self.corpus is not None:
+            cd, _ = self.corpus.on(dev).lookup(suffix, L, k)
+            draft = torch.where(found.view(R, 1), draft, cd)
+        launched = Draft(token_ids=draft, probs=None, lengths=[k] * R)
+        self._launched = _Launched(tuple(seq_ids), launched)
+        return launched

@@ -57,7 +57,7 @@ def test_options_and_errors(tmp_path):
     np.save(out, np.array([1, 2, 3, SEP], dtype=np.int32))
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     p = NgramProposer.from_context(types.SimpleNamespace(config=cfg, options=NgramOptions(corpus=str(out))))
-    assert p.corpus is load_corpus(str(out), 2, 5) and len(p.corpus) == 3  # indexed once per process
+    assert p.corpus is load_corpus(str(out), 2, 5, depth=2) and len(p.corpus) == 3  # made once per process
     with pytest.raises(ConfigError, match="python -m speculum_ngram.corpus build"):
         NgramProposer.from_context(types.SimpleNamespace(config=cfg, options=NgramOptions(corpus=str(tmp_path / "x"))))
     tree = SpeculativeConfig(method="ngram", tree_topk=2, tree_depth=2, num_draft_tokens=5)
