@@ -19,7 +19,7 @@ TOK=${TOK:-256}
 CORPUS=${CORPUS:-results/corpus_u16.npy}
 case $PART in
   tests)
-    python3 -m pytest -q plugins/speculum-ngram/tests/test_ngram_device.py plugins/speculum-ngram/tests/test_ngram_corpus.py \
+    python3 -m pytest -q plugins/speculum-ngram/tests/ \
       tests/test_decode_attention_cuda.py 2>&1 | tail -5
     ;;
   bench)

@@ -151,6 +151,7 @@ class DeviceCorpus:
                 pw.append(x)
                 x = x * _P
         self.powers = torch.tensor(np.array(pw, dtype=np.int64), device=device)
+        self.flat = _FlatTables(corpus, device)
 
     def lookup(self, suffix, length, k: int):
         """([B, k] drafts, -1 padded; [B] found) for ``suffix`` [B, n_max] (column j the
@@ -171,6 +172,27 @@ class DeviceCorpus:
             out = torch.where(hit.view(B, 1), cont[i, :k], out)
             found |= hit
         return out, found
+
+
+class _FlatTables:
+    """Every n's table in one tensor each, for :func:`speculum_ngram.kernels.ngram_draft`:
+    hashes [G], n-grams [G, n_max] (-1 padded), continuations [G, depth]; ``off[n]``,
+    ``cnt[n]``: where n's rows start and how many; ``steps``: binary search iterations."""
+
+    def __init__(self, corpus: Corpus, device):
+        import torch
+        ns = sorted(corpus.tables)
+        hs = [corpus.tables[n][0] for n in ns]
+        grams = [np.pad(corpus.tables[n][1], ((0, 0), (0, corpus.n_max - n)), constant_values=-1) for n in ns]
+        cont = [corpus.tables[n][2] for n in ns]
+        cnt = np.zeros(corpus.n_max + 1, dtype=np.int64)
+        cnt[ns] = [len(h) for h in hs]
+        off = np.zeros(corpus.n_max + 1, dtype=np.int64)
+        off[ns] = np.cumsum([0] + [len(h) for h in hs])[:-1]
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, torch.int64)  # noqa: E731
+        self.hs, self.grams, self.cont = t(np.concatenate(hs)), t(np.concatenate(grams)), t(np.concatenate(cont))
+        self.off, self.cnt, self.depth = t(off), t(cnt), corpus.depth
+        self.steps = int(cnt.max()).bit_length() + 1
 
 
 @functools.lru_cache(maxsize=4)

@@ -112,11 +112,15 @@ class DeviceHistory:
     def rows_of(self, seq_ids: Sequence[int]) -> list[int]:
         return [self.row[sid] for sid in seq_ids]
 
+    def reserve(self, cols: int) -> None:
+        """Room for ``cols`` tokens in every row."""
+        self._grow(self.buf.shape[0], cols)
+
     def append(self, rows: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, max_len: int) -> None:
         """Write ``tokens`` [R, q] at ``lengths`` [R] of ``rows`` [R] (all q columns: those
         past what was accepted lie beyond the new length, ignored until overwritten)."""
         q = tokens.shape[1]
-        self._grow(self.buf.shape[0], max_len + q + 1)
+        self.reserve(max_len + q + 1)
         cols = lengths.view(-1, 1) + torch.arange(q, device=self.device).view(1, q)
         self.buf[rows.view(-1, 1), cols] = tokens
 

@@ -393,6 +393,7 @@ class NgramProposer:
         (:mod:`speculum_ngram.device`): what :meth:`propose` would draft once the host has
         appended them. None for trees, and on the first call (which starts keeping the
         sequences' tokens on the device) or for a sequence whose device tokens are behind."""
+        from speculum_ngram import kernels
         from speculum_ngram.device import DeviceHistory, suffix_match
         if self.tree is not None or verdict.path is not None:
             return None
@@ -407,13 +408,19 @@ class NgramProposer:
         R, q = verdict.token_ids.shape
         k = q - 1
         rows, base = torch.tensor([h.rows_of(seq_ids), list(lengths)], dtype=torch.int64).to(dev, non_blocking=True)
-        h.append(rows, base, verdict.token_ids, max(lengths))
-        L = base + verdict.num_accepted.to(dev, torch.int64) + 1
-        hist = h.buf[rows, : max(lengths) + q]
-        draft, found, suffix = suffix_match(hist, L, self.n_min, self.n_max, k, self.search_window)
-        if self.corpus is not None:
-            cd, _ = self.corpus.on(dev).lookup(suffix, L, k)
-            draft = torch.where(found.view(R, 1), draft, cd)
+        corpus = self.corpus.on(dev) if self.corpus is not None else None
+        h.reserve(max(lengths) + q + 1)
+        if kernels.available(h.buf):  # one launch
+            draft = kernels.ngram_draft(h.buf, rows, base, verdict.as_rows()[:, : 1 + q], self.n_min, self.n_max, k,
+                                        self.search_window, corpus)
+        else:  # the same as torch ops
+            h.append(rows, base, verdict.token_ids, max(lengths))
+            L = base + verdict.num_accepted.to(dev, torch.int64) + 1
+            hist = h.buf[rows, : max(lengths) + q]
+            draft, found, suffix = suffix_match(hist, L, self.n_min, self.n_max, k, self.search_window)
+            if corpus is not None:
+                cd, _ = corpus.lookup(suffix, L, k)
+                draft = torch.where(found.view(R, 1), draft, cd)
         launched = Draft(token_ids=draft, probs=None, lengths=[k] * R)
         self._launched = _Launched(tuple(seq_ids), launched)
         return launched

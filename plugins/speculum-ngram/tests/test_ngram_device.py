@@ -6,6 +6,7 @@ the host, and launches its next verify forward from the device when asked."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from speculum.engine import LLM
 from speculum.sampling import SamplingParams
 from speculum.testing import run_with_an_abort_and_a_join, tiny_model_dir, verified_drafts
-from speculum_ngram import device
+from speculum_ngram import device, kernels
 from speculum_ngram.corpus import Corpus
 from speculum_ngram.device import DeviceHistory, suffix_match
 from speculum_ngram.proposer import SuffixIndex
@@ -127,3 +128,43 @@ def test_an_engine_drafting_from_the_verdict_verifies_the_host_drafts(target, tm
     assert (loop.forwards_from_verdict > len(steps) // 2) == (mode == "forward")
     _, bad_acc, bad_steps, _ = run(True, broken=True)
     assert bad_steps != host_steps and bad_acc < host_acc
+
+
+#: ``TRITON_INTERPRET=1 SPECULUM_TRITON_INTERPRET=1`` on a CPU with triton: the kernel test
+#: runs through Triton's interpreter
+INTERPRET = os.environ.get("SPECULUM_TRITON_INTERPRET") == "1" and kernels.triton is not None
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton is not None) and not INTERPRET,
+                    reason="needs CUDA with triton (or SPECULUM_TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("with_corpus", [False, True])
+def test_the_kernel_drafts_what_the_torch_lookup_drafts(with_corpus):
+    """kernels.ngram_draft (append the verdict, match, corpus) against DeviceHistory.append,
+    suffix_match and DeviceCorpus.lookup, on random rows of a small vocabulary: the same
+    drafts, and the same history written."""
+    dev = "cpu" if INTERPRET else "cuda"
+    rng = random.Random(0)
+    gen = np.random.default_rng(0)
+    toks = gen.integers(0, 6, 4000)
+    toks[gen.integers(0, 4000, 80)] = -1
+    corpus = Corpus(toks, 1, 4, depth=5).on(dev) if with_corpus else None
+    for _ in range(40):
+        R, n_min = rng.randint(1, 5), rng.randint(1, 2)
+        n_max, k, window = 4 if with_corpus else rng.randint(n_min, 5), rng.randint(1, 5), rng.choice([0, 0, 6])
+        q = k + 1
+        lengths = [rng.randint(1, 300) for _ in range(R)]
+        hist = torch.randint(0, 6, (R + 2, 512), dtype=torch.int64, device=dev)
+        rows = torch.tensor(rng.sample(range(R + 2), R), device=dev)
+        base = torch.tensor(lengths, device=dev)
+        acc = torch.tensor([rng.randint(0, k) for _ in range(R)], device=dev)
+        vrows = torch.cat([acc.view(R, 1), torch.randint(0, 6, (R, q), device=dev)], dim=1)
+        h1, h2 = hist.clone(), hist.clone()
+        got = kernels.ngram_draft(h1, rows, base, vrows, n_min, n_max, k, window, corpus)
+        h2[rows.view(R, 1), base.view(R, 1) + torch.arange(q, device=dev)] = vrows[:, 1:]
+        L = base + acc + 1
+        want, found, suffix = suffix_match(h2[rows, : max(lengths) + q], L, n_min, n_max, k, window)
+        if corpus is not None:
+            cd, _ = corpus.lookup(suffix, L, k)
+            want = torch.where(found.view(R, 1), want, cd)
+        assert torch.equal(h1, h2)
+        assert got.tolist() == want.tolist(), (lengths, n_min, n_max, k, window)
