@@ -98,11 +98,14 @@ class SpeculativeConfig:
     #: {"1-(N-1)": k, "N-...": 0}); not together with num_speculative_tokens_per_batch_size
     disable_by_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
     #: what the next step launches from the verdict still on the device, before the host reads
-    #: it (CUDA with overlap; methods whose proposer is a VerdictDrafter, i.e. the heads):
-    #: "draft" (default) the next drafts, "forward" the drafts and the target's verify forward
-    #: too (2-4% slower on the H200), "off" nothing (drafting waits for the host's copy). The
-    #: outputs are the same for every value; see docs/architecture.md, "Overlap".
-    from_verdict: str = "draft"
+    #: it (CUDA with overlap; methods whose proposer is a VerdictDrafter: the heads, n-gram):
+    #: "draft" the next drafts, "forward" the drafts and the target's verify forward too,
+    #: "off" nothing (drafting waits for the host's copy). None (default): the method's own
+    #: choice (its proposer's ``from_verdict_default``: "forward" for n-gram, whose device
+    #: lookup is one kernel; else "draft": a head's drafting graph already fills the copy's
+    #: wait, and "forward" was 2-4% slower on the H200). The outputs are the same for every
+    #: value; see docs/architecture.md, "Overlap".
+    from_verdict: str | None = None
 
     def __attrs_post_init__(self):
         from speculum.tree import tree_from_config
@@ -128,7 +131,7 @@ class SpeculativeConfig:
                 f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, "
                 f"got {self.draft_sample_method!r}"
             )
-        if self.from_verdict not in FROM_VERDICT:
+        if self.from_verdict is not None and self.from_verdict not in FROM_VERDICT:
             raise ConfigError(f"from_verdict must be one of {', '.join(FROM_VERDICT)}, got {self.from_verdict!r} "
                               "(what the next step launches from the verdict still on the device)")
         parse_schedule(self.num_speculative_tokens_per_batch_size, k)  # raises ConfigError when malformed

@@ -128,7 +128,7 @@ class LLM:
         self.overlap = bool(overlap) and self.target.device.type == "cuda"
         self.loop = DraftVerifyLoop(self.target, self.verifier, self.tokenizer, proposer, k, hidden_layers,
                                     length=self.spec_length, trees=tree is not None, overlap=self.overlap,
-                                    from_verdict=spec_cfg.from_verdict if spec_cfg is not None else "off")
+                                    from_verdict=_from_verdict(spec_cfg, proposer))
         self.scheduler = Scheduler(self.backend.kv_allocators(), self.loop.finish, max_num_seqs=max_num_seqs,
                                    lookahead=self.lookahead, max_num_batched_tokens=max_num_batched_tokens)
         self._seed_gen = make_generator(seed)
@@ -434,3 +434,11 @@ def _config_eos(path) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _from_verdict(spec_cfg, proposer) -> str:
+    """What a step launches from the device verdict (the speculative config's ``from_verdict``):
+    the config's value, else the proposer's ``from_verdict_default``, else ``"draft"``."""
+    if spec_cfg is None:
+        return "off"
+    return spec_cfg.from_verdict or getattr(proposer, "from_verdict_default", None) or "draft"

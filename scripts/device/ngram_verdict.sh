@@ -7,6 +7,8 @@
 #   bash scripts/device/ngram_verdict.sh tests            # the CUDA tests of the device lookup
 #   SET=mt_bench PPC=10 bash scripts/device/ngram_verdict.sh bench     # carry the corpus (CORPUS)
 #   SET=other_tasks PPC=8 bash scripts/device/ngram_verdict.sh bench
+#   bash scripts/device/ngram_verdict.sh shipped          # the defaults (from_verdict "forward" for n-gram)
+#                                                         # and the corpus shipped with the plugin
 # CORPUS: a corpus file (python -m speculum_ngram.corpus build), int32, or uint16 with 65535
 # as the separator (half the size to carry). PROFILE=1 adds bench offline's --profile.
 # JSON in $OUT: ngram_verdict_${SET}_b1.json.
@@ -35,5 +37,12 @@ np.save('/tmp/corpus.npy', a.astype(np.int32)); print('corpus', (a >= 0).sum(), 
       --method "{\"method\":\"ngram\",\"num_speculative_tokens\":6,\"from_verdict\":\"forward\",$C}" \
       --method '{"method":"eagle3","num_speculative_tokens":4}' \
       --json $OUT/ngram_verdict_${SET}_b1.json 2>&1 | grep -v -E "Loading|Writing|it/s|Warning|warn|INFO"
+    ;;
+  shipped)
+    python3 -m pytest -q plugins/speculum-ngram/tests/test_ngram_device.py -k "cuda or kernel" 2>&1 | tail -2
+    speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category $PPC --max-tokens $TOK \
+      --interleave --mt-bench $SET --method '{"method":"ngram","num_speculative_tokens":4}' \
+      --method '{"method":"ngram","num_speculative_tokens":4,"options":{"corpus":"shipped"}}' \
+      --json $OUT/ngram_shipped_${SET}_b1.json 2>&1 | grep -v -E "Loading|Writing|it/s|Warning|warn|INFO"
     ;;
 esac

@@ -10,9 +10,13 @@ gives 2.12 (``scripts/ngram_ceiling.py --corpus``, a corpus of the target's answ
 training prompts and its own requests, 9.7 M tokens). Drafts stay drafts: the verifier
 keeps only what the target would have produced.
 
-A corpus file is a 1-D ``.npy`` of int32 token ids, streams separated by -1 (``build``);
-``Corpus`` indexes its n-grams once (per n, the windows' hashes sorted, with the position
-after each), and a lookup is a binary search per n from the longest down.
+A corpus file is a 1-D ``.npy`` of int32 token ids, streams separated by -1 (``build``), or
+of uint16 ids with 65535 between streams (``build --compact``: half the size). ``Corpus``
+votes every n-gram's continuation once, at load (per n, the distinct n-grams' hashes sorted,
+the n-grams and their continuations beside them), and a lookup is a binary search per n
+from the longest down, on the host (:meth:`Corpus.draft`) or, for drafts made on the device
+from the verdict, in the n-gram kernel (:mod:`speculum_ngram.kernels`). The plugin ships one
+corpus, for the default model's tokenizer (``corpora/``; ``options.corpus: "shipped"``).
 
     python -m speculum_ngram.corpus build --answers <answers cache>... --out corpus.npy
 """
@@ -195,6 +199,43 @@ class _FlatTables:
         self.steps = int(cnt.max()).bit_length() + 1
 
 
+#: corpora shipped with the plugin: ``<name>.npy`` with ``<name>.json`` (its tokenizer's
+#: vocabulary size and a probe text's token ids, what it was made from and how)
+SHIPPED = Path(__file__).resolve().parent / "corpora"
+#: the separator of a compact (uint16) corpus file
+_SEP16 = 65535
+
+
+def read_tokens(path) -> np.ndarray:
+    """A corpus file's token ids as int64, -1 between streams (int32 files as written by
+    ``build``; uint16 ones, ``build --compact``, with 65535 between streams)."""
+    a = np.load(path)
+    out = a.astype(np.int64)
+    if a.dtype == np.uint16:
+        out[a == _SEP16] = -1
+    return out
+
+
+def shipped_corpus(tokenizer, vocab_size: int) -> str:
+    """The path of the corpus shipped for this tokenizer (``options.corpus: "shipped"``)."""
+    from speculum.errors import ConfigError
+    names = []
+    for meta_path in sorted(SHIPPED.glob("*.json")):
+        meta = json.loads(meta_path.read_text())
+        names.append(meta.get("target", meta_path.stem))
+        if meta.get("vocab_size") != vocab_size:
+            continue
+        try:
+            same = tokenizer is not None and list(tokenizer.encode(meta["probe"])) == meta["probe_ids"]
+        except Exception:  # a tokenizer that cannot encode text: not this one
+            same = False
+        if same:
+            return str(meta_path.with_suffix(".npy"))
+    raise ConfigError(f"no n-gram corpus is shipped for this target's tokenizer (shipped: {', '.join(names) or 'none'}); "
+                      "build one from its answers: `python -m speculum_ngram.corpus build --answers <answers cache> "
+                      "--out corpus.npy` (the caches of `speculum train`), then give its path as options.corpus")
+
+
 @functools.lru_cache(maxsize=4)
 def load_corpus(path: str, n_min: int, n_max: int, depth: int = 8) -> Corpus:
     """The corpus of a ``.npy`` file, its table made once per process (engines share it)."""
@@ -202,8 +243,9 @@ def load_corpus(path: str, n_min: int, n_max: int, depth: int = 8) -> Corpus:
     if not p.is_file():
         from speculum.errors import ConfigError
         raise ConfigError(f"n-gram corpus {path!r} not found: build one with `python -m speculum_ngram.corpus build "
-                          "--answers <answers cache> --out corpus.npy` (the caches of `speculum train`)")
-    return Corpus(np.load(p), n_min, n_max, depth=depth)
+                          "--answers <answers cache> --out corpus.npy` (the caches of `speculum train`), or use "
+                          '"shipped" for the default model\'s')
+    return Corpus(read_tokens(p), n_min, n_max, depth=depth)
 
 
 def answered_prompts(cache: str | Path) -> str:
@@ -212,7 +254,7 @@ def answered_prompts(cache: str | Path) -> str:
     return str(meta.get("spec", {}).get("prompts", ""))
 
 
-def build(answer_dirs: Sequence[str], out: str, answers_only: bool = False) -> dict:
+def build(answer_dirs: Sequence[str], out: str, answers_only: bool = False, compact: bool = False) -> dict:
     """Write the token streams of answers caches (``$SPECULUM_CACHE/distill/...``, or folders
     exported by ``python -m speculum.train.distill export``) as a corpus file."""
     from speculum.datasets import is_eval_set
@@ -230,8 +272,12 @@ def build(answer_dirs: Sequence[str], out: str, answers_only: bool = False) -> d
                       np.array([-1], dtype=np.int32)]
             streams += 1
     arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    if compact:  # uint16, 65535 between streams: half the size (vocabularies under 65,535 tokens)
+        if arr.size and arr.max() >= _SEP16:
+            raise ConfigError(f"--compact needs token ids below {_SEP16}; this vocabulary has {int(arr.max()) + 1}")
+        arr = np.where(arr < 0, _SEP16, arr).astype(np.uint16)
     np.save(out, arr)
-    return {"streams": streams, "tokens": int((arr >= 0).sum()), "bytes": int(arr.nbytes), "out": out}
+    return {"streams": streams, "tokens": int(arr.size - streams), "bytes": int(arr.nbytes), "out": out}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="every answers cache in this folder (e.g. $SPECULUM_CACHE/distill) but those of evaluation sets")
     b.add_argument("--out", required=True, help="the .npy to write")
     b.add_argument("--answers-only", action="store_true", help="leave the prompts out")
+    b.add_argument("--compact", action="store_true", help="uint16 token ids (half the size; vocabularies < 65,535)")
     args = ap.parse_args(argv)
     from speculum.datasets import is_eval_set
     from speculum.errors import ConfigError
@@ -254,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: no answers cache given (--answers DIR or --cache-root DIR)", file=sys.stderr)
         return 2
     try:
-        print(json.dumps(build(dirs, args.out, args.answers_only)))
+        print(json.dumps(build(dirs, args.out, args.answers_only, args.compact)))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,8 @@ class NgramOptions:
 
     ``search_window``: only the last this-many tokens are searched (0 = all).
     ``corpus``: a corpus file of the target's earlier answers (``python -m
-    speculum_ngram.corpus build``) searched when the request itself has no match (chains).
+    speculum_ngram.corpus build``) searched when the request itself has no match (chains);
+    ``"shipped"``: the one shipped for the target's tokenizer (the default model's).
     """
 
     search_window: int = attrs.field(default=0, validator=attrs.validators.ge(0))
@@ -248,6 +249,10 @@ class NgramProposer:
     supports_trees = True
     #: no KV cache of its own: nothing beyond the tree's nodes to reserve
     kv_lookahead = 0
+    #: drafting from the verdict launches the next verify forward too unless the config says
+    #: otherwise (the device lookup is one kernel: the forward need not wait for the host;
+    #: H200, MT-bench, k = 4: 1.49x autoregressive against 1.35x for "draft", 1.36x for "off")
+    from_verdict_default = "forward"
 
     #: steps after which the index of a sequence not seen since is dropped (finished
     #: requests; one that comes back after a pause is simply indexed again)
@@ -313,8 +318,9 @@ class NgramProposer:
                               "num_draft_tokens) or the corpus")
         corpus = None
         if opts.corpus:
-            from speculum_ngram.corpus import load_corpus
-            corpus = load_corpus(opts.corpus, lo, hi, depth=max(cfg.num_speculative_tokens or 0, 1))
+            from speculum_ngram.corpus import load_corpus, shipped_corpus
+            path = shipped_corpus(ctx.tokenizer, ctx.vocab_size) if opts.corpus == "shipped" else opts.corpus
+            corpus = load_corpus(path, lo, hi, depth=max(cfg.num_speculative_tokens or 0, 1))
         return cls(lo, hi, opts.search_window, tree=tree, corpus=corpus)
 
     def propose(self, batch: ProposeBatch) -> Draft:

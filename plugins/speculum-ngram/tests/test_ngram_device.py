@@ -112,9 +112,11 @@ def test_an_engine_drafting_from_the_verdict_verifies_the_host_drafts(target, tm
         llm = LLM(str(target), spec, **kw)
         llm.loop.overlap = from_verdict
         llm.loop.forward_from_verdict = from_verdict and mode == "forward"
-        if broken:
-            real = device.suffix_match
+        if broken:  # both ways of looking up: torch ops (CPU) and the kernel (CUDA)
+            real, real_k = device.suffix_match, kernels.ngram_draft
             monkeypatch.setattr(device, "suffix_match", lambda h, L, *a: real(h, L - 1, *a))
+            monkeypatch.setattr(kernels, "ngram_draft", lambda h, rows, base, v, *a: real_k(
+                h, rows, base, torch.cat([(v[:, :1] - 1).clamp_min(0), v[:, 1:]], dim=1), *a))
         steps = verified_drafts(llm)  # (engines share the verifier: this run's steps only)
         n0 = len(steps)
         outs, _, acc = run_with_an_abort_and_a_join(llm, prompts, params)
@@ -168,3 +170,14 @@ def test_the_kernel_drafts_what_the_torch_lookup_drafts(with_corpus):
             want = torch.where(found.view(R, 1), want, cd)
         assert torch.equal(h1, h2)
         assert got.tolist() == want.tolist(), (lengths, n_min, n_max, k, window)
+
+
+def test_ngram_launches_the_next_forward_from_the_verdict_unless_told_otherwise(target):
+    """from_verdict left out: the method's choice, "forward" for n-gram; a value given wins."""
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    default = LLM(str(target), spec, **kw).loop
+    assert default.from_verdict and default.forward_from_verdict
+    draft = LLM(str(target), {**spec, "from_verdict": "draft"}, **kw).loop
+    assert draft.from_verdict and not draft.forward_from_verdict
+    assert not LLM(str(target), {**spec, "from_verdict": "off"}, **kw).loop.from_verdict
