@@ -144,14 +144,29 @@ def _voted_table(t: np.ndarray, n: int, depth: int, max_votes: int):
 
 
 class DeviceCorpus:
-    """A :class:`Corpus`'s tables as tensors on one device, looked up for a batch at once
-    (:meth:`lookup`), for drafts made on the device (n-gram drafting from the verdict)."""
+    """A :class:`Corpus`'s tables on one device, every n's in one tensor each: hashes [G],
+    n-grams [G, n_max] (-1 padded), continuations [G, depth]; ``off[n]``, ``cnt[n]``: where
+    n's rows start and how many. Looked up for a batch at once by :meth:`lookup` (torch
+    ops) or inside the n-gram kernel (:func:`speculum_ngram.kernels.ngram_draft`)."""
 
     def __init__(self, corpus: Corpus, device):
         import torch
         self.n_min, self.n_max, self.depth = corpus.n_min, corpus.n_max, corpus.depth
-        self.tables = {n: tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device, torch.int64) for a in tab)
-                       for n, tab in corpus.tables.items()}
+        ns = sorted(corpus.tables)
+        sizes = [len(corpus.tables[n][0]) for n in ns]
+        cnt = np.zeros(self.n_max + 1, dtype=np.int64)
+        cnt[ns] = sizes
+        off = np.zeros(self.n_max + 1, dtype=np.int64)
+        off[ns] = np.cumsum([0] + sizes)[:-1]
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, torch.int64)  # noqa: E731
+        self.hs = t(np.concatenate([corpus.tables[n][0] for n in ns]))
+        self.grams = t(np.concatenate([np.pad(corpus.tables[n][1], ((0, 0), (0, self.n_max - n)), constant_values=-1)
+                                       for n in ns]))
+        self.cont = t(np.concatenate([corpus.tables[n][2] for n in ns]))
+        self.off, self.cnt = t(off), t(cnt)
+        self._spans = {n: (int(off[n]), int(off[n] + cnt[n])) for n in ns}
+        #: binary search iterations that cover the largest table
+        self.steps = int(cnt.max()).bit_length() + 1
         # P^j wrapped to int64, j = 0 .. n_max - 1 (the newest token has j = 0)
         pw, x = [], np.int64(1)
         with np.errstate(over="ignore"):
@@ -159,7 +174,6 @@ class DeviceCorpus:
                 pw.append(x)
                 x = x * _P
         self.powers = torch.tensor(np.array(pw, dtype=np.int64), device=device)
-        self.flat = _FlatTables(corpus, device)
 
     def lookup(self, suffix, length, k: int):
         """([B, k] drafts, -1 padded; [B] found) for ``suffix`` [B, n_max] (column j the
@@ -170,37 +184,16 @@ class DeviceCorpus:
         out = torch.full((B, k), -1, dtype=torch.int64, device=suffix.device)
         found = torch.zeros(B, dtype=torch.bool, device=suffix.device)
         for n in range(self.n_max, self.n_min - 1, -1):
-            hs, grams, cont = self.tables[n]
-            if not hs.numel():
+            lo, hi = self._spans[n]
+            if hi == lo:
                 continue
-            gram = suffix[:, :n].flip(1)  # oldest first
+            hs, grams, cont = self.hs[lo:hi], self.grams[lo:hi, :n], self.cont[lo:hi]
             key = (suffix[:, :n] * self.powers[:n]).sum(1)
-            i = torch.searchsorted(hs, key).clamp_max(hs.numel() - 1)
-            hit = (hs[i] == key) & (grams[i] == gram).all(1) & (length >= n) & ~found
+            i = torch.searchsorted(hs, key).clamp_max(hi - lo - 1)
+            hit = (hs[i] == key) & (grams[i] == suffix[:, :n].flip(1)).all(1) & (length >= n) & ~found
             out = torch.where(hit.view(B, 1), cont[i, :k], out)
             found |= hit
         return out, found
-
-
-class _FlatTables:
-    """Every n's table in one tensor each, for :func:`speculum_ngram.kernels.ngram_draft`:
-    hashes [G], n-grams [G, n_max] (-1 padded), continuations [G, depth]; ``off[n]``,
-    ``cnt[n]``: where n's rows start and how many; ``steps``: binary search iterations."""
-
-    def __init__(self, corpus: Corpus, device):
-        import torch
-        ns = sorted(corpus.tables)
-        hs = [corpus.tables[n][0] for n in ns]
-        grams = [np.pad(corpus.tables[n][1], ((0, 0), (0, corpus.n_max - n)), constant_values=-1) for n in ns]
-        cont = [corpus.tables[n][2] for n in ns]
-        cnt = np.zeros(corpus.n_max + 1, dtype=np.int64)
-        cnt[ns] = [len(h) for h in hs]
-        off = np.zeros(corpus.n_max + 1, dtype=np.int64)
-        off[ns] = np.cumsum([0] + [len(h) for h in hs])[:-1]
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, torch.int64)  # noqa: E731
-        self.hs, self.grams, self.cont = t(np.concatenate(hs)), t(np.concatenate(grams)), t(np.concatenate(cont))
-        self.off, self.cnt, self.depth = t(off), t(cnt), corpus.depth
-        self.steps = int(cnt.max()).bit_length() + 1
 
 
 #: corpora shipped with the plugin: ``<name>.npy`` with ``<name>.json`` (its tokenizer's

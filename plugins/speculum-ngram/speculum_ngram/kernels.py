@@ -115,10 +115,10 @@ def ngram_draft(hist: torch.Tensor, rows: torch.Tensor, base: torch.Tensor, verd
     q = q1 - 1
     out = torch.empty(R, k, dtype=torch.int64, device=hist.device)
     if corpus is not None:
-        t = corpus.flat
-        cargs = (t.hs, t.grams, t.cont, t.off, t.cnt, corpus.powers, t.depth)
-        ckw = dict(CORPUS=True, C_MIN=corpus.n_min, C_NUM=corpus.n_max - corpus.n_min + 1,
-                   CP2=triton.next_power_of_2(corpus.n_max - corpus.n_min + 1), STEPS=t.steps)
+        c = corpus
+        cargs = (c.hs, c.grams, c.cont, c.off, c.cnt, c.powers, c.depth)
+        ckw = dict(CORPUS=True, C_MIN=c.n_min, C_NUM=c.n_max - c.n_min + 1,
+                   CP2=triton.next_power_of_2(c.n_max - c.n_min + 1), STEPS=c.steps)
     else:
         cargs = (hist, hist, hist, hist, hist, hist, 1)
         ckw = dict(CORPUS=False, C_MIN=1, C_NUM=1, CP2=1, STEPS=1)
