@@ -195,7 +195,13 @@ class Proposer(Protocol):
 
 @runtime_checkable
 class StatefulProposer(Proposer, Protocol):
-    """A proposer with per-request state (its own KV cache, for example)."""
+    """A proposer with per-request state (its own KV cache, for example).
+
+    One whose state is made lazily and forgotten on its own may set ``hooks_optional =
+    True``: a composite (``"method": "a+b"``, :mod:`speculum.proposers.first_draft`) may then
+    use it before its last part, where its hooks are never called (n-gram lookup: its device
+    copy of each sequence's tokens, made by drafting from the verdict, which a composite's
+    first part never does)."""
 
     def add_request(self, seq: SequenceView) -> None:
         """Called once when a sequence starts running (prefill the draft state)."""

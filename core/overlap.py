@@ -91,12 +91,13 @@ class Overlap:
                             ahead: bool, failed_rows: dict) -> Draft | None:
         """Start the next step's drafts (chains or trees) from this step's verdict on the
         device, before the host waits for its copy (:class:`VerdictDrafter`), when the next
-        step will be drafted ahead anyway (:meth:`_may_plan_ahead`) and every row drafted
-        this step. Its observe settles them, its plan ahead takes them; otherwise they are
-        rewound."""
+        step will be drafted ahead anyway (:meth:`_may_plan_ahead`) at a k that does not vary
+        (the next forward's width is this one's: no length policy is asked here) and every
+        row drafted this step (a proposer that asks for no hidden states needs none). Its
+        observe settles them, its plan ahead takes them; otherwise they are rewound."""
         if not (self.from_verdict and self.overlap and ahead and not failed_rows and plan.k
-                and (out.hidden_states or not self.wants_hidden) and len(plan.rows) == len(seqs)
-                and self._may_plan_ahead(seqs)):
+                and not self.length.varies and (out.hidden_states or not self.wants_hidden)
+                and len(plan.rows) == len(seqs) and self._may_plan_ahead(seqs)):
             return None
         try:
             launched = self.proposer.draft_from_verdict([s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],

@@ -7,7 +7,8 @@ head, so the head's drafting is paid only where lookup found nothing. Every part
 from the same speculative config (``method`` replaced by its own name); ``options`` go to
 the last part, the others take their defaults (the n-gram bounds are top-level fields).
 
-At most one part may keep per-request state (a head), and it must be the last: it sees
+At most one part may keep per-request state (a head), and it must be the last (a part whose
+hooks are optional, ``hooks_optional``, such as n-gram, counts as stateless before it): it sees
 every step's feedback (the states of tokens another part drafted join its backlog,
 :class:`speculum.backends.torch.heads.proposer.ChainHeadProposer`), and a stateless part
 has nothing to take back. Chains only: a token tree comes from one proposer.
@@ -36,7 +37,9 @@ def split_method(method: str) -> list[str]:
 def first_draft(parts: Sequence, names: Sequence[str]) -> "FirstDraft":
     """The composite of ``parts``, with the per-request hooks of its last part and no others
     (the engine and the loop recognise hooks by their presence on the class)."""
-    stateful = [n for n, p in zip(names, parts) if isinstance(p, StatefulProposer)]
+    # (a part whose hooks are optional keeps nothing that needs them: it is stateless here)
+    stateful = [n for i, (n, p) in enumerate(zip(names, parts)) if isinstance(p, StatefulProposer)
+                and not (i + 1 < len(parts) and getattr(p, "hooks_optional", False))]
     if stateful and (len(stateful) > 1 or not isinstance(parts[-1], StatefulProposer)):
         raise ConfigError(f"method {'+'.join(names)!r}: only the last method may keep per-request state "
                           f"(a head or a draft model); {', '.join(stateful)} do. Put the model last, e.g. "

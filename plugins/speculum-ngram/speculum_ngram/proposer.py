@@ -253,6 +253,10 @@ class NgramProposer:
     #: otherwise (the device lookup is one kernel: the forward need not wait for the host;
     #: H200, MT-bench, k = 4: 1.49x autoregressive against 1.35x for "draft", 1.36x for "off")
     from_verdict_default = "forward"
+    #: the per-request hooks only free the device copy of a sequence's tokens, which only
+    #: drafting from the verdict makes: a composite's first part ("ngram+eagle3"), whose hooks
+    #: are not called and which never drafts from the verdict, keeps nothing that needs them
+    hooks_optional = True
 
     #: steps after which the index of a sequence not seen since is dropped (finished
     #: requests; one that comes back after a pause is simply indexed again)
