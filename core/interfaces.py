@@ -61,6 +61,10 @@ class Draft:
     # [B] leading valid tokens per row, on the host, when the proposer knows them without
     # reading the device (saves a synchronisation); None = count from token_ids
     lengths: list[int] | None = None
+    # [B] int64 on the device: each row's leading valid drafts when ``lengths`` is only an
+    # upper bound (chains drafted on the device from a verdict: the host has not read how
+    # many each row found); the loop reads it with the verdict, for the metrics
+    counts: torch.Tensor | None = None
     # the tree shape (parent of each node), on token_ids' device; None = a chain. With
     # probs given, node i's token must be drawn from probs[b, i] independently of its
     # siblings; with probs None the nodes are deterministic (one-hot for the verifier)

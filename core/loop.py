@@ -250,7 +250,7 @@ class DraftVerifyLoop(Overlap):
             verdict.path = torch.full_like(ids, -1)
         # the host synchronisation of the step (greedy verification has synced already);
         # the copy is queued before a forward run ahead, so it does not wait for that one
-        to_host = _to_host(verdict, finite)
+        to_host = _to_host(verdict, finite, draft.counts if tree is None else None)
         # the next drafts start on the device now, while the verdict is copied and read
         launched = self._draft_from_verdict(seqs, plan, verdict, out, ahead, failed_rows)
         # ... and the target's next forward on them, when the runner can place it from the device
@@ -260,8 +260,11 @@ class DraftVerifyLoop(Overlap):
         if self.overlap and ahead and not k and self._may_run_ahead(seqs, failed_rows):
             out = _keep_states(out)
             self._run_ahead(seqs, verdict.token_ids[:, :1])
-        both = to_host()
+        both, counts = to_host()
         accepted = [r[0] for r in both]
+        # what each row really drafted, for the metrics (drafts made on the device: their counts
+        # came with the verdict; every row verified ``drafted`` positions all the same)
+        counted = drafted if counts is None else [min(d, c) for d, c in zip(drafted, counts)]
         width = verdict.token_ids.shape[1]
         hidden = out.hidden_states
         raw = out.logits
@@ -294,9 +297,9 @@ class DraftVerifyLoop(Overlap):
                 self.target.truncate(s.seq_id, old_len + a + vf.q)
             elif drafted[b] or tree is not None:
                 self.target.truncate(s.seq_id, old_len + a)
-            s.metrics.record_step(drafted[b], a, depths[b] if tree is not None and drafted[b] else None)
+            s.metrics.record_step(counted[b], a, depths[b] if tree is not None and drafted[b] else None)
             if asked[b]:
-                self.length.observe_acceptance(s, asked[b], drafted[b], a)
+                self.length.observe_acceptance(s, asked[b], counted[b], a)
             try:
                 kept = s.append(tokens[: a + 1], self.tokenizer)
             except Exception as exc:  # a detokeniser or stop-string failure is this request's
@@ -589,13 +592,19 @@ def _keep_states(out: ForwardOutput) -> ForwardOutput:
     return attrs.evolve(out, hidden_states={l: h.clone() for l, h in out.hidden_states.items()})
 
 
-def _to_host(verdict: Verdict, finite: torch.Tensor):
+def _to_host(verdict: Verdict, finite: torch.Tensor, counts: torch.Tensor | None = None):
     """Start copying rows of [num_accepted, finite, tokens..., path...] (the path of a tree
-    verdict only) to the host, in as few launches as the verdict allows; returns a function
-    that waits for the copy (and nothing queued after it) and gives the rows as lists."""
+    verdict only) to the host, in as few launches as the verdict allows, and ``counts`` [B]
+    (a draft's device counts, :attr:`Draft.counts`) beside them; returns a function that
+    waits for the copy (and nothing queued after it) and gives (the rows as lists, the
+    counts as a list or None)."""
     # [count | tokens (| path)]: a greedy verdict's own tensor (nothing to join), else joined now
-    wait = _copy(verdict.as_rows(), finite)
-    return lambda: [[r[0], int(f), *r[1:]] for r, f in zip(*wait())]
+    wait = _copy(verdict.as_rows(), finite, *(() if counts is None else (counts,)))
+
+    def read():
+        rows, flags, *rest = wait()
+        return [[r[0], int(f), *r[1:]] for r, f in zip(rows, flags)], (rest[0] if rest else None)
+    return read
 
 
 _streams: dict[int, torch.cuda.Stream] = {}

@@ -28,7 +28,7 @@ _SHIFT = 1 << 32
 if triton is not None:
 
     @triton.jit
-    def _ngram_draft_kernel(hist_ptr, HS, rows_ptr, base_ptr, v_ptr, VS, q, out_ptr, K, n_min, window,
+    def _ngram_draft_kernel(hist_ptr, HS, rows_ptr, base_ptr, v_ptr, VS, q, out_ptr, cnt_out_ptr, K, n_min, window,
                             hs_ptr, grams_ptr, cont_ptr, off_ptr, cnt_ptr, pw_ptr, DEPTH,
                             N_MAX: tl.constexpr, NP2: tl.constexpr, KB: tl.constexpr, QB: tl.constexpr,
                             BLOCK: tl.constexpr, CORPUS: tl.constexpr, C_MIN: tl.constexpr, C_NUM: tl.constexpr,
@@ -97,6 +97,7 @@ if triton is not None:
             cont = tl.load(cont_ptr + at * DEPTH + kk, mask=((kk * 0 + nb) >= 0) & (kk < K) & ~found, other=-1)
             draft = tl.where(found, draft, cont)
         tl.store(out_ptr + b * K + kk, draft, mask=kk < K)
+        tl.store(cnt_out_ptr + b, tl.sum(((draft >= 0) & (kk < K)).to(tl.int64), axis=0))  # leading: valid ones come first
 
 
 def available(t: torch.Tensor) -> bool:
@@ -105,8 +106,8 @@ def available(t: torch.Tensor) -> bool:
 
 
 def ngram_draft(hist: torch.Tensor, rows: torch.Tensor, base: torch.Tensor, verdict_rows: torch.Tensor,
-                n_min: int, n_max: int, k: int, window: int = 0, corpus=None) -> torch.Tensor:
-    """[R, k] drafts (-1 padded) of rows ``rows`` [R] of ``hist`` [*, HS] (int64, each row a
+                n_min: int, n_max: int, k: int, window: int = 0, corpus=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R, k] drafts, -1 padded; [R] how many each row has) of rows ``rows`` [R] of ``hist`` [*, HS] (int64, each row a
     sequence's tokens) after appending the verdict's tokens at ``base`` [R] (``verdict_rows``
     [R, 1 + q]: the accepted count, then q tokens, as :meth:`speculum.interfaces.Verdict.as_rows`):
     the request's own match (:func:`~speculum_ngram.device.suffix_match`), else ``corpus``'s
@@ -114,6 +115,7 @@ def ngram_draft(hist: torch.Tensor, rows: torch.Tensor, base: torch.Tensor, verd
     R, q1 = verdict_rows.shape
     q = q1 - 1
     out = torch.empty(R, k, dtype=torch.int64, device=hist.device)
+    counts = torch.empty(R, dtype=torch.int64, device=hist.device)
     if corpus is not None:
         c = corpus
         cargs = (c.hs, c.grams, c.cont, c.off, c.cnt, c.powers, c.depth)
@@ -123,8 +125,8 @@ def ngram_draft(hist: torch.Tensor, rows: torch.Tensor, base: torch.Tensor, verd
         cargs = (hist, hist, hist, hist, hist, hist, 1)
         ckw = dict(CORPUS=False, C_MIN=1, C_NUM=1, CP2=1, STEPS=1)
     v = verdict_rows if verdict_rows.stride(1) == 1 else verdict_rows.contiguous()
-    _ngram_draft_kernel[(R,)](hist, hist.stride(0), rows, base, v, v.stride(0), q, out, k, n_min, window, *cargs,
+    _ngram_draft_kernel[(R,)](hist, hist.stride(0), rows, base, v, v.stride(0), q, out, counts, k, n_min, window, *cargs,
                               N_MAX=n_max, NP2=triton.next_power_of_2(max(n_max, 2)),
                               KB=triton.next_power_of_2(max(k, 2)), QB=triton.next_power_of_2(max(q, 2)),
                               BLOCK=256, **ckw)
-    return out
+    return out, counts

@@ -332,7 +332,7 @@ class NgramProposer:
         launched = self._take_launched(batch.seqs)
         if launched is not None and k <= launched.token_ids.shape[1]:  # drafted from the verdict already
             return launched if k == launched.token_ids.shape[1] else Draft(
-                token_ids=launched.token_ids[:, :k], lengths=[k] * len(batch.seqs))
+                token_ids=launched.token_ids[:, :k], lengths=[k] * len(batch.seqs), counts=launched.counts.clamp_max(k))
         if self._history is not None:
             self._history.sync(batch.seqs)
         self._calls += 1
@@ -421,8 +421,8 @@ class NgramProposer:
         corpus = self.corpus.on(dev) if self.corpus is not None else None
         h.reserve(max(lengths) + q + 1)
         if kernels.available(h.buf):  # one launch
-            draft = kernels.ngram_draft(h.buf, rows, base, verdict.as_rows()[:, : 1 + q], self.n_min, self.n_max, k,
-                                        self.search_window, corpus)
+            draft, counts = kernels.ngram_draft(h.buf, rows, base, verdict.as_rows()[:, : 1 + q], self.n_min,
+                                                self.n_max, k, self.search_window, corpus)
         else:  # the same as torch ops
             h.append(rows, base, verdict.token_ids, max(lengths))
             L = base + verdict.num_accepted.to(dev, torch.int64) + 1
@@ -431,6 +431,8 @@ class NgramProposer:
             if corpus is not None:
                 cd, _ = corpus.lookup(suffix, L, k)
                 draft = torch.where(found.view(R, 1), draft, cd)
-        launched = Draft(token_ids=draft, probs=None, lengths=[k] * R)
+            counts = (draft >= 0).sum(1)  # (valid drafts come first)
+        # every row verifies k as far as the host knows; the loop reads the counts with the verdict
+        launched = Draft(token_ids=draft, probs=None, lengths=[k] * R, counts=counts)
         self._launched = _Launched(tuple(seq_ids), launched)
         return launched

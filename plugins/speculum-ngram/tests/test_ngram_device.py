@@ -90,7 +90,7 @@ def test_an_engine_drafting_from_the_verdict_verifies_the_host_drafts(target, tm
     """Overlap forced on (off for the host run; on CUDA the graphed runner), greedy, the
     overlap tests' schedule (an abort and a join drop steps drafted ahead): outputs equal plain decoding, each step verifies the drafts the
     host lookup makes (padding aside: a device draft always has k columns), the accepted
-    count equals the run drafting on the host, and most steps were drafted from the
+    count and the steps that drafted (the metrics) equal the run drafting on the host, and most steps were drafted from the
     verdict ("forward": the next verify forward launched from it too). The wrong variant,
     a device lookup that misses the verdict's last token (an off-by-one in the accepted
     count), verifies other drafts and accepts fewer."""
@@ -119,17 +119,19 @@ def test_an_engine_drafting_from_the_verdict_verifies_the_host_drafts(target, tm
                 h, rows, base, torch.cat([(v[:, :1] - 1).clamp_min(0), v[:, 1:]], dim=1), *a))
         steps = verified_drafts(llm)  # (engines share the verifier: this run's steps only)
         n0 = len(steps)
-        outs, _, acc = run_with_an_abort_and_a_join(llm, prompts, params)
-        return outs, acc, _strip(steps[n0:]), llm.loop
+        outs, drafts, acc = run_with_an_abort_and_a_join(llm, prompts, params)
+        return outs, (drafts, acc), _strip(steps[n0:]), llm.loop
 
     host_outs, host_acc, host_steps, _ = run(False)
     outs, acc, steps, loop = run(True)
     assert outs == host_outs == {f"r{i}": plain[i] for i in (0, 2, 3)}
-    assert steps == host_steps and acc == host_acc and acc > 10
+    # (drafting steps and accepted tokens: the device counts read with the verdict give the
+    # host's metrics, though every row verified k positions)
+    assert steps == host_steps and acc == host_acc and acc[1] > 10
     assert loop.drafted_from_verdict > len(steps) // 2, (loop.drafted_from_verdict, len(steps))
     assert (loop.forwards_from_verdict > len(steps) // 2) == (mode == "forward")
     _, bad_acc, bad_steps, _ = run(True, broken=True)
-    assert bad_steps != host_steps and bad_acc < host_acc
+    assert bad_steps != host_steps and bad_acc[1] < host_acc[1]
 
 
 #: ``TRITON_INTERPRET=1 SPECULUM_TRITON_INTERPRET=1`` on a CPU with triton: the kernel test
@@ -161,7 +163,7 @@ def test_the_kernel_drafts_what_the_torch_lookup_drafts(with_corpus):
         acc = torch.tensor([rng.randint(0, k) for _ in range(R)], device=dev)
         vrows = torch.cat([acc.view(R, 1), torch.randint(0, 6, (R, q), device=dev)], dim=1)
         h1, h2 = hist.clone(), hist.clone()
-        got = kernels.ngram_draft(h1, rows, base, vrows, n_min, n_max, k, window, corpus)
+        got, counts = kernels.ngram_draft(h1, rows, base, vrows, n_min, n_max, k, window, corpus)
         h2[rows.view(R, 1), base.view(R, 1) + torch.arange(q, device=dev)] = vrows[:, 1:]
         L = base + acc + 1
         want, found, suffix = suffix_match(h2[rows, : max(lengths) + q], L, n_min, n_max, k, window)
@@ -170,6 +172,7 @@ def test_the_kernel_drafts_what_the_torch_lookup_drafts(with_corpus):
             want = torch.where(found.view(R, 1), want, cd)
         assert torch.equal(h1, h2)
         assert got.tolist() == want.tolist(), (lengths, n_min, n_max, k, window)
+        assert counts.tolist() == (want >= 0).sum(1).tolist()
 
 
 def test_ngram_launches_the_next_forward_from_the_verdict_unless_told_otherwise(target):
