@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--answers-cache", default=None,
                    help="or replay the first-turn greedy answers of this answers cache (speculum train --eval-prompts)")
     p.add_argument("--corpus", default=None,
-                   help="also replay lookup that falls back on this corpus (python -m speculum_ngram.corpus build)")
+                   help="also replay lookup that falls back on this corpus (python -m speculum_ngram.corpus build; "
+                        "\"shipped\": the default model's)")
     p.add_argument("-k", type=int, nargs="+", default=[2, 4], help="draft lengths to replay")
     p.add_argument("--trees", nargs="*", default=[], metavar="M:N",
                    help="also replay token trees of up to M continuations and N nodes, at each -k as depth")
@@ -159,10 +160,9 @@ def main(argv=None) -> int:
             else from_cache(args.answers_cache, args.max_tokens) if args.answers_cache else generate(args))
     rows = [replay(data, lo, hi, k) for k in args.k for lo, hi in ((2, 5), (1, 5), (3, 5), (2, 8))]
     if args.corpus:
-        import numpy as np
-
-        from speculum_ngram.corpus import Corpus
-        corpus = Corpus(np.load(args.corpus), 2, 5)
+        from speculum_ngram.corpus import SHIPPED, Corpus, read_tokens
+        path = SHIPPED / "smollm2-135m-instruct.npy" if args.corpus == "shipped" else args.corpus
+        corpus = Corpus(read_tokens(path), 2, 5, depth=max(args.k))  # (int32 or compact files)
         rows += [replay(data, lo, hi, k, corpus) for k in args.k for lo, hi in ((2, 5), (1, 5))]
     print(f"{'k':>2} {'n':>5} {'corpus':>6} {'tokens/forward':>15} {'drafting share':>15}")
     for r in rows:
