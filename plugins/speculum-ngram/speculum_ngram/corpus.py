@@ -73,8 +73,9 @@ class Corpus:
         for n in range(min(self.n_max, len(ctx)), self.n_min - 1, -1):
             suffix = ctx[-n:]
             hs, grams, cont = self.tables[n]
-            i = int(np.searchsorted(hs, _hash(suffix)))
-            if i < len(hs) and hs[i] == _hash(suffix) and np.array_equal(grams[i], suffix):
+            key = _hash(suffix)
+            i = int(np.searchsorted(hs, key))
+            if i < len(hs) and hs[i] == key and np.array_equal(grams[i], suffix):
                 c = cont[i, :k]
                 return c[c >= 0].tolist()
         return []

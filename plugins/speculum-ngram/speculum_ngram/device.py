@@ -86,7 +86,7 @@ class DeviceHistory:
     def _row_of(self, sid: int) -> int:
         r = self.row.get(sid)
         if r is None:
-            r = self._free.pop() if self._free else len(self.row) + len(self._free)
+            r = self._free.pop() if self._free else len(self.row)  # (every row in use: the next one)
             self.row[sid] = r
             self.known[sid] = 0
         return r

@@ -22,9 +22,6 @@ try:  # Triton ships with CUDA builds of torch; CPU builds have none
 except ImportError:  # pragma: no cover - exercised on CPU CI
     triton = None
 
-#: score = match length * SHIFT + window end (ends stay below 2^32)
-_SHIFT = 1 << 32
-
 if triton is not None:
 
     @triton.jit
@@ -59,7 +56,7 @@ if triton is not None:
             m = tl.minimum(m, cap)
             if window > 0:
                 m = tl.minimum(m, e + 1 - L + window)
-            score = tl.where(inside & (m >= n_min), m * 4294967296 + e, -1)
+            score = tl.where(inside & (m >= n_min), m * 4294967296 + e, -1)  # length, then end (< 2^32)
             best = tl.maximum(best, tl.max(score, axis=0))
         kk = tl.arange(0, KB)
         found = (kk.to(tl.int64) * 0 + best) >= 0  # (a vector: scalar & vector masks trip the interpreter)

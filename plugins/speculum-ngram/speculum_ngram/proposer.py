@@ -419,8 +419,8 @@ class NgramProposer:
         k = q - 1
         rows, base = torch.tensor([h.rows_of(seq_ids), list(lengths)], dtype=torch.int64).to(dev, non_blocking=True)
         corpus = self.corpus.on(dev) if self.corpus is not None else None
-        h.reserve(max(lengths) + q + 1)
         if kernels.available(h.buf):  # one launch
+            h.reserve(max(lengths) + q + 1)  # (the kernel appends the verdict's q tokens; append() reserves its own)
             draft, counts = kernels.ngram_draft(h.buf, rows, base, verdict.as_rows()[:, : 1 + q], self.n_min,
                                                 self.n_max, k, self.search_window, corpus)
         else:  # the same as torch ops
