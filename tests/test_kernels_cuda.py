@@ -48,9 +48,11 @@ def test_add_rmsnorm_matches_torch(dtype, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("strided_slots", [False, True])
-def test_rope_write_kv_matches_torch(dtype, strided_slots):
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)], ids=["smollm2", "llama3-8b"])
+def test_rope_write_kv_matches_torch(dtype, strided_slots, heads):
+    """SmolLM2's heads (9 q, 3 k/v, 64 wide) and Llama-3-8B's (32, 8, 128)."""
     g = _gen(1)
-    B, t, nq, nkv, d, slots = 3, 4, 9, 3, 64, 64
+    (nq, nkv, d), B, t, slots = heads, 3, 4, 64
     if strided_slots:  # one column of a wider slot table (a head's draft step): a strided view
         t = 1
     qkv = torch.randn(B, t, (nq + 2 * nkv) * d, generator=g).to(DEV).to(dtype)

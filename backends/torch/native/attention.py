@@ -196,7 +196,8 @@ if triton is not None:
             row = (bk * NSPLIT + split) * (T * G) + r
             tl.store(m_ptr + row, m, mask=live)
             tl.store(l_ptr + row, l, mask=live)
-            tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=live[:, None])
+            # a row that saw no key keeps m = -1e30 and its acc is never read: not written
+            tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(live & (m > -1.0e29))[:, None])
 
     @triton.jit
     def _combine_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, T, NSPLIT,
@@ -213,7 +214,8 @@ if triton is not None:
         m = tl.load(m_ptr + row, mask=ok, other=-1.0e30)
         l = tl.load(l_ptr + row, mask=ok, other=0.0)
         d = tl.arange(0, D)
-        acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        seen = ok & (m > -1.0e29)  # splits past the row's keys wrote no acc (weight 0 anyway)
+        acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
         w = tl.exp2(m - tl.max(m, axis=0))
         out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(tl.sum(l * w, axis=0), 1e-30)
         tl.store(o_ptr + ((b * T + t) * HQ + h) * D + d, out.to(o_ptr.dtype.element_ty))

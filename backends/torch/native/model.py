@@ -21,6 +21,7 @@ from speculum.backends.torch.native import invariant
 from speculum.backends.torch.native.arch import LlamaArch
 from speculum.backends.torch.native.attention import (causal_mask, fresh_attention, paged_decode_attention,
                                                       sdpa_attention, use_decode_kernel)
+from speculum.backends.torch.native.gemm import GemmPlan, tuning_enabled
 from speculum.backends.torch.native.kernels import add_rmsnorm, rope_write_kv, rope_write_kv_torch, silu_mul
 from speculum.tree import TreeMask
 
@@ -38,8 +39,10 @@ class RMSNorm(nn.Module):
         return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
-def _linear(mod: nn.Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-    return invariant.linear(x, mod.weight, mod.bias) if batch_invariant else mod(x)
+def _linear(mod: nn.Linear, x: torch.Tensor, batch_invariant: bool, plan: GemmPlan) -> torch.Tensor:
+    if batch_invariant:
+        return invariant.linear(x, mod.weight, mod.bias)
+    return plan.linear(x, mod.weight, mod.bias)
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
@@ -70,11 +73,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, arch.rms_eps) if arch.qk_norm else None
         self.scale = self.d ** -0.5
         self.batch_invariant = False
+        self.gemm = GemmPlan()  # the model's, shared by every layer (NativeLlama)
 
     def forward(self, x, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None, fresh=False):
         B, q, _ = x.shape
         inv = self.batch_invariant
-        qkv = _linear(self.qkv, x, inv)
+        qkv = _linear(self.qkv, x, inv, self.gemm)
         if self.q_norm is None:
             qh = rope_write_kv(qkv, self.nq, self.nkv, self.d, cos, sin, write_slots, k_pool, v_pool)
         else:
@@ -91,7 +95,7 @@ class Attention(nn.Module):
             out = fresh_attention(qh, k_pool, v_pool, write_slots, self.scale)
         else:  # CPU, prefill chunks: the forward built the mask (causal unless a tree's)
             out = sdpa_attention(qh, k_pool, v_pool, read_slots, mask, self.scale)
-        return _linear(self.o, out.reshape(B, q, self.nq * self.d), inv)
+        return _linear(self.o, out.reshape(B, q, self.nq * self.d), inv, self.gemm)
 
 
 class MLP(nn.Module):
@@ -101,10 +105,11 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.batch_invariant = False
+        self.gemm = GemmPlan()  # the model's, shared by every layer (NativeLlama)
 
     def forward(self, x):
         inv = self.batch_invariant
-        return _linear(self.down, silu_mul(_linear(self.gate_up, x, inv), self.inter), inv)
+        return _linear(self.down, silu_mul(_linear(self.gate_up, x, inv, self.gemm), self.inter), inv, self.gemm)
 
 
 class Block(nn.Module):
@@ -144,6 +149,10 @@ class NativeLlama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         #: GEMMs and attention through :mod:`.invariant` (set_batch_invariant)
         self.batch_invariant = False
+        #: the BLAS library of each GEMM shape, per row count (:meth:`tune_gemms`)
+        self.gemm = GemmPlan()
+        for layer in self.layers:
+            layer.attn.gemm = layer.mlp.gemm = self.gemm
 
     def set_batch_invariant(self, on: bool = True) -> "NativeLlama":
         """Compute every token's row the same way whatever the batch (GEMMs, attention and
@@ -153,6 +162,16 @@ class NativeLlama(nn.Module):
             layer.attn.batch_invariant = on
             layer.mlp.batch_invariant = on
         return self
+
+    def tune_gemms(self, rows: int) -> None:
+        """Time the GEMMs of a forward of ``rows`` token rows under each BLAS library and keep
+        the fastest (:mod:`.gemm`): the runner calls it before it captures a CUDA graph. Not
+        on a CPU, in batch-invariant mode (its own GEMM) or with ``SPECULUM_GEMM_TUNE=0``."""
+        if self.batch_invariant or not self.lm_head.weight.is_cuda or not tuning_enabled():
+            return
+        first = self.layers[0]
+        self.gemm.tune([first.attn.qkv.weight, first.attn.o.weight, first.mlp.gate_up.weight,
+                        first.mlp.down.weight, self.lm_head.weight], rows)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, q, D/2]
@@ -196,5 +215,5 @@ class NativeLlama(nn.Module):
         h, _ = self.norm(x, residual)
         if -1 in hidden_layers:
             hidden[-1] = h
-        logits = _linear(self.lm_head, h, self.batch_invariant).float() if compute_logits else None
+        logits = _linear(self.lm_head, h, self.batch_invariant, self.gemm).float() if compute_logits else None
         return logits, hidden

@@ -304,6 +304,7 @@ class NativeRunner:
             return _graph_outputs(*self._from_verdict(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids,
                                                     hidden_layers, path, tree_bufs))
 
+        self.model.tune_gemms(Bb * q)
         entry = (self._pool.capture(run, meta, staging=8), (acc, ids, path, tree_bufs))
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph from the verdict for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)
@@ -377,6 +378,7 @@ class NativeRunner:
                 pos, read, mask = self._tree(pos, read, tree_bufs)
             return _graph_outputs(*self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask))
 
+        self.model.tune_gemms(Bb * q)  # the BLAS library of each GEMM at this many rows
         entry = (self._pool.capture(run, meta, staging=8), tree_bufs)
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph for batch %d, %d tokens, %d blocks", self.name, Bb, q, nb)

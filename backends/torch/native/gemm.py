@@ -1,0 +1,135 @@
+"""Which BLAS library each GEMM of a captured verify step calls, chosen by timing on the device.
+
+PyTorch sends a bf16/fp16 ``F.linear`` to cuBLAS, whose heuristic picks the kernel by the
+shape. For the few-row GEMMs of a verify step it does not always pick the fastest one
+cuBLASLt has: on the H200, Llama-3-8B's shape, 33 rows, the attention output projection
+took 11.4 us through cuBLAS and 9.6 through cuBLASLt, the MLP's down projection 34.1 and
+31.3, while at 17 rows cuBLASLt's down projection was the slower (35.3 against 33.1) and
+at one row the two are the same (``scripts/device/profile_step.py --shape llama3-8b``).
+No fixed rule wins everywhere, so :class:`GemmPlan` times both, once per (rows, weight
+shape), before a CUDA graph of that many rows is captured, and the graph keeps the faster:
+``speculum bench step --shape llama3-8b``, batch 1, a 33-token verify went from 1.097x to
+1.055-1.059x a 1-token decode (docs/benchmarks.md, twenty-seventh session).
+
+Each timing cycles through copies of the weight past the L2 cache (:data:`COLD_BYTES`), as
+a forward reads each layer's weight from memory; decode steps (one row, :data:`MIN_ROWS`)
+keep PyTorch's choice. The choice is made per device and process, so two runs may pick
+differently where the libraries are within noise of each other (their bf16 results can
+then differ in the last bit). ``SPECULUM_GEMM_TUNE=0`` in the environment turns the timing
+off: every GEMM goes where PyTorch sends it. The batch-invariant mode has its own Triton
+GEMM and no plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+#: the alternatives to PyTorch's default (cuBLAS); the default is always a candidate
+ALTERNATIVES = ("cublaslt",)
+#: an alternative must be this much faster than the default to be chosen (timing noise)
+MARGIN = 0.02
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("SPECULUM_GEMM_TUNE", "1") != "0"
+
+
+@contextlib.contextmanager
+def blas(backend: str | None):
+    """PyTorch's preferred BLAS library set to ``backend`` (None: unchanged) inside."""
+    if backend is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(backend)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def graph_us(fns: list[Callable[[], object]], backend: str | None, replays: int = 3) -> float:
+    """Microseconds per call of the ``fns`` under ``backend``: all of them captured in one
+    CUDA graph (so launch gaps do not count), replayed ``replays`` times after one untimed
+    replay."""
+    with blas(backend):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fns[0]()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+    calls = len(fns)
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / (calls * replays)
+
+
+Timer = Callable[[list[Callable[[], object]], "str | None"], float]
+#: bytes of weight copies a timing cycles through: more than an H200's 50 MB of L2, so each
+#: GEMM reads its weight from memory as it does in a forward (one small weight called ten
+#: times in a row stays in L2 and times a different kernel than the forward runs)
+COLD_BYTES = 128 << 20
+#: a decode step (one row per sequence) keeps PyTorch's choice: the plan is for verify steps
+MIN_ROWS = 2
+
+
+class GemmPlan:
+    """Per (rows, out features, in features, dtype): the BLAS library a linear layer's GEMM
+    takes (None: PyTorch's default). Empty until :meth:`tune` fills it, and then only for
+    the row counts it was tuned for; every other call goes the default way."""
+
+    def __init__(self, timer: Timer = graph_us) -> None:
+        self.choice: dict[tuple[int, int, int, torch.dtype], str | None] = {}
+        self.timings: dict[tuple[int, int, int, torch.dtype], dict[str, float]] = {}
+        self._timer = timer
+
+    def tune(self, weights: Iterable[torch.Tensor], rows: int) -> None:
+        """Time each distinct weight shape's GEMM at ``rows`` rows (at least :data:`MIN_ROWS`)
+        under the default library and each alternative, cycling through copies of the weight
+        (:data:`COLD_BYTES`); keep the fastest (an alternative only if :data:`MARGIN` faster)."""
+        for w in weights:
+            key = (rows, w.shape[0], w.shape[1], w.dtype)
+            if key in self.choice or rows < MIN_ROWS:
+                continue
+            x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
+            copies = [w] + [w.clone() for _ in range(min(255, COLD_BYTES // (w.numel() * w.element_size())))]
+            fns = [(lambda c=c: F.linear(x, c)) for c in (copies * 10)[:max(10, len(copies))]]
+            times = {"default": self._timer(fns, None)}
+            for b in ALTERNATIVES:
+                times[b] = self._timer(fns, b)
+            del copies, fns
+            best = min(ALTERNATIVES, key=times.__getitem__)
+            self.choice[key] = best if times[best] < times["default"] * (1 - MARGIN) else None
+            self.timings[key] = times
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` through the library chosen for ``x``'s row count and ``weight``'s shape."""
+        if not self.choice:
+            return F.linear(x, weight, bias)
+        rows = x.numel() // x.shape[-1]
+        backend = self.choice.get((rows, weight.shape[0], weight.shape[1], weight.dtype))
+        if backend is None:
+            return F.linear(x, weight, bias)
+        with blas(backend):
+            return F.linear(x, weight, bias)
+
+    def summary(self) -> dict[str, str]:
+        """``"rows x N x K" -> library`` for the shapes where an alternative was chosen."""
+        return {f"{r}x{n}x{k}": b for (r, n, k, _), b in self.choice.items() if b is not None}
+
+
+__all__ = ["ALTERNATIVES", "COLD_BYTES", "GemmPlan", "MIN_ROWS", "blas", "graph_us", "tuning_enabled"]

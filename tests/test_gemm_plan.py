@@ -1,0 +1,124 @@
+"""The GEMM plan (speculum.backends.torch.native.gemm): which BLAS library each GEMM shape
+takes, chosen by timing before a CUDA graph is captured. On a CPU the choice logic runs
+with a fake timer and a recording library switch; on CUDA the real libraries are timed."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speculum.backends.torch import LlamaArch, NativeRunner, random_native
+from speculum.backends.torch.native import gemm
+from speculum.kv import PagedKVAllocator
+
+ARCH = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=8, rms_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+            tie_word_embeddings=False, qkv_bias=False, qk_norm=False, max_position_embeddings=256,
+            eos_token_id=None)
+
+
+def fake_timer(table):
+    """A timer answering ``table[(N, backend)]`` microseconds for a weight of N rows."""
+    seen = []
+
+    def timer(fns, backend):
+        out = fns[0]()  # the GEMM under test: [rows, N]
+        seen.append((out.shape[0], backend))
+        return table[(out.shape[1], backend)]
+
+    timer.seen = seen
+    return timer
+
+
+def test_tune_keeps_the_default_unless_an_alternative_is_clearly_faster():
+    w_fast, w_tie, w_slow = torch.randn(8, 4), torch.randn(16, 4), torch.randn(24, 4)
+    timer = fake_timer({(8, None): 10.0, (8, "cublaslt"): 9.0,     # 10% faster: chosen
+                        (16, None): 10.0, (16, "cublaslt"): 9.9,   # 1%: within MARGIN, default kept
+                        (24, None): 10.0, (24, "cublaslt"): 12.0})  # slower: default kept
+    plan = gemm.GemmPlan(timer)
+    plan.tune([w_fast, w_tie, w_slow], rows=33)
+    assert plan.choice == {(33, 8, 4, torch.float32): "cublaslt", (33, 16, 4, torch.float32): None,
+                           (33, 24, 4, torch.float32): None}
+    assert plan.summary() == {"33x8x4": "cublaslt"}
+    assert plan.timings[(33, 8, 4, torch.float32)] == {"default": 10.0, "cublaslt": 9.0}
+    # every candidate was timed at the rows asked for; a shape already tuned is not timed again
+    assert timer.seen == [(33, None), (33, "cublaslt")] * 3
+    plan.tune([w_fast], rows=33)
+    assert len(timer.seen) == 6
+    plan.tune([w_fast], rows=1)  # a decode step's GEMMs keep PyTorch's choice: not timed
+    assert len(timer.seen) == 6 and (1, 8, 4, torch.float32) not in plan.choice
+
+
+def test_timing_cycles_through_copies_of_a_small_weight():
+    """A weight that fits in L2 is timed through enough copies to leave it (COLD_BYTES)."""
+    counts = []
+    plan = gemm.GemmPlan(lambda fns, backend: counts.append(len(fns)) or 1.0)
+    w = torch.randn(64, 32)  # 8 KiB: the copies are capped
+    plan.tune([w], rows=4)
+    assert counts == [256, 256]
+    plan.tune([torch.randn(64, 1024)], rows=4)  # 256 KiB: 512 copies would pass the cap too
+    elements = gemm.COLD_BYTES // 4  # float32: a weight of COLD_BYTES, one copy beside it, 10 calls
+    plan.tune([torch.empty(elements // 1024, 1024)], rows=4)
+    assert counts[-2:] == [10, 10]
+
+
+def test_linear_switches_library_only_for_the_tuned_rows_and_shape(monkeypatch):
+    used = []
+
+    @contextlib.contextmanager
+    def recording_blas(backend):
+        used.append(backend)
+        yield
+
+    monkeypatch.setattr(gemm, "blas", recording_blas)
+    w = torch.randn(8, 4)
+    plan = gemm.GemmPlan(fake_timer({(8, None): 10.0, (8, "cublaslt"): 5.0}))
+    x1 = torch.randn(1, 4)
+    assert torch.equal(plan.linear(x1, w), F.linear(x1, w)) and used == []  # nothing tuned: no switch
+    plan.tune([w], rows=6)
+    x = torch.randn(2, 3, 4)  # 6 rows in [B, q, K]
+    assert torch.equal(plan.linear(x, w), F.linear(x, w))
+    assert used == ["cublaslt"]
+    plan.linear(torch.randn(5, 4), w)  # another row count: the default, no switch
+    plan.linear(torch.randn(6, 4), torch.randn(9, 4))  # another shape: the default
+    assert used == ["cublaslt"]
+
+
+def test_a_cpu_model_tunes_nothing_and_its_forward_is_unchanged():
+    model = random_native(LlamaArch(**ARCH), torch.float32, torch.device("cpu"))
+    model.tune_gemms(5)
+    assert model.gemm.choice == {}
+    assert all(layer.attn.gemm is model.gemm and layer.mlp.gemm is model.gemm for layer in model.layers)
+
+
+def test_tuning_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECULUM_GEMM_TUNE", "0")
+    assert not gemm.tuning_enabled()
+    monkeypatch.setenv("SPECULUM_GEMM_TUNE", "1")
+    assert gemm.tuning_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_tune_before_capture_and_match_eager():
+    dev = torch.device("cuda")
+    arch = LlamaArch(**{**ARCH, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 1024,
+                        "head_dim": 64})
+    model = random_native(arch, torch.bfloat16, dev)
+    runner = NativeRunner(model, max_model_len=256)
+    runner.attach_cache(PagedKVAllocator("target", 64, 16, 256))
+    eager = NativeRunner(model, max_model_len=256, cuda_graphs=False)
+    eager.attach_cache(PagedKVAllocator("target", 64, 16, 256))
+    tok = torch.randint(0, arch.vocab_size, (1, 5), device=dev)
+    prompt = torch.randint(0, arch.vocab_size, (1, 16), device=dev)
+    for r in (runner, eager):
+        r.forward([0], prompt, [16])
+    out_g = runner.forward([0], tok, [5]).logits
+    # the graph of 5 rows was captured after its GEMMs were timed under both libraries
+    assert {k[0] for k in model.gemm.timings} >= {5}
+    assert all(set(t) == {"default", *gemm.ALTERNATIVES} for t in model.gemm.timings.values())
+    model.gemm.choice = {k: "cublaslt" for k in model.gemm.choice}  # force the switch for the eager twin
+    out_e = eager.forward([0], tok, [5]).logits
+    assert torch.allclose(out_g, out_e, atol=0.1, rtol=0.05)
