@@ -204,7 +204,7 @@ GREEDY_TREE_MAX = 128
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])  # (a tree's size varies: no variant compiled mid-run for 1 or 16)
     def _greedy_tree_kernel(am_ptr, tok_ptr, par_ptr, anc_ptr, dep_ptr, rows_ptr, N, BLOCK: tl.constexpr):
         # one program per row. Node j matches when it drafted the target's argmax after its
         # parent; node i qualifies when all its ancestors (itself included) match, i.e. when
@@ -266,7 +266,7 @@ def greedy_tree_path(am: torch.Tensor, token_ids: torch.Tensor, parents: torch.T
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["K"])  # (k drops near a request's end: no variant compiled mid-run for 1)
     def _greedy_chain_kernel(am_ptr, d_ptr, out_ptr, K, BLOCK: tl.constexpr):
         # one program per row: draft r is accepted when it and every draft before it equal the
         # argmax at their positions; the count is the first r that fails (r = K always does),

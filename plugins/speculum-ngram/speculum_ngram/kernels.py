@@ -24,7 +24,10 @@ except ImportError:  # pragma: no cover - exercised on CPU CI
 
 if triton is not None:
 
-    @triton.jit
+    # the ints vary from step to step (a verify of fewer tokens near a request's end, longer
+    # history rows): Triton would compile a variant of the kernel for each that is 1 or a
+    # multiple of 16, in the middle of a run (seconds, the first time on a machine)
+    @triton.jit(do_not_specialize=["HS", "VS", "q", "K", "n_min", "window", "DEPTH"])
     def _ngram_draft_kernel(hist_ptr, HS, rows_ptr, base_ptr, v_ptr, VS, q, out_ptr, cnt_out_ptr, K, n_min, window,
                             hs_ptr, grams_ptr, cont_ptr, off_ptr, cnt_ptr, pw_ptr, DEPTH,
                             N_MAX: tl.constexpr, NP2: tl.constexpr, KB: tl.constexpr, QB: tl.constexpr,
