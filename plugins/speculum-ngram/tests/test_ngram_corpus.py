@@ -118,3 +118,68 @@ def test_greedy_output_with_a_corpus_is_identical_to_no_speculation(target, tmp_
         r = mod.replay([{"prompt": p["prompt_token_ids"] + o.token_ids[:1], "output": o.token_ids[1:]}], 2, 4, 4, c)
         m = o.metrics
         assert (m.num_steps - 1, m.num_accepted_tokens) == (r["steps"], r["tokens"] - r["steps"])
+
+
+def test_a_large_corpus_tables_are_cached_on_disk_and_read_back(tmp_path, monkeypatch, caplog):
+    """Voted once (the shipped corpus: ~20-30 s), then read from $SPECULUM_CACHE/ngram/ by a
+    later process: the same tables and drafts, no vote; another file, range or depth is
+    another key; a damaged cache file is voted again and rewritten."""
+    from speculum_ngram import corpus as cmod
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cmod, "CACHE_MIN_TOKENS", 10)
+    rng = np.random.default_rng(0)
+    toks = np.concatenate([np.r_[rng.integers(0, 20, 40), SEP] for _ in range(30)]).astype(np.int32)
+    path = tmp_path / "c.npy"
+    np.save(path, toks)
+    load_corpus.cache_clear()
+    first = load_corpus(str(path), 2, 4, depth=3)
+    cached = cmod.table_cache(path, 2, 4, 3)
+    assert cached.is_file() and cached.parent == tmp_path / "cache" / "ngram"
+    load_corpus.cache_clear()  # a new process: reads the file, votes nothing
+    monkeypatch.setattr(cmod, "_voted_table", lambda *a: pytest.fail("voted again"))
+    again = load_corpus(str(path), 2, 4, depth=3)
+    assert again is not first and len(again) == len(first) and again.depth == 3
+    for n in range(2, 5):
+        for a, b in zip(first.tables[n], again.tables[n]):
+            assert np.array_equal(a, b)
+    ctxs = [rng.integers(0, 20, 6).tolist() for _ in range(200)]
+    assert [again.draft(c, 3) for c in ctxs] == [first.draft(c, 3) for c in ctxs]
+    assert sum(bool(d) for d in (first.draft(c, 3) for c in ctxs)) > 50  # (the check has drafts to compare)
+    assert len({cached, cmod.table_cache(path, 1, 4, 3), cmod.table_cache(path, 2, 4, 4)}) == 3
+    np.save(tmp_path / "d.npy", toks[::-1].copy())
+    assert cmod.table_cache(tmp_path / "d.npy", 2, 4, 3) != cached
+    monkeypatch.undo()  # the real vote back; a damaged file is voted again and replaced
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cmod, "CACHE_MIN_TOKENS", 10)
+    cached.write_bytes(b"not a table")
+    load_corpus.cache_clear()
+    with caplog.at_level("WARNING", logger="speculum_ngram.corpus"):
+        third = load_corpus(str(path), 2, 4, depth=3)
+    assert "unreadable" in caplog.text
+    assert [third.draft(c, 3) for c in ctxs] == [first.draft(c, 3) for c in ctxs]
+    assert cmod.Corpus.load(cached).num_tokens == len(first)
+    load_corpus.cache_clear()
+
+
+def test_a_small_corpus_is_not_cached_and_an_unwritable_cache_is_only_a_warning(tmp_path, monkeypatch, caplog):
+    from speculum_ngram import corpus as cmod
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "c.npy"
+    np.save(path, np.array([1, 2, 3, 4, SEP, 2, 3, 5, SEP], dtype=np.int32))
+    load_corpus.cache_clear()
+    load_corpus(str(path), 2, 3, depth=2)
+    assert not (tmp_path / "cache").exists()  # below CACHE_MIN_TOKENS
+    monkeypatch.setattr(cmod, "CACHE_MIN_TOKENS", 1)
+    (tmp_path / "cache").write_text("a file where the folder would go")
+    load_corpus.cache_clear()
+    with caplog.at_level("WARNING", logger="speculum_ngram.corpus"):
+        c = load_corpus(str(path), 2, 3, depth=2)
+    assert "not cached" in caplog.text and c.draft([9, 2, 3], 2) in ([4], [5])
+    (tmp_path / "cache").unlink()  # a disk nearly full: not written either
+    monkeypatch.setattr(cmod.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=100))
+    load_corpus.cache_clear()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="speculum_ngram.corpus"):
+        load_corpus(str(path), 2, 3, depth=2)
+    assert "MB free" in caplog.text and not list((tmp_path / "cache").rglob("*.npz"))
+    load_corpus.cache_clear()
