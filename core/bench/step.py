@@ -104,8 +104,13 @@ def run(args) -> int:
         for s in ids:
             runner.remove(s)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    plan = model.gemm.summary()  # the GEMMs that the timing sent to another BLAS library
+    if plan:
+        print("GEMMs on another BLAS library than PyTorch's (rows x N x K): "
+              + ", ".join(f"{k} {v}" for k, v in plan.items()))
     Path(args.json).write_text(json.dumps({"shape": args.shape, "batch_invariant": args.batch_invariant,
                                            "weight_bytes": wbytes, "floor_ms": floor * 1e3,
-                                           "gpu": torch.cuda.get_device_name(0), "rows": rows}, indent=2))
+                                           "gpu": torch.cuda.get_device_name(0), "rows": rows,
+                                           "gemm_plan": plan}, indent=2))
     print(f"wrote {args.json}")
     return 0
