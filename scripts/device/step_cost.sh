@@ -10,6 +10,9 @@
 #   bash scripts/device/step_cost.sh after       # carry .gguf_b: AR and ngram k=4 (lookup min 2 and 1), profiled
 #   bash scripts/device/step_cost.sh eagle3_after  # carry the eagle3 head's folder (model joined already): eagle3 k=4, 2
 #                                                # and ngram+eagle3 k=4
+#   bash scripts/device/step_cost.sh plan        # after setup.sh (no model): the GEMM plan's CUDA test, then bench step of
+#                                                # both shapes with the plan and with SPECULUM_GEMM_TUNE=0, in turns
+#                                                # (step_{smollm,8b}_plan{,_off}.json), ~5 minutes
 # Results in $OUT: step_{smollm,8b}{,_sdpa}.json, offline_{after,no_overlap,sdpa}.json, long_{N}{,_sdpa}.json.
 set -e
 PART=${1:-bench}
@@ -34,6 +37,17 @@ case $PART in
     SPECULUM_ATTENTION=sdpa speculum bench offline --model $M --dtype bfloat16 --batch-size 1 \
       --prompts-per-category ${PPC_BEFORE:-4} --max-tokens $TOK --method "$NGRAM" --profile --no-overlap \
       --json $OUT/offline_sdpa.json 2>&1 | quiet | tail -6 ;;
+  plan)
+    export PYTHONPATH=/tmp/site
+    python3 -m pytest -q tests/test_gemm_plan.py 2>&1 | tail -2
+    for shape in smollm2-135m llama3-8b; do
+      short=$([ $shape = llama3-8b ] && echo 8b || echo smollm)
+      for tune in 1 0; do
+        sfx=$([ $tune = 0 ] && echo _off || true)
+        SPECULUM_GEMM_TUNE=$tune speculum bench step --shape $shape --batch-sizes 1,16 --query-lens 1,2,5,9,17,33 \
+          --iters 50 --json $OUT/step_${short}_plan$sfx.json 2>&1 | quiet
+      done
+    done ;;
   eagle3)
     . scripts/device/common.sh
     python3 scripts/long_prompts.py --tokens 100,500,2000 --out /tmp/long
