@@ -87,6 +87,21 @@ def test_linear_switches_library_only_for_the_tuned_rows_and_shape(monkeypatch):
     assert used == ["cublaslt"]
 
 
+def test_a_shape_that_cannot_be_timed_keeps_pytorchs_choice(caplog):
+    """No memory for the weight's copies (the KV cache took it), or a library the GPU or the
+    build lacks: a warning, the default kept, the other shapes still timed."""
+    def timer(fns, backend):
+        if fns[0]().shape[1] == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128 MiB")
+        return 5.0 if backend else 10.0
+
+    plan = gemm.GemmPlan(timer)
+    with caplog.at_level("WARNING", logger="speculum.backends.torch.native.gemm"):
+        plan.tune([torch.randn(8, 4), torch.randn(16, 4)], rows=3)
+    assert plan.choice == {(3, 8, 4, torch.float32): None, (3, 16, 4, torch.float32): "cublaslt"}
+    assert "8 x 4 at 3 rows not timed" in caplog.text
+
+
 def test_a_cpu_model_tunes_nothing_and_its_forward_is_unchanged():
     model = random_native(LlamaArch(**ARCH), torch.float32, torch.device("cpu"))
     model.tune_gemms(5)

@@ -23,11 +23,14 @@ GEMM and no plan.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 #: the alternatives to PyTorch's default (cuBLAS); the default is always a candidate
 ALTERNATIVES = ("cublaslt",)
@@ -105,16 +108,26 @@ class GemmPlan:
             key = (rows, w.shape[0], w.shape[1], w.dtype)
             if key in self.choice or rows < MIN_ROWS:
                 continue
-            x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
-            copies = [w] + [w.clone() for _ in range(min(255, COLD_BYTES // (w.numel() * w.element_size())))]
-            fns = [(lambda c=c: F.linear(x, c)) for c in (copies * 10)[:max(10, len(copies))]]
-            times = {"default": self._timer(fns, None)}
-            for b in ALTERNATIVES:
-                times[b] = self._timer(fns, b)
-            del copies, fns
+            try:
+                times = self._time(w, rows)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                # no room for the copies, or a library this GPU or build lacks: PyTorch's choice
+                log.warning("GEMM plan: %d x %d at %d rows not timed (%s); PyTorch's BLAS choice kept",
+                            w.shape[0], w.shape[1], rows, str(exc).splitlines()[0][:200])
+                self.choice[key] = None
+                continue
             best = min(ALTERNATIVES, key=times.__getitem__)
             self.choice[key] = best if times[best] < times["default"] * (1 - MARGIN) else None
             self.timings[key] = times
+
+    def _time(self, w: torch.Tensor, rows: int) -> dict[str, float]:
+        x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
+        copies = [w] + [w.clone() for _ in range(min(255, COLD_BYTES // (w.numel() * w.element_size())))]
+        fns = [(lambda c=c: F.linear(x, c)) for c in (copies * 10)[:max(10, len(copies))]]
+        times = {"default": self._timer(fns, None)}
+        for b in ALTERNATIVES:
+            times[b] = self._timer(fns, b)
+        return times
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear`` through the library chosen for ``x``'s row count and ``weight``'s shape."""
