@@ -12,8 +12,16 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "hookimpl",
     "Proposer", "Verifier", "KVAllocator", "Draft", "Verdict", "ProposeBatch", "StepFeedback",
-    "SpecDecodeMetrics", "ConfigError", "PluginError", "ModelLoadError", "RequestError",
+    "SpecDecodeMetrics", "ConfigError", "PluginError", "ModelLoadError", "RequestError", "cache_root",
 ]
+
+
+def cache_root():
+    """The folder where speculum keeps what it makes once and reuses (``$SPECULUM_CACHE``,
+    default ``~/.cache/speculum``): converted models, verify-cost profiles, distillation data,
+    and the plugins' own (e.g. n-gram corpus tables), each in a subfolder of its own."""
+    from speculum.model_source import cache_root as root
+    return root()
 
 
 def __getattr__(name):  # the engine pulls in torch models; import it lazily

@@ -276,7 +276,7 @@ def table_cache(path: Path, n_min: int, n_max: int, depth: int, max_votes: int =
     """Where the tables of corpus file ``path`` are cached (``$SPECULUM_CACHE/ngram/``), keyed
     by the file's contents, the n-gram range, the continuation depth, the vote and
     :data:`TABLE_VERSION`."""
-    from speculum.model_source import cache_root
+    from speculum import cache_root
     h = hashlib.sha1(path.read_bytes())
     h.update(json.dumps([TABLE_VERSION, n_min, n_max, depth, max_votes]).encode())
     return cache_root() / "ngram" / f"{path.stem}-{h.hexdigest()[:16]}.npz"
