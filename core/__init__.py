@@ -5,6 +5,7 @@ from speculum.errors import ConfigError, ModelLoadError, PluginError, RequestErr
 from speculum.hooks import hookimpl
 from speculum.interfaces import Draft, KVAllocator, ProposeBatch, Proposer, StepFeedback, Verdict, Verifier
 from speculum.metrics import SpecDecodeMetrics
+from speculum.model_source import cache_root
 from speculum.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -15,13 +16,6 @@ __all__ = [
     "SpecDecodeMetrics", "ConfigError", "PluginError", "ModelLoadError", "RequestError", "cache_root",
 ]
 
-
-def cache_root():
-    """The folder where speculum keeps what it makes once and reuses (``$SPECULUM_CACHE``,
-    default ``~/.cache/speculum``): converted models, verify-cost profiles, distillation data,
-    and the plugins' own (e.g. n-gram corpus tables), each in a subfolder of its own."""
-    from speculum.model_source import cache_root as root
-    return root()
 
 
 def __getattr__(name):  # the engine pulls in torch models; import it lazily

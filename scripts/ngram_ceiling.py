@@ -160,9 +160,9 @@ def main(argv=None) -> int:
             else from_cache(args.answers_cache, args.max_tokens) if args.answers_cache else generate(args))
     rows = [replay(data, lo, hi, k) for k in args.k for lo, hi in ((2, 5), (1, 5), (3, 5), (2, 8))]
     if args.corpus:
-        from speculum_ngram.corpus import SHIPPED, Corpus, read_tokens
+        from speculum_ngram.corpus import SHIPPED, load_corpus
         path = SHIPPED / "smollm2-135m-instruct.npy" if args.corpus == "shipped" else args.corpus
-        corpus = Corpus(read_tokens(path), 2, 5, depth=max(args.k))  # (int32 or compact files)
+        corpus = load_corpus(str(path), 2, 5, depth=max(args.k))  # (int32 or compact files; tables cached)
         rows += [replay(data, lo, hi, k, corpus) for k in args.k for lo, hi in ((2, 5), (1, 5))]
     print(f"{'k':>2} {'n':>5} {'corpus':>6} {'tokens/forward':>15} {'drafting share':>15}")
     for r in rows:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from speculum.backends.torch import LlamaArch, NativeRunner, random_native
-from speculum.backends.torch.native import invariant
+from speculum.backends.torch.native import gemm, invariant
 from speculum.bench.step import SHAPES
 from speculum.kv import PagedKVAllocator
 
@@ -159,11 +159,8 @@ def gemm_bench(arch, dev, dtype, qs, skinny_too=True):
             y = torch.empty(M, N, device=dev, dtype=dtype)
             part = torch.empty(8, M, N, device=dev, dtype=torch.float32)
             r = {"cublas": graph_us(lambda: F.linear(x, w))}
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            try:
+            with gemm.blas("cublaslt"):
                 r["cublaslt"] = graph_us(lambda: F.linear(x, w))
-            finally:
-                torch.backends.cuda.preferred_blas_library("cublas")
             ref = F.linear(x.float(), w.float())
             if skinny_too:
                 r["invariant"] = graph_us(lambda: invariant.linear(x, w))
