@@ -1,13 +1,14 @@
 # device call 3: CUDA tests of the heads, then MT-bench (all 80 questions by default), greedy,
 # 256 new tokens, bf16, batch 1, chain k=4: tokens/s and acceptance for autoregressive, ngram,
 # the heads and the trained draft model in one run. With HEADS=/tmp/tr the heads just trained
-# by train_heads.sh (the machine must have stayed warm), else the shipped ones. SET=other_tasks: the
+# by train_heads.sh (the machine must have stayed warm; a method it did not train: the shipped head), else the shipped ones. SET=other_tasks: the
 # 40 prompts of five task types MT-bench lacks (8 per type: PPC=8 for all), JSON heads_speed_bf16_other_tasks.json
 . scripts/device/common.sh
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -q tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -2
 K=${K:-4}
 E="\"num_speculative_tokens\":$K"
-m() { if [ -n "$HEADS" ]; then echo "{\"method\":\"$1\",\"model\":\"$HEADS/$1\",$E}"; else echo "{\"method\":\"$1\",$E}"; fi; }
+# a head not trained in this call (no $HEADS/<method>) is the shipped one (carry its folder)
+m() { if [ -n "$HEADS" ] && [ -f "$HEADS/$1/config.json" ]; then echo "{\"method\":\"$1\",\"model\":\"$HEADS/$1\",$E}"; else echo "{\"method\":\"$1\",$E}"; fi; }
 METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$(m eagle)" --method "$(m mtp)"
          --method "$(m medusa)")
 D=${DRAFT:-/tmp/tr/draft}
