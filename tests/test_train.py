@@ -146,6 +146,39 @@ def test_generation_time_is_shared_between_data_rows_and_training_prompts(tmp_pa
     assert asked[0] == (True, 160.0, True)
 
 
+def test_time_a_part_leaves_unused_goes_back_to_a_part_stopped_at_its_share(tmp_path, monkeypatch):
+    """The H200 (2026-12-04): the target's own requests stopped at their share (182 s, 1,408 of
+    3,000 answered), then the training prompts finished 114 s early, and those seconds were lost.
+    Now the part stopped is taken up again with what is left. The wrong variant (one pass) asks
+    each part once: the third call below would be missing."""
+    from speculum.train import distill
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(100)))
+    both = DistillSpec(model="m", prompts="p.jsonl", num_prompts=300, data=(str(mine),))
+    asked, calls = [], {}
+
+    def fake(part, root=None, time_limit=0, generate=True, **kw):
+        d = tmp_path / ("data" if part.data else "prompts")
+        d.mkdir(exist_ok=True)
+        shards = ["shard_00000.safetensors", "shard_00001.safetensors"]
+        (d / "meta.json").write_text(json.dumps({"selections": {str(part.num_prompts): {"shards": shards}}}))
+        n = calls[d.name] = calls.get(d.name, 0) + 1
+        asked.append((bool(part.data), round(time_limit), n))
+        # the data part stops at its share with one shard of two the first time, finishes the next
+        return d, shards[:1] if part.data and n == 1 else shards
+    monkeypatch.setattr(distill, "ensure_distill", fake)
+    found = distill.ensure_parts(both, tmp_path, time_limit=160)
+    assert [a[0] for a in asked] == [True, False, True]  # data, prompts, data again
+    assert asked[0][1] == 40 and 150 < asked[2][1] <= 160  # its share, then what the prompts left
+    assert [len(names) for _, names in found] == [2, 2]
+    asked.clear()
+    calls.clear()
+    monkeypatch.setattr(distill, "MIN_SECONDS_AGAIN", 1e9)  # too little left: one pass only
+    distill.ensure_parts(both, tmp_path, time_limit=160)
+    assert [a[0] for a in asked] == [True, False]
+
+
 def train(args: list[str]) -> int:
     return main(["train", *args])
 
