@@ -78,7 +78,9 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # eagle3: drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary), the kind
 # shipped since the twenty-fourth session; eagle3tail: the same (its earlier name, kept for old commands);
 # eagle3own: the draft vocabulary only (from scratch: a head with the tail cannot be continued without it)
-for m in "eagle=eagle" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp" \
+# eagle and mtp: the loss over the whole vocabulary (--loss-vocab 0; the CLI's 8,192 most frequent tokens
+# are for the CPU), as the heads shipped since the twenty-eighth session were continued
+for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
          "draft=draft $SHAPE ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3"; do
