@@ -118,3 +118,79 @@ def gguf_to_dir(gguf: Path) -> Path:
     tok.save_pretrained(str(out))
     (out / "done").write_text(str(gguf))
     return out
+
+
+#: the tensors a draft saved with ``speculum train draft --embeddings-from-target`` leaves out
+TARGET_EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """The draft checkpoint ``path`` as a complete transformers directory.
+
+    A draft of the target's width trained with its embedding and LM head frozen (the target's
+    own, ``speculum train draft --embeddings-from-target``) is saved without them: for
+    SmolLM2-135M (two layers, bf16) that leaves 14 MB of a 71 MB checkpoint, small enough to
+    ship in a plugin and to come back from a device call. Here the target's tensors are put back, once, into
+    ``cache_root()/drafts/`` (keyed by the draft's weights and the target's directory); any other
+    checkpoint is returned as it is. ModelLoadError when ``target`` is not the model the draft was
+    trained for (its embedding's fingerprint differs) or lacks the tensors."""
+    path, target = Path(path), Path(target)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return path
+    spec = cfg.get("speculum") or {}
+    if not spec.get("embeddings_from_target"):
+        return path
+    files = sorted(path.glob("*.safetensors"))
+    h = hashlib.sha1(str(target.resolve()).encode())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    out = cache_root() / "drafts" / f"{path.name}-{h.hexdigest()[:12]}"
+    if (out / "done").exists():
+        return out
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    embed = None
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            if TARGET_EMBEDDING_KEYS[0] in sf.keys():
+                embed = sf.get_tensor(TARGET_EMBEDDING_KEYS[0])
+                head = sf.get_tensor(TARGET_EMBEDDING_KEYS[1]) if TARGET_EMBEDDING_KEYS[1] in sf.keys() else None
+    if embed is None:
+        raise ModelLoadError(f"the draft {path} takes its embedding from its target, but {target} has no "
+                             f"{TARGET_EMBEDDING_KEYS[0]!r} in a *.safetensors file; give the target it was trained for")
+    want = (spec.get("target") or {}).get("embed_abs_mean")
+    have = float(embed.double().abs().mean())
+    if tuple(embed.shape) != (int(cfg["vocab_size"]), int(cfg["hidden_size"])) or \
+            (want is not None and abs(have - want) > 1e-4 * max(1.0, abs(want))):
+        name = (spec.get("target") or {}).get("name", "another model")
+        raise ModelLoadError(f"the draft {path} was trained for {name} and takes that model's embedding; the target "
+                             f"{target} is another model (embedding {tuple(embed.shape)}, fingerprint {have:.6f} "
+                             f"against {want}). Use it with its own target, or train a draft for this one")
+    dtype = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
+    state[TARGET_EMBEDDING_KEYS[0]] = embed.to(dtype)
+    if not cfg.get("tie_word_embeddings", False):
+        state[TARGET_EMBEDDING_KEYS[1]] = (embed if head is None else head).to(dtype)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in path.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, tmp / f.name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "done").write_text(f"{path}\n{target}\n")
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process completed it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("draft %s completed with its target's embedding at %s (once)", path, out)
+    return out

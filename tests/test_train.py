@@ -13,7 +13,7 @@ import torch
 
 from speculum import LLM, SamplingParams
 from speculum.cli import main
-from speculum.errors import ConfigError
+from speculum.errors import ConfigError, ModelLoadError
 from speculum.testing import PrefillHidden, token_prompts_file
 from speculum.train.data import DistillData
 from speculum.train.distill import DistillSpec, ensure_distill
@@ -570,9 +570,60 @@ def test_lineage_skips_a_continuation_that_kept_its_start(tmp_path):
     assert lineage(None) == [] and lineage(tmp_path / "missing") == []
 
 
-def test_init_from_is_refused_where_a_method_cannot_load_its_checkpoints(tiny_llama, prompts, tmp_path, capsys):
-    """`speculum train draft` has no checkpoint loader for --init-from: a clear error, rc 2."""
-    assert train(["draft", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "8",
-                  "--max-tokens", "8", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--out",
-                  str(tmp_path / "d"), "--steps", "1", "--init-from", str(tiny_llama)]) == 2
-    assert "cannot start from a checkpoint (--init-from)" in capsys.readouterr().err
+def test_init_from_is_refused_where_a_method_cannot_load_its_checkpoints():
+    """A trainer without a checkpoint loader (a plugin's, say) refuses --init-from with what to do."""
+    from speculum.train.base import Trainer
+    with pytest.raises(ConfigError, match=r"cannot start from a checkpoint \(--init-from\)"):
+        Trainer().load("x", None, None)
+
+
+def test_a_draft_saved_without_the_targets_embedding_loads_continues_and_is_lossless(tiny_llama, prompts, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """`--embeddings-from-target`: the checkpoint leaves out the frozen embedding (the target's);
+    the draft_model proposer and --init-from put it back from the target (once, into the cache),
+    and the draft then drafts exactly as the same draft saved whole. A target that is another
+    model is refused with what to do."""
+    from safetensors.torch import load_file
+
+    from speculum.model_source import complete_draft
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    common = ["--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "16", "--max-tokens", "16",
+              "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--steps", "8", "--batch-size", "4",
+              "--num-layers", "1", "--eval-every", "0", "--save-dtype", "float32"]
+    whole, slim = tmp_path / "whole", tmp_path / "slim"
+    assert train(["draft", *common, "--out", str(whole)]) == 0
+    assert train(["draft", *common, "--out", str(slim), "--embeddings-from-target"]) == 0
+    w, sl = load_file(str(whole / "model.safetensors")), load_file(str(slim / "model.safetensors"))
+    assert "model.embed_tokens.weight" in w and "model.embed_tokens.weight" not in sl
+    assert sorted(sl) == sorted(k for k in w if k not in ("model.embed_tokens.weight", "lm_head.weight"))
+    assert all(torch.equal(sl[k], w[k]) for k in sl)  # the same training, seeded
+    full = complete_draft(slim, tiny_llama)
+    completed = load_file(str(full / "model.safetensors"))
+    assert full != slim and sorted(completed) == sorted(w) and all(torch.equal(completed[k], w[k]) for k in w)
+    assert complete_draft(whole, tiny_llama) == whole  # a whole checkpoint as it is
+    p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+    base = LLM(str(tiny_llama), **kw).generate(p, greedy)
+    runs = {}
+    for name, d in (("whole", whole), ("slim", slim)):
+        llm = LLM(str(tiny_llama), {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3}, **kw)
+        runs[name] = ([o.token_ids for o in llm.generate(p, greedy)], llm.metrics.num_accepted_tokens)
+    assert runs["slim"] == runs["whole"] and runs["slim"][0] == [b.token_ids for b in base]
+    # continued from the slim checkpoint (--init-from): its weights are the start
+    assert train(["draft", *common, "--steps", "1", "--lr", "0", "--out", str(tmp_path / "more"),
+                  "--init-from", str(slim), "--embeddings-from-target"]) == 0
+    more = load_file(str(tmp_path / "more" / "model.safetensors"))
+    assert all(torch.equal(more[k], sl[k]) for k in sl)
+    # another target: refused
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.suffix != ".safetensors":
+            (other / f.name).write_bytes(f.read_bytes())
+    st = load_file(str(tiny_llama / "model.safetensors"))
+    st["model.embed_tokens.weight"] = st["model.embed_tokens.weight"] * 2
+    from safetensors.torch import save_file
+    save_file(st, str(other / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="is another model"):
+        complete_draft(slim, other)

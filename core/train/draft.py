@@ -6,7 +6,9 @@ a width of the caller's choosing (``--hidden-size`` ...; or ``--shape FILE``, th
 
 - Same width as the target: its layers start as copies of evenly spaced target layers
   (first and last included), with the target's embedding, final norm and LM head; the
-  embedding and LM head stay frozen (``--train-embeddings`` trains them too).
+  embedding and LM head stay frozen (``--train-embeddings`` trains them too);
+  ``--embeddings-from-target`` saves it without them (:func:`speculum.model_source.complete_draft`
+  puts the target's back where it is loaded: the draft_model proposer, ``--init-from``).
 - Another width: the embedding and LM head are the target's projected onto their top
   principal directions (``E @ P``, ``P`` [H_target, H] from the SVD of the embedding),
   trained with the rest; the layers start at random.
@@ -96,6 +98,10 @@ class DraftTrainer(Trainer):
                             "(options given explicitly win)")
         g.add_argument("--train-embeddings", action="store_true",
                        help="also train the embedding and LM head (always trained when the width differs)")
+        g.add_argument("--embeddings-from-target", action="store_true",
+                       help="save the draft without its embedding and LM head (the target's, frozen: same width, "
+                            "no --train-embeddings); they are put back from the target when the draft is loaded "
+                            "(14 MB instead of 71 for a 2-layer SmolLM2-135M draft in bf16)")
         g.add_argument("--num-positions", type=int, default=4,
                        help="chain length the validation acceptance figures are for")
         g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
@@ -107,6 +113,10 @@ class DraftTrainer(Trainer):
         L = int(cfg["num_hidden_layers"])
         shape = draft_shape(args, cfg)
         same_width = shape["hidden_size"] == int(cfg["hidden_size"])
+        if getattr(args, "embeddings_from_target", False) and (not same_width or args.train_embeddings):
+            raise ConfigError("--embeddings-from-target saves the draft without the target's embedding and LM head, "
+                              "so they must stay the target's: a draft of the target's width "
+                              f"({cfg['hidden_size']}, this one {shape['hidden_size']}) without --train-embeddings")
         cfg.update(num_hidden_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
                    intermediate_size=shape["intermediate_size"], num_attention_heads=shape["num_heads"],
                    num_key_value_heads=shape["num_kv_heads"], head_dim=shape["hidden_size"] // shape["num_heads"])
@@ -146,6 +156,15 @@ class DraftTrainer(Trainer):
             model.get_output_embeddings().weight.requires_grad_(False)
         return model
 
+    def load(self, path, target, args):
+        """A draft saved by this trainer (or any transformers Llama of the same shape), for
+        ``--init-from``; one saved without the target's embedding gets it back first."""
+        from transformers import AutoModelForCausalLM
+
+        from speculum.model_source import complete_draft, resolve_model_path
+        full = complete_draft(path, resolve_model_path(args.model))
+        return AutoModelForCausalLM.from_pretrained(str(full), dtype=torch.float32)
+
     def loss(self, model, batch, target, args):
         vocab = loss_vocab(model, target, args)
         td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not model.training)
@@ -165,10 +184,18 @@ class DraftTrainer(Trainer):
         return soft_ce(logits, td.probs[rows]), score
 
     def export(self, model, out, target, args, meta):
-        from speculum.model_source import resolve_model_path
-        model.config.speculum = meta
+        from speculum.model_source import TARGET_EMBEDDING_KEYS, resolve_model_path
+        shared = bool(getattr(args, "embeddings_from_target", False))
+        model.config.speculum = {**meta, "embeddings_from_target": True} if shared else meta
         model.to(DTYPES[args.save_dtype]).save_pretrained(str(out))
         model.float()
+        if shared:  # the target's frozen tensors left out (speculum.model_source.complete_draft puts them back)
+            from safetensors.torch import load_file, save_file
+            for f in sorted(Path(out).glob("*.safetensors")):
+                state = load_file(str(f))
+                if any(k in state for k in TARGET_EMBEDDING_KEYS):
+                    save_file({k: v for k, v in state.items() if k not in TARGET_EMBEDDING_KEYS}, str(f),
+                              metadata={"format": "pt"})
         src = resolve_model_path(args.model)
         for f in TOKENIZER_FILES:
             if (src / f).exists():

@@ -68,6 +68,10 @@ T="$D --cached-data-only --max-len ${MAXLEN:-640} --batch-size ${BS:-32} --time-
 # head continued from the shipped one never comes back worse on validation than it went in; 2026-12-03's
 # medusa heads peaked after 45 s and lost 0.07 tokens per step of validation by the end)
 SHAPE=""; [ -f /tmp/draft_shapes.json ] && SHAPE="--shape /tmp/draft_shapes.json"
+# the draft keeps the target's embedding (and so can leave it out of its checkpoint) at the target's width only
+EMB="--embeddings-from-target"
+[ -f /tmp/draft_shapes.json ] && ! python3 -c "import json, sys; d = json.load(open('/tmp/draft_shapes.json'))
+sys.exit(0 if d.get('recommended', d).get('hidden_size', 576) == 576 else 1)" && EMB=""
 PIDS=()
 # METHODS: which trainers share the GPU (default all five; e.g. METHODS=eagle3 gives one head the whole GPU)
 METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
@@ -78,10 +82,12 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # eagle3: drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary), the kind
 # shipped since the twenty-fourth session; eagle3tail: the same (its earlier name, kept for old commands);
 # eagle3own: the draft vocabulary only (from scratch: a head with the tail cannot be continued without it)
-# eagle and mtp: the loss over the whole vocabulary (--loss-vocab 0; the CLI's 8,192 most frequent tokens
-# are for the CPU), as the heads shipped since the twenty-eighth session were continued
+# eagle, mtp and the draft: the loss over the whole vocabulary (--loss-vocab 0; the CLI's 8,192 most frequent
+# tokens are for the CPU), as the heads shipped since the twenty-eighth session were continued; the draft saved
+# without the target's embedding (--embeddings-from-target: 14 MB for two layers, so it comes back from the call)
+# and continued from DRAFT_INIT=<a carried draft folder> when given (INIT_FROM_SHIPPED=1: no draft is shipped)
 for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
-         "draft=draft $SHAPE ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
+         "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3"; do
   n=${m%%=*}
@@ -91,6 +97,7 @@ for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medus
     base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
     for d in plugins/speculum-*/speculum_*/heads/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
     [ "$n" = eagle3own ] && INIT=""
+    [ "$n" = draft ] && [ -n "${DRAFT_INIT:-}" ] && INIT="--init-from $DRAFT_INIT"
     [ -n "$INIT" ] || echo "$n: no shipped head carried (or eagle3own): trained from scratch"
   fi
   speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
