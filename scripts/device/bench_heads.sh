@@ -13,6 +13,12 @@ METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$
          --method "$(m medusa)")
 D=${DRAFT:-/tmp/tr/draft}
 [ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E}")
+# TREES=1: each head's tree too (the configurations docs/trees.md measured best for the heads before)
+t() { local h=""; [ -n "$HEADS" ] && [ -f "$HEADS/$1/config.json" ] && h="\"model\":\"$HEADS/$1\","
+      echo "{\"method\":\"$1\",$h\"tree_topk\":$2,\"tree_depth\":$3,\"num_draft_tokens\":$4}"; }
+[ "${TREES:-0}" = 1 ] && METHODS+=(--method "$(t eagle3 8 6 32)" --method "$(t eagle 8 6 32)" --method "$(t mtp 4 5 16)")
 SET=${SET:-mt_bench}; SUFFIX=""; [ "$SET" = mt_bench ] || SUFFIX="_$SET"
+# INTERLEAVE=1: each category through every config in turn (the machine's drift shared by all)
 speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC:-10} --max-tokens 256 \
-  --mt-bench $SET "${METHODS[@]}" --json $OUT/heads_speed_bf16$SUFFIX.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -14
+  $([ "${INTERLEAVE:-0}" = 1 ] && echo --interleave) \
+  --mt-bench $SET "${METHODS[@]}" --json $OUT/heads_speed_bf16$SUFFIX.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -17
