@@ -130,8 +130,9 @@ def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
     A draft of the target's width trained with its embedding and LM head frozen (the target's
     own, ``speculum train draft --embeddings-from-target``) is saved without them: for
     SmolLM2-135M (two layers, bf16) that leaves 14 MB of a 71 MB checkpoint, small enough to
-    ship in a plugin and to come back from a device call. Here the target's tensors are put back, once, into
-    ``cache_root()/drafts/`` (keyed by the draft's weights and the target's directory); any other
+    ship in a plugin and to come back from a device call. Here the target's tensors are put
+    back, once, into ``cache_root()/drafts/`` (keyed by the draft's weights and the target's
+    directory); any other
     checkpoint is returned as it is. ModelLoadError when ``target`` is not the model the draft was
     trained for (its embedding's fingerprint differs) or lacks the tensors."""
     path, target = Path(path), Path(target)
@@ -167,7 +168,8 @@ def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
                 head = sf.get_tensor(TARGET_EMBEDDING_KEYS[1]) if TARGET_EMBEDDING_KEYS[1] in sf.keys() else None
     if embed is None:
         raise ModelLoadError(f"the draft {path} takes its embedding from its target, but {target} has no "
-                             f"{TARGET_EMBEDDING_KEYS[0]!r} in a *.safetensors file; give the target it was trained for")
+                             f"{TARGET_EMBEDDING_KEYS[0]!r} in a *.safetensors file; give the target it was "
+                             "trained for")
     want = (spec.get("target") or {}).get("embed_abs_mean")
     have = float(embed.double().abs().mean())
     if tuple(embed.shape) != (int(cfg["vocab_size"]), int(cfg["hidden_size"])) or \
