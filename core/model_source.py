@@ -170,14 +170,20 @@ def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
         raise ModelLoadError(f"the draft {path} takes its embedding from its target, but {target} has no "
                              f"{TARGET_EMBEDDING_KEYS[0]!r} in a *.safetensors file; give the target it was "
                              "trained for")
-    want = (spec.get("target") or {}).get("embed_abs_mean")
-    have = float(embed.double().abs().mean())
+    # the fingerprint every trained head and draft records of its target (TargetParts.fingerprint)
+    from speculum.proposers.head_checkpoint import fingerprint_matches, target_fingerprint
+    want = spec.get("target") or {}
+    try:
+        layers = json.loads((target / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError):
+        layers = None
+    have = target_fingerprint(embed, want.get("name"), layers)
     if tuple(embed.shape) != (int(cfg["vocab_size"]), int(cfg["hidden_size"])) or \
-            (want is not None and abs(have - want) > 1e-4 * max(1.0, abs(want))):
-        name = (spec.get("target") or {}).get("name", "another model")
-        raise ModelLoadError(f"the draft {path} was trained for {name} and takes that model's embedding; the target "
-                             f"{target} is another model (embedding {tuple(embed.shape)}, fingerprint {have:.6f} "
-                             f"against {want}). Use it with its own target, or train a draft for this one")
+            (want and not fingerprint_matches(want, have)):
+        raise ModelLoadError(f"the draft {path} was trained for {want.get('name') or 'another model'} and takes that "
+                             f"model's embedding; the target {target} is another model (embedding "
+                             f"{tuple(embed.shape)}, {layers} layers). Use it with its own target, or train a draft "
+                             "for this one")
     dtype = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
     state[TARGET_EMBEDDING_KEYS[0]] = embed.to(dtype)
     if not cfg.get("tie_word_embeddings", False):

@@ -235,6 +235,38 @@ def test_trained_draft_model_is_a_lossless_draft(tiny_llama, prompts, tmp_path):
     assert llm.metrics.num_accepted_tokens > 0
 
 
+def test_a_slim_draft_is_completed_for_the_target_whose_fingerprint_it_recorded(tmp_path, monkeypatch):
+    """The check uses the fingerprint the trainer records (``target_fingerprint``: the first 1,024
+    rows of the embedding). With a 2,048-row embedding a check over all rows (the first version)
+    refuses the draft's own target; a changed embedding is refused either way."""
+    from safetensors.torch import load_file, save_file
+
+    from speculum.model_source import complete_draft
+    from speculum.proposers.head_checkpoint import target_fingerprint
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    embed = torch.randn(2048, 8)
+    embed[1024:] *= 3  # rows past the fingerprint's differ in scale, as a real vocabulary's do
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    target.mkdir()
+    draft.mkdir()
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(8)},
+              str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "vocab_size": 2048, "hidden_size": 8}))
+    meta = {"embeddings_from_target": True, "target": target_fingerprint(embed, "t", 4)}
+    (draft / "config.json").write_text(json.dumps({"vocab_size": 2048, "hidden_size": 8, "tie_word_embeddings": True,
+                                                   "speculum": meta}))
+    save_file({"model.norm.weight": torch.ones(8)}, str(draft / "model.safetensors"))
+    full = complete_draft(draft, target)
+    assert torch.equal(load_file(str(full / "model.safetensors"))["model.embed_tokens.weight"], embed)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((target / "config.json").read_text())
+    save_file({"model.embed_tokens.weight": embed * 1.1}, str(other / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="is another model"):
+        complete_draft(draft, other)
+
+
 def test_record_layers_skip_methods_that_cannot_train_on_the_target():
     from speculum.train.base import Trainer
     from speculum.train.loop import record_layers
