@@ -29,20 +29,23 @@ class ProposerContext:
     max_model_len: int
     tensor_parallel_size: int = 1
 
-    def resolve_draft_path(self, hint: str | None = None) -> Path:
-        """The draft checkpoint (``model`` of the config) as a local transformers directory
-        (GGUF converted; a draft saved without the target's embedding completed from the
-        target, :func:`speculum.model_source.complete_draft`). ``hint`` says what else the user
-        can do for this method (e.g. leave ``model`` unset for a shipped head, or train one);
-        errors end with it."""
+    def resolve_draft_path(self, hint: str | None = None, default: Path | None = None) -> Path:
+        """The draft checkpoint (``model`` of the config, else ``default``: one the method ships
+        for this target) as a local transformers directory (GGUF converted; a draft saved without
+        the target's embedding completed from the target, :func:`speculum.model_source.complete_draft`).
+        ``hint`` says what else the user can do for this method (e.g. leave ``model`` unset for a
+        shipped head, or train one); errors end with it."""
         from speculum.model_source import complete_draft, resolve_model_path
         method = self.config.method
         hint = hint or f"or train one with `speculum train {method}`"
-        if not self.config.model:
+        if self.config.model:
+            path = resolve_model_path(self.config.model,
+                                      what=f"{method} checkpoint ('model' of the speculative config)", hint=hint)
+        elif default is not None:
+            path = Path(default)
+        else:
             raise ConfigError(f"method {method!r} needs 'model' in the speculative config: the path of a "
                               f"{method} checkpoint; {hint}")
-        path = resolve_model_path(self.config.model, what=f"{method} checkpoint ('model' of the speculative config)",
-                                  hint=hint)
         return complete_draft(path, self.target_path) if self.target_path is not None else path
 
     def check_vocab(self, draft_vocab_size: int, what: str = "draft model") -> None:

@@ -235,6 +235,33 @@ def test_trained_draft_model_is_a_lossless_draft(tiny_llama, prompts, tmp_path):
     assert llm.metrics.num_accepted_tokens > 0
 
 
+def test_a_shipped_draft_is_used_when_model_is_unset_and_only_for_its_target(tiny_llama, prompts, tmp_path,
+                                                                            monkeypatch):
+    """A draft in the draft-model plugin's ``drafts/`` folder (as one would ship for the default
+    model: saved without the target's embedding) is what ``{"method": "draft_model"}`` without
+    ``model`` drafts with, for the target it was made for, losslessly; for another target the
+    error says which targets the plugin has drafts for."""
+    proposer = pytest.importorskip("speculum_draft_model.proposer")
+    from speculum.testing import tiny_model_dir
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    shipped = tmp_path / "drafts"
+    assert train(["draft", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "16",
+                  "--max-tokens", "16", "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--steps", "8",
+                  "--batch-size", "4", "--num-layers", "1", "--eval-every", "0", "--save-dtype", "float32",
+                  "--embeddings-from-target", "--out", str(shipped / "draft-tiny")]) == 0
+    monkeypatch.setattr(proposer, "SHIPPED", shipped)
+    p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+    base = LLM(str(tiny_llama), **kw).generate(p, greedy)
+    llm = LLM(str(tiny_llama), {"method": "draft_model", "num_speculative_tokens": 3}, **kw)
+    assert [o.token_ids for o in llm.generate(p, greedy)] == [b.token_ids for b in base]
+    assert llm.metrics.num_accepted_tokens > 0
+    other = tiny_model_dir(tmp_path / "other", "llama", seed=5)
+    with pytest.raises(ConfigError, match="ships drafts for tiny"):
+        LLM(str(other), {"method": "draft_model", "num_speculative_tokens": 3}, **kw)
+
+
 def test_a_slim_draft_is_completed_for_the_target_whose_fingerprint_it_recorded(tmp_path, monkeypatch):
     """The check uses the fingerprint the trainer records (``target_fingerprint``: the first 1,024
     rows of the embedding). With a 2,048-row embedding a check over all rows (the first version)

@@ -11,13 +11,34 @@ each step is drafted and launched at the end of the step before.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import attrs
 
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.draft_loop import draft_autoregressive, rollback
+from speculum.proposers.head_checkpoint import (find_shipped_head, read_config, read_weights, shipped_names,
+                                                target_fingerprint)
 
 log = logging.getLogger(__name__)
+
+#: drafts shipped with the plugin (package data), one folder each, used when ``model`` is unset
+#: and one was made for the target (``speculum train draft --embeddings-from-target``: the
+#: checkpoint holds the layers only, the target's embedding is put back when it is loaded)
+SHIPPED = Path(__file__).parent / "drafts"
+
+
+def shipped_draft(target_path: Path | None) -> Path | None:
+    """The shipped draft made for the target at ``target_path`` (by the fingerprint of its
+    embedding, as heads are found), if any."""
+    if target_path is None or not SHIPPED.is_dir() or not shipped_names(SHIPPED, "draft"):
+        return None
+    key = "model.embed_tokens.weight"
+    embed = read_weights(target_path, prefix=key).get(key)
+    if embed is None:
+        return None
+    return find_shipped_head(SHIPPED, "draft", target_fingerprint(embed, None,
+                                                                 read_config(target_path).get("num_hidden_layers")))
 
 
 @attrs.frozen
@@ -42,8 +63,13 @@ class DraftModelProposer:
 
     @classmethod
     def from_context(cls, ctx) -> "DraftModelProposer":
+        found = None if ctx.config.model else shipped_draft(ctx.target_path)
+        have = shipped_names(SHIPPED, "draft")
+        shipped = f"; the plugin ships drafts for {', '.join(have)} only" if have else ""
         path = ctx.resolve_draft_path(hint="a small model of the target's family (same vocabulary), or train one "
-                                           "with `speculum train draft --model <target>`")
+                                           f"with `speculum train draft --model <target>`{shipped}", default=found)
+        if found is not None:
+            log.info("draft_model: using the shipped draft %s", found.name)
         opts = ctx.options or DraftModelOptions()
         # the draft runs up to k - 1 positions past a sequence's last token; near the
         # context limit those drafts are discarded by the loop, but they must still fit
