@@ -85,7 +85,7 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # eagle, mtp and the draft: the loss over the whole vocabulary (--loss-vocab 0; the CLI's 8,192 most frequent
 # tokens are for the CPU), as the heads shipped since the twenty-eighth session were continued; the draft saved
 # without the target's embedding (--embeddings-from-target: 14 MB for two layers, so it comes back from the call)
-# and continued from DRAFT_INIT=<a carried draft folder> when given (INIT_FROM_SHIPPED=1: no draft is shipped)
+# and continued from DRAFT_INIT=<a carried draft folder> when given (whatever INIT_FROM_SHIPPED says)
 for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
          "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail" \
@@ -97,9 +97,9 @@ for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medus
     base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
     for d in plugins/speculum-*/speculum_*/heads/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
     [ "$n" = eagle3own ] && INIT=""
-    [ "$n" = draft ] && [ -n "${DRAFT_INIT:-}" ] && INIT="--init-from $DRAFT_INIT"
     [ -n "$INIT" ] || echo "$n: no shipped head carried (or eagle3own): trained from scratch"
   fi
+  [ "$n" = draft ] && [ -n "${DRAFT_INIT:-}" ] && INIT="--init-from $DRAFT_INIT"
   speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
   PIDS+=($!)
 done
