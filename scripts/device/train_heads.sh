@@ -95,7 +95,7 @@ for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medus
   INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)
   if [ "${INIT_FROM_SHIPPED:-0}" = 1 ]; then
     base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
-    for d in plugins/speculum-*/speculum_*/heads/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
+    for d in plugins/speculum-*/speculum_*/{heads,drafts}/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
     [ "$n" = eagle3own ] && INIT=""
     [ -n "$INIT" ] || echo "$n: no shipped head carried (or eagle3own): trained from scratch"
   fi
