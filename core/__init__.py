@@ -17,7 +17,6 @@ __all__ = [
 ]
 
 
-
 def __getattr__(name):  # the engine pulls in torch models; import it lazily
     if name == "LLM":
         from speculum.engine import LLM

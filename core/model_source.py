@@ -132,9 +132,9 @@ def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
     SmolLM2-135M (two layers, bf16) that leaves 14 MB of a 71 MB checkpoint, small enough to
     ship in a plugin and to come back from a device call. Here the target's tensors are put
     back, once, into ``cache_root()/drafts/`` (keyed by the draft's weights and the target's
-    directory); any other
-    checkpoint is returned as it is. ModelLoadError when ``target`` is not the model the draft was
-    trained for (its embedding's fingerprint differs) or lacks the tensors."""
+    directory); any other checkpoint is returned as it is. ModelLoadError when ``target`` is not
+    the model the draft was trained for (its embedding's fingerprint differs) or lacks the
+    tensors."""
     path, target = Path(path), Path(target)
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -154,24 +154,17 @@ def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
     import shutil
 
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    state: dict = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    embed = None
-    for f in sorted(target.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            if TARGET_EMBEDDING_KEYS[0] in sf.keys():
-                embed = sf.get_tensor(TARGET_EMBEDDING_KEYS[0])
-                head = sf.get_tensor(TARGET_EMBEDDING_KEYS[1]) if TARGET_EMBEDDING_KEYS[1] in sf.keys() else None
+    # the fingerprint every trained head and draft records of its target (TargetParts.fingerprint)
+    from speculum.proposers.head_checkpoint import fingerprint_matches, read_weights, target_fingerprint
+    state = read_weights(path)
+    embed_key, head_key = TARGET_EMBEDDING_KEYS
+    embed = read_weights(target, prefix=embed_key).get(embed_key)
+    head = read_weights(target, prefix=head_key).get(head_key)
     if embed is None:
         raise ModelLoadError(f"the draft {path} takes its embedding from its target, but {target} has no "
-                             f"{TARGET_EMBEDDING_KEYS[0]!r} in a *.safetensors file; give the target it was "
-                             "trained for")
-    # the fingerprint every trained head and draft records of its target (TargetParts.fingerprint)
-    from speculum.proposers.head_checkpoint import fingerprint_matches, target_fingerprint
+                             f"{embed_key!r}; give the target it was trained for")
     want = spec.get("target") or {}
     try:
         layers = json.loads((target / "config.json").read_text()).get("num_hidden_layers")
@@ -185,9 +178,9 @@ def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
                              f"{tuple(embed.shape)}, {layers} layers). Use it with its own target, or train a draft "
                              "for this one")
     dtype = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
-    state[TARGET_EMBEDDING_KEYS[0]] = embed.to(dtype)
+    state[embed_key] = embed.to(dtype)
     if not cfg.get("tie_word_embeddings", False):
-        state[TARGET_EMBEDDING_KEYS[1]] = (embed if head is None else head).to(dtype)
+        state[head_key] = (embed if head is None else head).to(dtype)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

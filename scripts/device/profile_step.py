@@ -20,6 +20,7 @@ import triton.language as tl
 
 from speculum.backends.torch import LlamaArch, NativeRunner, random_native
 from speculum.backends.torch.native import gemm, invariant
+from speculum.backends.torch.native.gemm import capture, replay_us  # (profile_tree_draft.py imports them here)
 from speculum.bench.step import SHAPES
 from speculum.kv import PagedKVAllocator
 
@@ -28,31 +29,7 @@ QS = (1, 2, 5, 33)
 
 def graph_us(fn, reps=20, iters=30):
     """Microseconds per call of ``fn`` captured ``reps`` times in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return replay_us(g, iters, calls=reps)
-
-
-def replay_us(graph, iters: int = 30, calls: int = 1) -> float:
-    """Microseconds per call of a captured ``graph`` holding ``calls`` calls (after one
-    untimed replay)."""
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (iters * calls)
+    return replay_us(capture([fn] * reps, warmup=2), iters, calls=reps)
 
 
 def skinny(x, w, y, bn, bk, warps, stages):

@@ -56,22 +56,28 @@ def blas(backend: str | None):
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def graph_us(fns: list[Callable[[], object]], backend: str | None, replays: int = 3) -> float:
-    """Microseconds per call of the ``fns`` under ``backend``: all of them captured in one
-    CUDA graph (so launch gaps do not count), replayed ``replays`` times after one untimed
-    replay."""
+def capture(fns: list[Callable[[], object]], backend: str | None = None, warmup: int = 1) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of the calls ``fns`` under ``backend`` (the first called ``warmup`` times
+    on a side stream before)."""
     with blas(backend):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            fns[0]()
+            for _ in range(warmup):
+                fns[0]()
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for fn in fns:
                 fn()
-    calls = len(fns)
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 3, calls: int = 1) -> float:
+    """Microseconds per call of a captured ``graph`` holding ``calls`` calls, replayed
+    ``replays`` times after one untimed replay."""
     graph.replay()
+    torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(replays):
@@ -79,6 +85,13 @@ def graph_us(fns: list[Callable[[], object]], backend: str | None, replays: int 
     b.record()
     b.synchronize()
     return a.elapsed_time(b) * 1e3 / (calls * replays)
+
+
+def graph_us(fns: list[Callable[[], object]], backend: str | None, replays: int = 3) -> float:
+    """Microseconds per call of the ``fns`` under ``backend``: all of them captured in one
+    CUDA graph (so launch gaps do not count), replayed ``replays`` times after one untimed
+    replay."""
+    return replay_us(capture(fns, backend), replays, len(fns))
 
 
 Timer = Callable[[list[Callable[[], object]], "str | None"], float]
@@ -145,4 +158,5 @@ class GemmPlan:
         return {f"{r}x{n}x{k}": b for (r, n, k, _), b in self.choice.items() if b is not None}
 
 
-__all__ = ["ALTERNATIVES", "COLD_BYTES", "GemmPlan", "MIN_ROWS", "blas", "graph_us", "tuning_enabled"]
+__all__ = ["ALTERNATIVES", "COLD_BYTES", "GemmPlan", "MIN_ROWS", "blas", "capture", "graph_us", "replay_us",
+           "tuning_enabled"]

@@ -64,7 +64,7 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaArch, qkv_bias: bool, o_bias: bool):
+    def __init__(self, arch: LlamaArch, qkv_bias: bool, o_bias: bool, gemm: GemmPlan | None = None):
         super().__init__()
         self.nq, self.nkv, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.qkv = nn.Linear(arch.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=qkv_bias)
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, arch.rms_eps) if arch.qk_norm else None
         self.scale = self.d ** -0.5
         self.batch_invariant = False
-        self.gemm = GemmPlan()  # the model's, shared by every layer (NativeLlama)
+        self.gemm = gemm if gemm is not None else GemmPlan()  # NativeLlama's: one for every layer
 
     def forward(self, x, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None, fresh=False):
         B, q, _ = x.shape
@@ -99,13 +99,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: LlamaArch):
+    def __init__(self, arch: LlamaArch, gemm: GemmPlan | None = None):
         super().__init__()
         self.inter = arch.intermediate_size
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.batch_invariant = False
-        self.gemm = GemmPlan()  # the model's, shared by every layer (NativeLlama)
+        self.gemm = gemm if gemm is not None else GemmPlan()  # NativeLlama's: one for every layer
 
     def forward(self, x):
         inv = self.batch_invariant
@@ -113,12 +113,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, arch: LlamaArch, qkv_bias: bool, o_bias: bool):
+    def __init__(self, arch: LlamaArch, qkv_bias: bool, o_bias: bool, gemm: GemmPlan | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_eps)
-        self.attn = Attention(arch, qkv_bias, o_bias)
+        self.attn = Attention(arch, qkv_bias, o_bias, gemm)
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, gemm)
 
     def forward(self, x, residual, cos, sin, write_slots, read_slots, mask, k_pool, v_pool, positions=None,
                 fresh=False):
@@ -143,16 +143,14 @@ class NativeLlama(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Block(arch, qkv_bias, o_bias) for _ in range(arch.num_layers))
+        #: the BLAS library of each GEMM shape, per row count (:meth:`tune_gemms`), one for every layer
+        self.gemm = GemmPlan()
+        self.layers = nn.ModuleList(Block(arch, qkv_bias, o_bias, self.gemm) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         #: GEMMs and attention through :mod:`.invariant` (set_batch_invariant)
         self.batch_invariant = False
-        #: the BLAS library of each GEMM shape, per row count (:meth:`tune_gemms`)
-        self.gemm = GemmPlan()
-        for layer in self.layers:
-            layer.attn.gemm = layer.mlp.gemm = self.gemm
 
     def set_batch_invariant(self, on: bool = True) -> "NativeLlama":
         """Compute every token's row the same way whatever the batch (GEMMs, attention and

@@ -31,7 +31,7 @@ SHIPPED = Path(__file__).parent / "drafts"
 def shipped_draft(target_path: Path | None) -> Path | None:
     """The shipped draft made for the target at ``target_path`` (by the fingerprint of its
     embedding, as heads are found), if any."""
-    if target_path is None or not SHIPPED.is_dir() or not shipped_names(SHIPPED, "draft"):
+    if target_path is None:
         return None
     key = "model.embed_tokens.weight"
     embed = read_weights(target_path, prefix=key).get(key)
@@ -63,8 +63,8 @@ class DraftModelProposer:
 
     @classmethod
     def from_context(cls, ctx) -> "DraftModelProposer":
-        found = None if ctx.config.model else shipped_draft(ctx.target_path)
-        have = shipped_names(SHIPPED, "draft")
+        have = shipped_names(SHIPPED, "draft")  # (none: no folder, nothing of the target's read)
+        found = shipped_draft(ctx.target_path) if have and not ctx.config.model else None
         shipped = f"; the plugin ships drafts for {', '.join(have)} only" if have else ""
         path = ctx.resolve_draft_path(hint="a small model of the target's family (same vocabulary), or train one "
                                            f"with `speculum train draft --model <target>`{shipped}", default=found)
