@@ -1,7 +1,8 @@
 # device call 3: CUDA tests of the heads, then MT-bench (all 80 questions by default), greedy,
 # 256 new tokens, bf16, batch 1, chain k=4: tokens/s and acceptance for autoregressive, ngram,
 # the heads and the trained draft model in one run. With HEADS=/tmp/tr the heads just trained
-# by train_heads.sh (the machine must have stayed warm; a method it did not train: the shipped head), else the shipped ones. SET=other_tasks: the
+# by train_heads.sh (the machine must have stayed warm; a method it did not train: the shipped head), else the
+# shipped ones. TREES=1: the heads' trees too; INTERLEAVE=1: runs in turns. SET=other_tasks: the
 # 40 prompts of five task types MT-bench lacks (8 per type: PPC=8 for all), JSON heads_speed_bf16_other_tasks.json
 . scripts/device/common.sh
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -q tests/test_heads_cuda.py tests/test_kernels_cuda.py 2>&1 | tail -2
