@@ -1,5 +1,5 @@
 # device call 1: install the project and plugins, keep the first part of the GGUF, and
-# (SHAPES=0 to skip) measure candidate draft shapes for train_heads.sh
+# measure candidate draft shapes for train_heads.sh (SHAPES below)
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 # one -e per plugin: with a single -e only the first path is editable, and package data
@@ -10,4 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . $(for p
 if [ -f .gguf_a/part ]; then cp .gguf_a/part /tmp/gguf_a; elif [ ! -f /tmp/gguf_a ]; then
   echo "note: no .gguf_a carried; stage it with a call carrying .gguf_a: cp .gguf_a/part /tmp/gguf_a"; fi
 PYTHONPATH=/tmp/site speculum plugins
-[ "${SHAPES:-1}" = "0" ] || bash scripts/device/draft_shapes.sh
+# SHAPES=0: no measurement; SHAPES=<a draft_shapes.json measured on this kind of machine before, carried>:
+# that one (train_heads.sh reads /tmp/draft_shapes.json), e.g. docs/results/h200/draft_shapes_1204/draft_shapes.json
+if [ -f "${SHAPES:-}" ]; then cp "$SHAPES" /tmp/draft_shapes.json && echo "draft shapes from $SHAPES"
+elif [ "${SHAPES:-1}" != "0" ]; then bash scripts/device/draft_shapes.sh; fi

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Here, not on the device: what the working tree of a device call carries. The tree travels
+# with every call and a call carries 64 MiB in all, so the large tracked folders are
+# untracked (and ignored) for the calls that carry a GGUF half, and tracked again after.
+#
+#   bash scripts/device/tree.sh small    # heads, docs/results and the n-gram corpora out: the tree
+#                                        # is ~6 MB, room for .whl + .gguf_a or .gguf_b (47 MiB each)
+#   bash scripts/device/tree.sh heads    # the shipped heads back in (~48 MB): calls after the GGUF
+#                                        # is joined train from and bench the shipped heads with
+#                                        # nothing carried
+#   bash scripts/device/tree.sh restore  # everything back (before any commit)
+#   bash scripts/device/tree.sh size     # bytes the tree carries now
+set -e
+cd "$(git rev-parse --show-toplevel)"
+EX=.git/info/exclude
+HEADS='plugins/*/speculum_*/heads'
+OTHERS='docs/results plugins/speculum-ngram/speculum_ngram/corpora'
+
+untrack() {  # $@: paths (globs expanded here)
+  for p in "$@"; do
+    git rm -r -q --cached --ignore-unmatch $p
+    grep -qxF "/$p/" $EX 2>/dev/null || echo "/$p/" >> $EX
+  done
+}
+track() {
+  for p in "$@"; do
+    if [ -f $EX ]; then grep -vxF "/$p/" $EX > $EX.tmp || true; mv $EX.tmp $EX; fi
+    git add $p
+  done
+}
+size() { git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {printf "the tree carries %.1f MB\n", s / 1e6}'; }
+
+case "${1:-size}" in
+  small) untrack "$HEADS" $OTHERS ;;
+  heads) untrack $OTHERS; track "$HEADS" ;;
+  restore) track "$HEADS" $OTHERS ;;
+  size) ;;
+  *) echo "usage: bash scripts/device/tree.sh small|heads|restore|size" >&2; exit 2 ;;
+esac
+size
