@@ -4,7 +4,8 @@
 #     for evaluation only (at most GEN_TL seconds; the shards finished by then are used);
 #  2. eagle, eagle3, medusa, mtp and a draft model side by side on the GPU for the time left
 #     (INIT_FROM_SHIPPED=1: each head starts from the one shipped for it, --init-from, so that
-#     sessions add up; carry the heads' folders)
+#     sessions add up; carry the heads' folders, or put them in the tree: tree.sh heads;
+#     INIT_DIR=<TR of an earlier call>: each method from what that call left, with another TR)
 #     (the draft's shape from /tmp/draft_shapes.json when draft_shapes.sh ran in this warm session);
 #     (DATA_ONLY=1: stop after step 1, the answers into $OUT as answers.tar.part_* (15 MiB parts): a data call, whose
 #     answers a training call carries back in as ANSWERS, so training gets the whole call)
@@ -19,6 +20,9 @@ GEN_TL=${GEN_TL:-150}    # generation stops here
 RESERVE=${RESERVE:-75}   # trainer start-up, final validation, export and packing
 TR=${TR:-/tmp/tr}
 mkdir -p $TR
+if [ -n "${INIT_DIR:-}" ] && [ "$(realpath -m $INIT_DIR)" = "$(realpath -m $TR)" ]; then
+  echo "INIT_DIR ($INIT_DIR) is where this call writes (TR): give the call another TR (e.g. TR=/tmp/tr2)"; exit 2
+fi
 # answers generated in an earlier call (python -m speculum.train.distill export, carried as ANSWERS):
 # their hidden states are recomputed by prefill and generation continues where they stop
 if [ -n "$ANSWERS" ] && [ -d "$ANSWERS" ]; then
@@ -97,9 +101,13 @@ for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medus
     base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
     for d in plugins/speculum-*/speculum_*/{heads,drafts}/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
     [ "$n" = eagle3own ] && INIT=""
-    [ -n "$INIT" ] || echo "$n: no shipped head carried (or eagle3own): trained from scratch"
   fi
+  # INIT_DIR=<folder>: continue each method from what an earlier call of this script left there (TR of
+  # that call, e.g. /tmp/tr on a machine still warm), where it left one: a second call goes on without copying
+  # heads over the shipped ones; DRAFT_INIT wins for the draft
+  [ -n "${INIT_DIR:-}" ] && [ -f "$INIT_DIR/$n/config.json" ] && INIT="--init-from $INIT_DIR/$n"
   [ "$n" = draft ] && [ -n "${DRAFT_INIT:-}" ] && INIT="--init-from $DRAFT_INIT"
+  echo "$n: ${INIT:-from scratch (no shipped head in the tree or carried, or eagle3own)}"
   speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
   PIDS+=($!)
 done
