@@ -90,7 +90,9 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # tokens are for the CPU), as the heads shipped since the twenty-eighth session were continued; the draft saved
 # without the target's embedding (--embeddings-from-target: 14 MB for two layers, so it comes back from the call)
 # and continued from DRAFT_INIT=<a carried draft folder> when given (whatever INIT_FROM_SHIPPED says)
-for m in "eagle=eagle --loss-vocab 0" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
+# eagle2: EAGLE-1 with two layers; with INIT_FROM_SHIPPED=1 grown from the shipped one-layer head (its layer, then
+# one whose output projections start at zero: it drafts as the shipped head until trained)
+for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 2" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
          "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3"; do

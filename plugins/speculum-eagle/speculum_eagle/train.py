@@ -17,6 +17,7 @@ no input norm and lives in the scale of the normed final state).
 
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -84,7 +85,33 @@ class EagleTrainer(Trainer):
         save_eagle1(head, out, meta=meta, dtype=DTYPES[args.save_dtype])
 
     def load(self, path, target, args):
-        return load_eagle1(path, target)
+        """The checkpoint at ``path``; with ``--num-layers`` above its own, grown to that many
+        layers: its layers first, then layers whose output projections (attention and MLP) start
+        at zero, so each adds nothing to the residual stream until trained. The grown head drafts
+        exactly as the checkpoint's did at first: depth is added to a head without losing the
+        training already in it (``--keep-best`` then exports it only if it got better)."""
+        from speculum.backends.torch.heads import init_layer
+        head = load_eagle1(path, target)
+        extra = args.num_layers - head.num_layers
+        if extra < 0:
+            raise ConfigError(f"--init-from {path}: the head has {head.num_layers} layers, --num-layers asks for "
+                              f"{args.num_layers}; give --num-layers {head.num_layers} (or more: its layers, then "
+                              "new ones that start as identity maps)")
+        if extra == 0:
+            return head
+        grown = Eagle1Head(attrs.evolve(head.arch, num_layers=args.num_layers), head.embed_weight,
+                           head.lm_head_weight, fc_bias=head.fc.bias is not None)
+        with torch.no_grad():
+            grown.fc.load_state_dict(head.fc.state_dict())
+            for old, new in zip(head.layers, grown.layers):
+                new.load_state_dict(old.state_dict())
+            for layer in grown.layers[head.num_layers:]:
+                init_layer(layer)
+                for out in (layer.attn.o, layer.mlp.down):
+                    out.weight.zero_()
+                    if out.bias is not None:
+                        out.bias.zero_()
+        return grown
 
 
 class Eagle3Trainer(Trainer):

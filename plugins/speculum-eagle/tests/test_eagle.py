@@ -585,8 +585,59 @@ def test_training_starts_from_a_checkpoint(target, trained, tmp_path, method, ca
     extra = ("--draft-vocab", "384") if method == "eagle3" else ()
     assert_training_starts_from(method, target, trained[method], tmp_path / "again", extra)
     if method == "eagle":
+        wrong = tmp_path / "wrong"  # a 1-layer head read as a 2-layer one by a plain load: the error
+        wrong.mkdir()
+        cfg = json.loads((trained[method] / "config.json").read_text())
+        (wrong / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+        sd = {k: v for k, v in read_weights(trained[method]).items()}
+        sd.update({k.replace("layers.0.", "layers.1."): v.clone() for k, v in sd.items() if k.startswith("layers.0.")})
+        sd["layers.1.input_layernorm.weight"] = torch.ones_like(sd["layers.1.post_attention_layernorm.weight"])
+        from safetensors.torch import save_file
+        save_file(sd, str(wrong / "model.safetensors"))
         with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
-            train_tiny(method, target, tmp_path / "wide", steps=1, num_prompts=16, max_tokens=16,
-                       extra=("--init-from", str(trained[method]), "--num-layers", "2"))
+            train_tiny(method, target, tmp_path / "narrow", steps=1, num_prompts=16, max_tokens=16,
+                       extra=("--init-from", str(wrong), "--num-layers", "1"))
         err = capsys.readouterr().err
-        assert "does not fit" in err and "missing layers.1." in err and "options it was trained with" in err
+        assert "the head has 2 layers, --num-layers asks for 1" in err and "give --num-layers 2" in err
+
+
+def test_eagle_head_grows_a_layer_that_starts_as_the_identity(target, trained, tmp_path):
+    """--init-from a 1-layer EAGLE head with --num-layers 2: its fc and layer are copied, the new
+    layer's output projections are zero, so at --lr 0 the exported 2-layer head drafts exactly
+    the tokens the 1-layer one drafted (and is lossless). The wrong variant, a new layer with
+    random output projections, drafts differently (checked below, so the comparison has power)."""
+    one = trained["eagle"]
+    out = train_tiny("eagle", target, tmp_path / "grown", steps=2, num_prompts=16, max_tokens=16,
+                     extra=("--init-from", str(one), "--num-layers", "2", "--lr", "0", "--save-dtype", "float32"))
+    before, after = read_weights(one), read_weights(out)
+    for name, w in before.items():
+        assert torch.equal(w.float(), after[name].float()), name
+    assert not after["layers.1.self_attn.o_proj.weight"].any() and not after["layers.1.mlp.down_proj.weight"].any()
+    assert after["layers.1.self_attn.q_proj.weight"].any()  # the rest of the new layer is initialised
+    cfg = {"num_speculative_tokens": 3}
+
+    def drafts(model):
+        llm = make_llm(target, {"method": "eagle", "model": str(model), **cfg})
+        seen = record_drafts(llm)
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        return outs, [d.tolist() for _, d in seen], llm.proposer.head.num_layers
+
+    base_out, base_drafts, n1 = drafts(one)
+    grown_out, grown_drafts, n2 = drafts(out)
+    assert (n1, n2) == (1, 2)
+    assert grown_drafts == base_drafts and grown_out == base_out
+    plain = [o.token_ids for o in make_llm(target).generate(PROMPTS, GREEDY)]
+    assert grown_out == plain  # lossless
+    # the wrong variant: the same new layer with random output projections drafts other tokens
+    wrong = tmp_path / "random_out"
+    wrong.mkdir()
+    for f in out.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (wrong / f.name).write_bytes(f.read_bytes())
+    sd = dict(after)
+    torch.manual_seed(0)
+    for k in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
+        sd[k] = torch.randn_like(sd[k]) * 0.5
+    from safetensors.torch import save_file
+    save_file(sd, str(wrong / "model.safetensors"))
+    assert drafts(wrong)[1] != base_drafts
