@@ -187,15 +187,11 @@ class DraftTrainer(Trainer):
         from speculum.model_source import TARGET_EMBEDDING_KEYS, resolve_model_path
         shared = bool(getattr(args, "embeddings_from_target", False))
         model.config.speculum = {**meta, "embeddings_from_target": True} if shared else meta
-        model.to(DTYPES[args.save_dtype]).save_pretrained(str(out))
+        model.to(DTYPES[args.save_dtype])
+        # shared: the target's frozen tensors left out (speculum.model_source.complete_draft puts them back)
+        state = {k: v for k, v in model.state_dict().items() if k not in TARGET_EMBEDDING_KEYS} if shared else None
+        model.save_pretrained(str(out), state_dict=state)
         model.float()
-        if shared:  # the target's frozen tensors left out (speculum.model_source.complete_draft puts them back)
-            from safetensors.torch import load_file, save_file
-            for f in sorted(Path(out).glob("*.safetensors")):
-                state = load_file(str(f))
-                if any(k in state for k in TARGET_EMBEDDING_KEYS):
-                    save_file({k: v for k, v in state.items() if k not in TARGET_EMBEDDING_KEYS}, str(f),
-                              metadata={"format": "pt"})
         src = resolve_model_path(args.model)
         for f in TOKENIZER_FILES:
             if (src / f).exists():
