@@ -10,30 +10,33 @@
 #                                        # nothing carried
 #   bash scripts/device/tree.sh restore  # everything back (before any commit)
 #   bash scripts/device/tree.sh size     # bytes the tree carries now
-set -e
+set -e -f  # -f: the patterns below stay patterns (the ignore lines); compgen -G expands them
 cd "$(git rev-parse --show-toplevel)"
 EX=.git/info/exclude
-HEADS='plugins/*/speculum_*/heads'
+# the shipped heads and drafts (drafts/: the draft-model plugin's, once one ships)
+HEADS='plugins/*/speculum_*/heads plugins/*/speculum_*/drafts'
 OTHERS='docs/results plugins/speculum-ngram/speculum_ngram/corpora'
 
-untrack() {  # $@: paths (globs expanded here)
+untrack() {  # $@: paths (globs expanded here; one that matches nothing is left alone)
   for p in "$@"; do
-    git rm -r -q --cached --ignore-unmatch $p
+    compgen -G "$p" > /dev/null || continue
+    compgen -G "$p" | xargs git rm -r -q --cached --ignore-unmatch
     grep -qxF "/$p/" $EX 2>/dev/null || echo "/$p/" >> $EX
   done
 }
 track() {
   for p in "$@"; do
     if [ -f $EX ]; then grep -vxF "/$p/" $EX > $EX.tmp || true; mv $EX.tmp $EX; fi
-    git add $p
+    compgen -G "$p" > /dev/null && compgen -G "$p" | xargs git add
   done
+  return 0
 }
 size() { git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {printf "the tree carries %.1f MB\n", s / 1e6}'; }
 
 case "${1:-size}" in
-  small) untrack "$HEADS" $OTHERS ;;
-  heads) untrack $OTHERS; track "$HEADS" ;;
-  restore) track "$HEADS" $OTHERS ;;
+  small) untrack $HEADS $OTHERS ;;
+  heads) untrack $OTHERS; track $HEADS ;;
+  restore) track $HEADS $OTHERS ;;
   size) ;;
   *) echo "usage: bash scripts/device/tree.sh small|heads|restore|size" >&2; exit 2 ;;
 esac
