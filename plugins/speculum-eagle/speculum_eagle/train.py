@@ -17,6 +17,8 @@ no input norm and lives in the scale of the normed final state).
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, load_eagl
 from speculum_eagle.model import Eagle1Head, Eagle3Head
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+log = logging.getLogger(__name__)
 
 
 def _common(p, positions: int = 4, init_layer: int = -1) -> None:
@@ -111,6 +114,8 @@ class EagleTrainer(Trainer):
                     out.weight.zero_()
                     if out.bias is not None:
                         out.bias.zero_()
+        log.info("%s: grown from %d to %d layers (the new ones start as identity maps)", path, head.num_layers,
+                 grown.num_layers)
         return grown
 
 
