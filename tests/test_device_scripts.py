@@ -1,0 +1,128 @@
+"""The device scripts' bookkeeping, on the CPU: which checkpoint each method of
+``scripts/device/train_heads.sh`` starts from, and ``scripts/device/tree.sh``'s round trip
+(what a device call's tree carries; a commit after ``restore`` must hold every head).
+
+A mistake here costs a device call (ten minutes of a thirty-minute session) or a commit
+without the shipped heads, so it is checked where it is cheap."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_HEADS = ROOT / "scripts" / "device" / "train_heads.sh"
+EAGLE_HEAD = "plugins/speculum-eagle/speculum_eagle/heads/eagle-smollm2-135m-instruct"
+MTP_HEAD = "plugins/speculum-mtp/speculum_mtp/heads/mtp-smollm2-135m-instruct"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None,
+                                reason="needs bash and git")
+
+
+def launch_loop(tmp_path: Path, **env) -> dict[str, list[str]]:
+    """Run train_heads.sh's trainer launches (the lines from ``PIDS=()`` to the wait) with a
+    stub ``speculum`` that records its arguments; returns each method's arguments by its output
+    folder's name."""
+    text = TRAIN_HEADS.read_text()
+    start, end = text.index("PIDS=()"), text.index("for p in \"${PIDS[@]}\"")
+    (tmp_path / "loop.sh").write_text(text[start:end] + "wait\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    calls.write_text("")
+    (bin_ / "speculum").write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    (bin_ / "speculum").chmod(0o755)
+    tr = tmp_path / "tr"
+    tr.mkdir(exist_ok=True)
+    full = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "TR": str(tr), "T": "", "SHAPE": "", "EMB": "",
+            **{k: str(v) for k, v in env.items()}}
+    out = subprocess.run(["bash", str(tmp_path / "loop.sh")], cwd=ROOT, env=full, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    found = {}
+    for line in calls.read_text().splitlines():
+        args = line.split()
+        found[Path(args[args.index("--out") + 1]).name] = args
+    return found
+
+
+def init_of(args: list[str]) -> str | None:
+    return args[args.index("--init-from") + 1] if "--init-from" in args else None
+
+
+@pytest.mark.skipif(not (ROOT / EAGLE_HEAD / "config.json").exists() or not (ROOT / MTP_HEAD / "config.json").exists(),
+                    reason="the shipped heads are not in this checkout")
+def test_each_method_starts_where_asked(tmp_path):
+    """INIT_FROM_SHIPPED: each head from the head shipped for its method (eagle2, EAGLE-1 with two
+    layers, from the shipped one-layer eagle head, which it grows); a method with nothing shipped
+    from scratch. INIT_DIR (an earlier call's output) wins where it has the method; DRAFT_INIT
+    wins for the draft."""
+    runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp draft", INIT_FROM_SHIPPED=1)
+    assert set(runs) == {"eagle", "eagle2", "mtp", "draft"}
+    assert init_of(runs["eagle"]) == init_of(runs["eagle2"]) == EAGLE_HEAD
+    assert runs["eagle2"][:2] == ["train", "eagle"] and runs["eagle2"][runs["eagle2"].index("--num-layers") + 1] == "2"
+    assert init_of(runs["mtp"]) == MTP_HEAD and init_of(runs["draft"]) is None
+    assert all(r[r.index("--loss-vocab") + 1] == "0" for r in runs.values())  # the whole vocabulary
+
+    earlier = tmp_path / "earlier"
+    for m in ("eagle2", "draft"):
+        (earlier / m).mkdir(parents=True)
+        (earlier / m / "config.json").write_text("{}")
+    runs = launch_loop(tmp_path, METHODS="eagle2 mtp draft", INIT_FROM_SHIPPED=1, INIT_DIR=earlier)
+    assert init_of(runs["eagle2"]) == str(earlier / "eagle2")
+    assert init_of(runs["mtp"]) == MTP_HEAD  # nothing of it in INIT_DIR: the shipped head
+    assert init_of(runs["draft"]) == str(earlier / "draft")
+    runs = launch_loop(tmp_path, METHODS="draft", INIT_DIR=earlier, DRAFT_INIT=tmp_path / "mine")
+    assert init_of(runs["draft"]) == str(tmp_path / "mine")
+
+
+def test_a_call_is_refused_to_continue_from_its_own_output(tmp_path):
+    """INIT_DIR equal to TR would read the checkpoints the call overwrites: refused before
+    anything runs, with what to do."""
+    env = {**os.environ, "M": str(tmp_path / "model.gguf"), "OUT": str(tmp_path), "SPECULUM_CACHE": str(tmp_path / "sc"),
+           "TR": str(tmp_path / "tr"), "INIT_DIR": str(tmp_path / "tr") + "/"}
+    out = subprocess.run(["bash", str(TRAIN_HEADS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "give the call another TR" in out.stdout
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def test_tree_round_trip_leaves_every_head_tracked(tmp_path):
+    """tree.sh in a repository laid out like this one: ``small`` leaves the heads, drafts,
+    results and corpora out of the tree (and ignored, so the device's copy lacks them), ``heads``
+    brings the heads and drafts back alone, ``restore`` leaves the index as committed and the
+    ignore file as it was (a commit then holds every head)."""
+    repo = tmp_path / "repo"
+    files = ["core/a.py", "plugins/speculum-eagle/speculum_eagle/heads/h/config.json",
+             "plugins/speculum-draft-model/speculum_draft_model/drafts/d/config.json", "docs/results/r.json",
+             "plugins/speculum-ngram/speculum_ngram/corpora/c.npy", "docs/guide.md"]
+    for f in files:
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_text(f)
+    (repo / "scripts" / "device").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "device" / "tree.sh", repo / "scripts" / "device" / "tree.sh")
+    git(repo, "init", "-q")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "all")
+    exclude = repo / ".git" / "info" / "exclude"
+    exclude_before = exclude.read_text() if exclude.exists() else ""
+
+    def run(mode):
+        out = subprocess.run(["bash", "scripts/device/tree.sh", mode], cwd=repo, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return set(git(repo, "ls-files").split()), set(git(repo, "status", "--porcelain", "--untracked-files=all").split("\n"))
+
+    tracked, status = run("small")
+    assert tracked == {"core/a.py", "docs/guide.md", "scripts/device/tree.sh"}
+    assert not any(line.startswith("??") for line in status)  # the rest is ignored, not merely untracked
+    tracked, _ = run("heads")
+    assert tracked == {"core/a.py", "docs/guide.md", "scripts/device/tree.sh", files[1], files[2]}
+    tracked, status = run("restore")
+    assert tracked == set(files) | {"scripts/device/tree.sh"}
+    assert status == {""}  # nothing staged, nothing untracked
+    assert (exclude.read_text() if exclude.exists() else "") == exclude_before
