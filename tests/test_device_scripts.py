@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_HEADS = ROOT / "scripts" / "device" / "train_heads.sh"
 EAGLE_HEAD = "plugins/speculum-eagle/speculum_eagle/heads/eagle-smollm2-135m-instruct"
 MTP_HEAD = "plugins/speculum-mtp/speculum_mtp/heads/mtp-smollm2-135m-instruct"
+MEDUSA_HEAD = "plugins/speculum-medusa/speculum_medusa/heads/medusa-smollm2-135m-instruct"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None,
                                 reason="needs bash and git")
@@ -53,15 +54,17 @@ def init_of(args: list[str]) -> str | None:
     return args[args.index("--init-from") + 1] if "--init-from" in args else None
 
 
-@pytest.mark.skipif(not (ROOT / EAGLE_HEAD / "config.json").exists() or not (ROOT / MTP_HEAD / "config.json").exists(),
+@pytest.mark.skipif(not all((ROOT / h / "config.json").exists() for h in (EAGLE_HEAD, MTP_HEAD, MEDUSA_HEAD)),
                     reason="the shipped heads are not in this checkout")
 def test_each_method_starts_where_asked(tmp_path):
     """INIT_FROM_SHIPPED: each head from the head shipped for its method (eagle2, EAGLE-1 with two
-    layers, from the shipped one-layer eagle head, which it grows); a method with nothing shipped
-    from scratch. INIT_DIR (an earlier call's output) wins where it has the method; DRAFT_INIT
+    layers, from the shipped one-layer eagle head, which it grows; medusatok from the shipped
+    token-aware Medusa heads); a method with nothing shipped from scratch; every one of these on
+    the whole vocabulary. INIT_DIR (an earlier call's output) wins where it has the method; DRAFT_INIT
     wins for the draft."""
-    runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp draft", INIT_FROM_SHIPPED=1)
-    assert set(runs) == {"eagle", "eagle2", "mtp", "draft"}
+    runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusatok draft", INIT_FROM_SHIPPED=1)
+    assert set(runs) == {"eagle", "eagle2", "mtp", "medusatok", "draft"}
+    assert init_of(runs["medusatok"]) == MEDUSA_HEAD and "--token-input" in runs["medusatok"]
     assert init_of(runs["eagle"]) == init_of(runs["eagle2"]) == EAGLE_HEAD
     assert runs["eagle2"][:2] == ["train", "eagle"] and runs["eagle2"][runs["eagle2"].index("--num-layers") + 1] == "2"
     assert init_of(runs["mtp"]) == MTP_HEAD and init_of(runs["draft"]) is None

@@ -81,7 +81,9 @@ PIDS=()
 METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # medusa4: Medusa with MEDUSA4_LAYERS (4) blocks per head, a deeper variant trained beside the shipped
 # shape; with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (their blocks, then identity ones)
-# medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced);
+# medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced), the kind
+# shipped since the twenty-second session, on the whole vocabulary (as eagle and mtp since the twenty-eighth; the
+# default medusa entry, Medusa-1 heads, stays on 8,192 tokens beside the four others);
 # with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (a zero token map: they start as those)
 # eagle3: drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary), the kind
 # shipped since the twenty-fourth session; eagle3tail: the same (its earlier name, kept for old commands);
@@ -94,7 +96,7 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # one whose output projections start at zero: it drafts as the shipped head until trained)
 for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 2" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
          "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
-         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input" "eagle3tail=eagle3 --draft-tail" \
+         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
