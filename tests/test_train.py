@@ -235,6 +235,54 @@ def test_trained_draft_model_is_a_lossless_draft(tiny_llama, prompts, tmp_path):
     assert llm.metrics.num_accepted_tokens > 0
 
 
+def test_a_draft_with_a_wider_mlp_starts_as_the_target_shaped_one(tiny_llama, prompts, tmp_path):
+    """--intermediate-size above the target's at the target's width: the layers still start as the
+    target's (attention, norms, the MLP's first units), the extra units' output columns at zero,
+    so at --lr 0 the wide draft computes what the target-shaped draft computes (to rounding) and
+    drafts the same tokens, losslessly. The wrong variant (random extra output columns) does not."""
+    from transformers import AutoModelForCausalLM
+
+    from speculum.proposers.head_checkpoint import read_weights
+    common = ["--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12", "--max-tokens", "12",
+              "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--steps", "1", "--lr", "0", "--batch-size", "4",
+              "--num-layers", "2", "--eval-every", "0", "--save-dtype", "float32"]
+    narrow, wide = tmp_path / "narrow", tmp_path / "wide"
+    assert train(["draft", *common, "--out", str(narrow)]) == 0
+    assert train(["draft", *common, "--intermediate-size", "320", "--out", str(wide)]) == 0
+    n, w = read_weights(narrow), read_weights(wide)
+    It = n["model.layers.0.mlp.down_proj.weight"].shape[1]
+    assert w["model.layers.0.mlp.down_proj.weight"].shape[1] == 320 > It
+    for i in (0, 1):
+        pre = f"model.layers.{i}.mlp."
+        assert torch.equal(w[pre + "gate_proj.weight"][:It], n[pre + "gate_proj.weight"])
+        assert torch.equal(w[pre + "down_proj.weight"][:, :It], n[pre + "down_proj.weight"])
+        assert not w[pre + "down_proj.weight"][:, It:].any() and w[pre + "gate_proj.weight"][It:].any()
+    assert json.loads((wide / "config.json").read_text())["speculum_init_layers"] == \
+        json.loads((narrow / "config.json").read_text())["speculum_init_layers"]
+    ids = torch.tensor([[5, 6, 7, 8, 30, 31, 30, 31]])
+    logits = {d.name: AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)(ids).logits for d in (narrow, wide)}
+    assert torch.allclose(logits["narrow"], logits["wide"], atol=1e-5)
+    p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+    base = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(p, greedy)]
+    runs = {}
+    for d in (narrow, wide):
+        llm = LLM(str(tiny_llama), {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3}, **kw)
+        runs[d.name] = ([o.token_ids for o in llm.generate(p, greedy)], llm.metrics.num_accepted_tokens)
+    assert runs["wide"] == runs["narrow"] and runs["wide"][0] == base
+    # the wrong variant: the same extra units with random output columns computes something else
+    from safetensors.torch import save_file
+    bad = dict(w)
+    for i in (0, 1):
+        k = f"model.layers.{i}.mlp.down_proj.weight"
+        bad[k] = bad[k].clone()
+        bad[k][:, It:] = torch.randn_like(bad[k][:, It:])
+    save_file(bad, str(wide / "model.safetensors"), metadata={"format": "pt"})
+    wrong = AutoModelForCausalLM.from_pretrained(str(wide), dtype=torch.float32)(ids).logits
+    assert not torch.allclose(logits["narrow"], wrong, atol=1e-3)
+
+
 def test_a_shipped_draft_is_used_when_model_is_unset_and_only_for_its_target(tiny_llama, prompts, tmp_path,
                                                                             monkeypatch):
     """A draft in the draft-model plugin's ``drafts/`` folder (as one would ship for the default

@@ -215,6 +215,12 @@ def test_draft_shapes_are_measured_and_recommended(tiny_llama, tmp_path):
     assert res["recommended"] == {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
                                   "num_kv_heads": 2}  # every shape fits: the largest
     assert SMOLLM2["vocab_size"] == 49152
+    # wider MLPs at the target's width (--mlp-widths): the same attention, the MLP a multiple of the target's
+    assert candidate(target_arch(None), 2, 576, 2.0).intermediate_size == 3072
+    res = measure(tiny, [2], [64], k=3, context=16, iters=2, device="cpu", dtype="float32", max_break_even=100.0,
+                  mlps=(1.0, 3.0))
+    assert [r["intermediate_size"] for r in res["rows"]] == [128, 384]
+    assert res["recommended"]["intermediate_size"] == 384  # the most parameters that fit
     out = tmp_path / "shapes.json"
     assert main(["--model", str(tiny_llama), "--layers", "1", "--widths", "64", "--iters", "1", "--context", "8", "--device", "cpu",
                  "--dtype", "float32", "--json", str(out)]) == 0

@@ -6,7 +6,10 @@ a width of the caller's choosing (``--hidden-size`` ...; or ``--shape FILE``, th
 
 - Same width as the target: its layers start as copies of evenly spaced target layers
   (first and last included), with the target's embedding, final norm and LM head; the
-  embedding and LM head stay frozen (``--train-embeddings`` trains them too);
+  embedding and LM head stay frozen (``--train-embeddings`` trains them too); a wider MLP
+  (``--intermediate-size`` above the target's: on a GPU at batch 1 a layer's cost is mostly
+  launches, so width is nearly free) starts with the target's units first and the extra
+  units' output columns at zero;
   ``--embeddings-from-target`` saves it without them (:func:`speculum.model_source.complete_draft`
   puts the target's back where it is loaded: the draft_model proposer, ``--init-from``).
 - Another width: the embedding and LM head are the target's projected onto their top
@@ -129,13 +132,27 @@ class DraftTrainer(Trainer):
         target_shape = {"hidden_size": int(tcfg["hidden_size"]), "intermediate_size": int(tcfg["intermediate_size"]),
                         "num_heads": int(tcfg["num_attention_heads"]),
                         "num_kv_heads": int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])}
-        copy_layers = all(shape[k] == v for k, v in target_shape.items())
+        # the target's attention shape and an MLP at least as wide: the layers start as the target's (a wider
+        # MLP's extra units with a zero output column, so the draft starts as the target-shaped one would)
+        It = target_shape["intermediate_size"]
+        copy_layers = all(shape[k] == v for k, v in target_shape.items() if k != "intermediate_size") and \
+            shape["intermediate_size"] >= It
         sd = {k: v for k, v in state.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
         if copy_layers:  # evenly spaced target layers, the target's final norm
             layers = spaced(shape["num_layers"], L)
+            own = model.state_dict()
             for i, src in enumerate(layers):
                 pre = f"model.layers.{src}."
-                sd.update({f"model.layers.{i}." + k[len(pre):]: v for k, v in state.items() if k.startswith(pre)})
+                for k, v in state.items():
+                    if not k.startswith(pre):
+                        continue
+                    name = f"model.layers.{i}." + k[len(pre):]
+                    if tuple(own[name].shape) != tuple(v.shape):  # a wider MLP: the target's units first
+                        w = own[name].clone() if name.endswith(("gate_proj.weight", "up_proj.weight")) else \
+                            torch.zeros_like(own[name])  # down_proj: the extra units add nothing yet
+                        w[tuple(slice(0, n) for n in v.shape)] = v.to(w.dtype)
+                        v = w
+                    sd[name] = v
             if "model.norm.weight" in state:
                 sd["model.norm.weight"] = state["model.norm.weight"]
             model.config.speculum_init_layers = layers

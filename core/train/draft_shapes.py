@@ -46,16 +46,17 @@ def target_arch(model: str | None):
     return arch_from_config(read_config(p))
 
 
-def candidate(target, layers: int, width: int):
+def candidate(target, layers: int, width: int, mlp: float = 1.0):
     """A draft shape: ``layers`` x ``width``, the target's vocabulary, head size and query /
-    KV head ratio, an MLP of the target's width ratio (rounded to 64)."""
+    KV head ratio, an MLP of the target's width ratio (rounded to 64) times ``mlp``."""
     import attrs
     heads = max(1, width // target.head_dim)
     kv = max(1, heads * target.num_kv_heads // target.num_heads)
     while heads % kv:
         kv -= 1
-    inter = target.intermediate_size if width == target.hidden_size else \
-        max(64, 64 * round(width * target.intermediate_size / target.hidden_size / 64))
+    base = target.intermediate_size if width == target.hidden_size else \
+        width * target.intermediate_size / target.hidden_size
+    inter = max(64, 64 * round(base * mlp / 64))
     return attrs.evolve(target, num_layers=layers, hidden_size=width, intermediate_size=inter, num_heads=heads,
                         num_kv_heads=kv, head_dim=width // heads)
 
@@ -97,7 +98,8 @@ def params_of(arch) -> int:
 
 
 def measure(target, layers: Sequence[int], widths: Sequence[int], k: int = 4, context: int = 512, iters: int = 50,
-            device: str = "auto", dtype: str = "bfloat16", max_break_even: float = 1.6) -> dict:
+            device: str = "auto", dtype: str = "bfloat16", max_break_even: float = 1.6,
+            mlps: Sequence[float] = (1.0,)) -> dict:
     """Time the target and every candidate shape; returns the table and the recommendation."""
     from speculum.backends.torch import resolve_device, resolve_dtype
     dev = resolve_device(device)
@@ -105,8 +107,8 @@ def measure(target, layers: Sequence[int], widths: Sequence[int], k: int = 4, co
     t = time_forward(target, (1, k + 1), dev, dt, context, iters)
     rows = []
     for L in layers:
-        for W in widths:
-            arch = candidate(target, L, W)
+        for W, mlp in [(w, m) for w in widths for m in mlps]:
+            arch = candidate(target, L, W, mlp)
             d = time_forward(arch, (1, 2), dev, dt, context, iters)
             chain = d[2] + (k - 1) * d[1]
             rows.append({"num_layers": L, "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
@@ -127,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="target checkpoint (default: SmolLM2-135M-Instruct's shape)")
     p.add_argument("--layers", default="1,2,3,4,6")
     p.add_argument("--widths", default="384,576,768")
+    p.add_argument("--mlp-widths", default="1", metavar="X[,X...]",
+                   help="MLP widths to try, as multiples of the target's MLP-to-width ratio (e.g. 1,2,3: at batch 1 "
+                        "a layer's cost is mostly its launches, so a wider MLP adds capacity almost for free)")
     p.add_argument("--k", type=int, default=4, help="chain length")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--iters", type=int, default=50)
@@ -136,15 +141,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default="draft_shapes.json")
     a = p.parse_args(argv)
     res = measure(target_arch(a.model), [int(x) for x in a.layers.split(",")], [int(x) for x in a.widths.split(",")],
-                  a.k, a.context, a.iters, a.device, a.dtype, a.max_break_even)
+                  a.k, a.context, a.iters, a.device, a.dtype, a.max_break_even,
+                  [float(x) for x in a.mlp_widths.split(",")])
     t = res["target"]
     print(f"target ({t['num_layers']} x {t['hidden_size']}) on {res['device']}: {t['ms_q1']:.3f} ms decode, "
           f"{t[f'ms_q{a.k + 1}']:.3f} ms verify of {a.k + 1}")
-    print(f"{'layers':>6} {'width':>5} {'params':>8} {'ms q=1':>7} {'ms q=2':>7} {'chain k=' + str(a.k):>10} "
-          f"{'break-even MAL':>14}")
+    print(f"{'layers':>6} {'width':>5} {'mlp':>5} {'params':>8} {'ms q=1':>7} {'ms q=2':>7} "
+          f"{'chain k=' + str(a.k):>10} {'break-even MAL':>14}")
     for r in res["rows"]:
-        print(f"{r['num_layers']:>6} {r['hidden_size']:>5} {r['params'] / 1e6:>7.1f}M {r['ms_q1']:>7.3f} "
-              f"{r['ms_q2']:>7.3f} {r['chain_ms']:>10.3f} {r['break_even_mal']:>14.2f}")
+        print(f"{r['num_layers']:>6} {r['hidden_size']:>5} {r['intermediate_size']:>5} {r['params'] / 1e6:>7.1f}M "
+              f"{r['ms_q1']:>7.3f} {r['ms_q2']:>7.3f} {r['chain_ms']:>10.3f} {r['break_even_mal']:>14.2f}")
     print(f"recommended: {res['recommended']}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
