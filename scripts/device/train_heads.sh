@@ -111,7 +111,7 @@ for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 
   # heads over the shipped ones; DRAFT_INIT wins for the draft
   [ -n "${INIT_DIR:-}" ] && [ -f "$INIT_DIR/$n/config.json" ] && INIT="--init-from $INIT_DIR/$n"
   [ "$n" = draft ] && [ -n "${DRAFT_INIT:-}" ] && INIT="--init-from $DRAFT_INIT"
-  echo "$n: ${INIT:-from scratch (no shipped head in the tree or carried, or eagle3own)}"
+  echo "$n: ${INIT:-a fresh start (no shipped head in the tree or carried, or eagle3own)}"
   speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
   PIDS+=($!)
 done
