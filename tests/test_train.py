@@ -271,6 +271,22 @@ def test_a_draft_with_a_wider_mlp_starts_as_the_target_shaped_one(tiny_llama, pr
         llm = LLM(str(tiny_llama), {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3}, **kw)
         runs[d.name] = ([o.token_ids for o in llm.generate(p, greedy)], llm.metrics.num_accepted_tokens)
     assert runs["wide"] == runs["narrow"] and runs["wide"][0] == base
+    # a trained narrow draft grows the same way (--init-from with a wider --intermediate-size), and a
+    # wide one continues as it is without its shape given again (the checkpoint's shape is the default)
+    trained = tmp_path / "trained"
+    i = common.index("--lr")
+    assert train(["draft", *common[:i], *common[i + 2:], "--steps", "4", "--out", str(trained)]) == 0
+    grown, again = tmp_path / "grown", tmp_path / "again"
+    assert train(["draft", *common, "--init-from", str(trained), "--intermediate-size", "320", "--out", str(grown)]) == 0
+    t, g = read_weights(trained), read_weights(grown)
+    assert g["model.layers.1.mlp.up_proj.weight"].shape[0] == 320
+    assert all(torch.equal(g[k][tuple(slice(0, n) for n in v.shape)], v) for k, v in t.items())
+    assert not g["model.layers.1.mlp.down_proj.weight"][:, It:].any()
+    grown_logits = AutoModelForCausalLM.from_pretrained(str(grown), dtype=torch.float32)(ids).logits
+    trained_logits = AutoModelForCausalLM.from_pretrained(str(trained), dtype=torch.float32)(ids).logits
+    assert torch.allclose(grown_logits, trained_logits, atol=1e-5)
+    assert train(["draft", *common, "--init-from", str(grown), "--out", str(again)]) == 0
+    assert json.loads((again / "config.json").read_text())["intermediate_size"] == 320
     # the wrong variant: the same extra units with random output columns computes something else
     from safetensors.torch import save_file
     bad = dict(w)

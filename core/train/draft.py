@@ -25,6 +25,7 @@ agreement and the acceptance length of a ``--num-positions``-token greedy chain.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -37,6 +38,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "generation_config.json")
 SHAPE_KEYS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
+log = logging.getLogger(__name__)
 
 
 def spaced(n: int, L: int) -> list[int]:
@@ -47,9 +49,10 @@ def spaced(n: int, L: int) -> list[int]:
 
 
 def draft_shape(args, target_cfg: dict) -> dict[str, int]:
-    """The draft's shape: explicit options, else ``--shape``'s recommendation, else the
-    target's width with ``--num-layers`` layers. Heads keep the target's head size and its
-    query / KV head ratio unless given."""
+    """The draft's shape: explicit options, else ``--shape``'s recommendation, else the shape of
+    the ``--init-from`` checkpoint (a draft continued as it is), else the target's width with
+    ``--num-layers`` layers. Heads keep the target's head size and its query / KV head ratio
+    unless given."""
     from_file = {}
     if getattr(args, "shape", None):
         p = Path(args.shape)
@@ -58,6 +61,11 @@ def draft_shape(args, target_cfg: dict) -> dict[str, int]:
                               "on the device first")
         doc = json.loads(p.read_text())
         from_file = doc.get("recommended", doc)
+    elif getattr(args, "init_from", None) and (Path(args.init_from) / "config.json").exists():
+        c = json.loads((Path(args.init_from) / "config.json").read_text())
+        from_file = {"num_layers": c.get("num_hidden_layers"), "hidden_size": c.get("hidden_size"),
+                     "intermediate_size": c.get("intermediate_size"), "num_heads": c.get("num_attention_heads"),
+                     "num_kv_heads": c.get("num_key_value_heads")}
     Ht = int(target_cfg["hidden_size"])
     heads_t = int(target_cfg["num_attention_heads"])
     kv_t = int(target_cfg.get("num_key_value_heads") or heads_t)
@@ -76,6 +84,17 @@ def draft_shape(args, target_cfg: dict) -> dict[str, int]:
         raise ConfigError(f"draft shape {shape}: hidden_size must be a multiple of num_heads, and num_heads of "
                           "num_kv_heads")
     return shape
+
+
+def widened(own: torch.Tensor, src: torch.Tensor, name: str) -> torch.Tensor:
+    """``src`` in a tensor of ``own``'s shape when an MLP has more units than ``src`` has: its units
+    first, the extra units' gate and up rows as ``own`` has them (freshly initialised), their
+    ``down_proj`` columns zero, so they add nothing until trained. Same shape: ``src``."""
+    if tuple(own.shape) == tuple(src.shape):
+        return src
+    w = own.clone() if name.endswith(("gate_proj.weight", "up_proj.weight")) else torch.zeros_like(own)
+    w[tuple(slice(0, n) for n in src.shape)] = src.to(w.dtype)
+    return w
 
 
 def projection(embed: torch.Tensor, width: int) -> torch.Tensor:
@@ -144,15 +163,9 @@ class DraftTrainer(Trainer):
             for i, src in enumerate(layers):
                 pre = f"model.layers.{src}."
                 for k, v in state.items():
-                    if not k.startswith(pre):
-                        continue
-                    name = f"model.layers.{i}." + k[len(pre):]
-                    if tuple(own[name].shape) != tuple(v.shape):  # a wider MLP: the target's units first
-                        w = own[name].clone() if name.endswith(("gate_proj.weight", "up_proj.weight")) else \
-                            torch.zeros_like(own[name])  # down_proj: the extra units add nothing yet
-                        w[tuple(slice(0, n) for n in v.shape)] = v.to(w.dtype)
-                        v = w
-                    sd[name] = v
+                    if k.startswith(pre):
+                        name = f"model.layers.{i}." + k[len(pre):]
+                        sd[name] = widened(own[name], v, name)  # a wider MLP: the target's units first
             if "model.norm.weight" in state:
                 sd["model.norm.weight"] = state["model.norm.weight"]
             model.config.speculum_init_layers = layers
@@ -175,12 +188,31 @@ class DraftTrainer(Trainer):
 
     def load(self, path, target, args):
         """A draft saved by this trainer (or any transformers Llama of the same shape), for
-        ``--init-from``; one saved without the target's embedding gets it back first."""
+        ``--init-from``; one saved without the target's embedding gets it back first. Asked for
+        a wider MLP than the checkpoint's (``--intermediate-size``, the rest of the shape its
+        own), it grows: its units first, the extra ones adding nothing until trained."""
         from transformers import AutoModelForCausalLM
 
         from speculum.model_source import complete_draft, resolve_model_path
         full = complete_draft(path, resolve_model_path(args.model))
-        return AutoModelForCausalLM.from_pretrained(str(full), dtype=torch.float32)
+        draft = AutoModelForCausalLM.from_pretrained(str(full), dtype=torch.float32)
+        want, cfg = draft_shape(args, dict(target.config)), draft.config
+        have = {"num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size, "num_heads": cfg.num_attention_heads,
+                "num_kv_heads": cfg.num_key_value_heads}
+        if want["intermediate_size"] <= have["intermediate_size"] or \
+                any(want[k] != have[k] for k in have if k != "intermediate_size"):
+            return draft  # the same shape (or one it cannot grow into: the loop says what differs)
+        import copy
+        config = copy.deepcopy(cfg)
+        config.intermediate_size = want["intermediate_size"]
+        torch.manual_seed(args.seed)
+        grown = AutoModelForCausalLM.from_config(config).float()
+        own = grown.state_dict()
+        grown.load_state_dict({k: widened(own[k], v, k) for k, v in draft.state_dict().items()})
+        log.info("%s: MLP grown from %d to %d units (the new ones add nothing until trained)", path,
+                 have["intermediate_size"], want["intermediate_size"])
+        return grown
 
     def loss(self, model, batch, target, args):
         vocab = loss_vocab(model, target, args)
