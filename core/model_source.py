@@ -157,19 +157,16 @@ def complete_draft(path: str | os.PathLike, target: str | os.PathLike) -> Path:
     from safetensors.torch import save_file
 
     # the fingerprint every trained head and draft records of its target (TargetParts.fingerprint)
-    from speculum.proposers.head_checkpoint import fingerprint_matches, read_weights, target_fingerprint
+    from speculum.proposers.head_checkpoint import (checkpoint_embedding, fingerprint_matches, read_weights,
+                                                    target_fingerprint)
     state = read_weights(path)
     embed_key, head_key = TARGET_EMBEDDING_KEYS
-    embed = read_weights(target, prefix=embed_key).get(embed_key)
+    embed, layers = checkpoint_embedding(target)
     head = read_weights(target, prefix=head_key).get(head_key)
     if embed is None:
         raise ModelLoadError(f"the draft {path} takes its embedding from its target, but {target} has no "
                              f"{embed_key!r}; give the target it was trained for")
     want = spec.get("target") or {}
-    try:
-        layers = json.loads((target / "config.json").read_text()).get("num_hidden_layers")
-    except (OSError, ValueError):
-        layers = None
     have = target_fingerprint(embed, want.get("name"), layers)
     if tuple(embed.shape) != (int(cfg["vocab_size"]), int(cfg["hidden_size"])) or \
             (want and not fingerprint_matches(want, have)):

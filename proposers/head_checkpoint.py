@@ -112,6 +112,13 @@ def target_fingerprint(embed: torch.Tensor, name: str | None = None, num_layers:
             "embed_mean": float(rows.mean())}
 
 
+def checkpoint_embedding(path: str | Path) -> tuple[torch.Tensor | None, int | None]:
+    """The token embedding of the checkpoint at ``path`` (None without one) and its number of
+    layers (``num_hidden_layers`` of its config): what :func:`target_fingerprint` takes of a target."""
+    key = "model.embed_tokens.weight"
+    return read_weights(path, prefix=key).get(key), read_config(path).get("num_hidden_layers")
+
+
 def fingerprint_matches(want: Mapping[str, Any], have: Mapping[str, Any]) -> bool:
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if want.get(key) is not None and have.get(key) is not None and want[key] != have[key]:

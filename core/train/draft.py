@@ -62,10 +62,7 @@ def draft_shape(args, target_cfg: dict) -> dict[str, int]:
         doc = json.loads(p.read_text())
         from_file = doc.get("recommended", doc)
     elif getattr(args, "init_from", None) and (Path(args.init_from) / "config.json").exists():
-        c = json.loads((Path(args.init_from) / "config.json").read_text())
-        from_file = {"num_layers": c.get("num_hidden_layers"), "hidden_size": c.get("hidden_size"),
-                     "intermediate_size": c.get("intermediate_size"), "num_heads": c.get("num_attention_heads"),
-                     "num_kv_heads": c.get("num_key_value_heads")}
+        from_file = config_shape(json.loads((Path(args.init_from) / "config.json").read_text()))
     Ht = int(target_cfg["hidden_size"])
     heads_t = int(target_cfg["num_attention_heads"])
     kv_t = int(target_cfg.get("num_key_value_heads") or heads_t)
@@ -84,6 +81,15 @@ def draft_shape(args, target_cfg: dict) -> dict[str, int]:
         raise ConfigError(f"draft shape {shape}: hidden_size must be a multiple of num_heads, and num_heads of "
                           "num_kv_heads")
     return shape
+
+
+def config_shape(cfg) -> dict[str, int | None]:
+    """The :data:`SHAPE_KEYS` of a Llama config (``config.json`` as a dict; KV heads default to
+    the query heads, as transformers reads it)."""
+    heads = cfg.get("num_attention_heads")
+    return {"num_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
+            "intermediate_size": cfg.get("intermediate_size"), "num_heads": heads,
+            "num_kv_heads": cfg.get("num_key_value_heads") or heads}
 
 
 def widened(own: torch.Tensor, src: torch.Tensor, name: str) -> torch.Tensor:
@@ -147,10 +153,7 @@ class DraftTrainer(Trainer):
         torch.manual_seed(args.seed)
         config = AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
         model = AutoModelForCausalLM.from_config(config)
-        tcfg = target.config
-        target_shape = {"hidden_size": int(tcfg["hidden_size"]), "intermediate_size": int(tcfg["intermediate_size"]),
-                        "num_heads": int(tcfg["num_attention_heads"]),
-                        "num_kv_heads": int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])}
+        target_shape = {k: int(v) for k, v in config_shape(target.config).items() if k != "num_layers"}
         # the target's attention shape and an MLP at least as wide: the layers start as the target's (a wider
         # MLP's extra units with a zero output column, so the draft starts as the target-shaped one would)
         It = target_shape["intermediate_size"]
@@ -196,15 +199,12 @@ class DraftTrainer(Trainer):
         from speculum.model_source import complete_draft, resolve_model_path
         full = complete_draft(path, resolve_model_path(args.model))
         draft = AutoModelForCausalLM.from_pretrained(str(full), dtype=torch.float32)
-        want, cfg = draft_shape(args, dict(target.config)), draft.config
-        have = {"num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-                "intermediate_size": cfg.intermediate_size, "num_heads": cfg.num_attention_heads,
-                "num_kv_heads": cfg.num_key_value_heads}
+        want, have = draft_shape(args, dict(target.config)), config_shape(draft.config.to_dict())
         if want["intermediate_size"] <= have["intermediate_size"] or \
                 any(want[k] != have[k] for k in have if k != "intermediate_size"):
             return draft  # the same shape (or one it cannot grow into: the loop says what differs)
         import copy
-        config = copy.deepcopy(cfg)
+        config = copy.deepcopy(draft.config)
         config.intermediate_size = want["intermediate_size"]
         torch.manual_seed(args.seed)
         grown = AutoModelForCausalLM.from_config(config).float()

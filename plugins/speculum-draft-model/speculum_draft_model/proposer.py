@@ -17,7 +17,7 @@ import attrs
 
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback
 from speculum.proposers.draft_loop import draft_autoregressive, rollback
-from speculum.proposers.head_checkpoint import (find_shipped_head, read_config, read_weights, shipped_names,
+from speculum.proposers.head_checkpoint import (checkpoint_embedding, find_shipped_head, shipped_names,
                                                 target_fingerprint)
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,8 @@ def shipped_draft(target_path: Path | None) -> Path | None:
     embedding, as heads are found), if any."""
     if target_path is None:
         return None
-    key = "model.embed_tokens.weight"
-    embed = read_weights(target_path, prefix=key).get(key)
-    if embed is None:
-        return None
-    return find_shipped_head(SHIPPED, "draft", target_fingerprint(embed, None,
-                                                                 read_config(target_path).get("num_hidden_layers")))
+    embed, layers = checkpoint_embedding(target_path)
+    return None if embed is None else find_shipped_head(SHIPPED, "draft", target_fingerprint(embed, None, layers))
 
 
 @attrs.frozen
