@@ -1,7 +1,9 @@
 """A static Medusa tree calibrated on the target's own answers (Medusa's ``medusa_choices``).
 
 Medusa's heads draft independently of each other: head ``i`` reads the target's state
-``h_t`` and ranks candidates for the token ``i + 2`` places ahead. So whether a static tree
+``h_t`` and ranks candidates for the token ``i + 2`` places ahead (sequential heads also read
+the tokens of the node's path, which are the true tokens wherever the node can be accepted:
+their ranks are read with the true tokens fed, teacher-forced). So whether a static tree
 (paths of top-k ranks) accepts ``d`` tokens at a position depends only on the ranks
 ``(r_1, ..., r_d)`` of the true next tokens under heads ``0..d-1``: the tree accepts the
 longest prefix of that rank tuple it contains. A node's contribution to the mean
@@ -62,9 +64,11 @@ def head_ranks(llm, heads, chats, max_tokens: int, depth: int, width: int):
         h = runner.add(sid, toks, hidden_layers=(-1,))[-1]  # [len, H]: h[t] produced toks[t + 1]
         runner.remove(sid)
         with torch.inference_mode():  # the heads on the answer's states only: [D, len - P + 1, V]
-            # (token-aware heads also read the token each state produced, toks[t + 1]; none after the last)
-            x = heads.features(h[P - 1:], torch.tensor(toks[P:] + [0], device=h.device))
-            logits = torch.stack([heads.logits(i, x) for i in range(depth)]).float()
+            # (token-aware heads also read the token each state produced, toks[t + 1]; none after the last;
+            # sequential heads the true tokens after it: a tree node is accepted only where its path holds those)
+            nxt = torch.tensor(toks[P:] + [0], device=h.device)
+            x = heads.features(h[P - 1:], nxt)
+            logits = torch.stack([heads.logits(i, heads.teacher_forced(i, x, nxt)) for i in range(depth)]).float()
             top.append(logits.log_softmax(-1).topk(width, dim=-1).values[:, : max(T - P - 1, 0)].transpose(0, 1).cpu())
             # states inside the answer with a token 2 ahead (t = P - 1 + u): head i's rank of
             # toks[t + i + 2], or width (a miss) past the answer
@@ -109,7 +113,9 @@ def dynamic_paths(lp: torch.Tensor, topk: int, nodes: int) -> set:
     """The rank paths of the dynamic tree the proposer drafts from top log-probs ``lp``
     [depth, >= topk] (EAGLE-2, ``speculum.proposers.tree.dynamic_tree``, as
     :func:`speculum.testing.reference_tree_paths` draws it in plain Python): token ids are
-    ranks, and Medusa's children do not depend on their parent, only on their depth."""
+    ranks, and Medusa's children do not depend on their parent, only on their depth
+    (sequential heads': on the true path's; every node of a depth is given those, so for
+    them this replay is an estimate, the static tree's figures exact)."""
     from speculum.testing import reference_tree_paths
     from speculum.tree import TreeSpec
 

@@ -58,13 +58,14 @@ def init_of(args: list[str]) -> str | None:
                     reason="the shipped heads are not in this checkout")
 def test_each_method_starts_where_asked(tmp_path):
     """INIT_FROM_SHIPPED: each head from the head shipped for its method (eagle2, EAGLE-1 with two
-    layers, from the shipped one-layer eagle head, which it grows; medusatok from the shipped
-    token-aware Medusa heads); a method with nothing shipped from scratch; every one of these on
+    layers, from the shipped one-layer eagle head, which it grows; medusatok and medusaseq from the
+    shipped token-aware Medusa heads, medusaseq growing them sequential); a method with nothing shipped from scratch; every one of these on
     the whole vocabulary. INIT_DIR (an earlier call's output) wins where it has the method; DRAFT_INIT
     wins for the draft."""
-    runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusatok draft", INIT_FROM_SHIPPED=1)
-    assert set(runs) == {"eagle", "eagle2", "mtp", "medusatok", "draft"}
+    runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusatok medusaseq draft", INIT_FROM_SHIPPED=1)
+    assert set(runs) == {"eagle", "eagle2", "mtp", "medusatok", "medusaseq", "draft"}
     assert init_of(runs["medusatok"]) == MEDUSA_HEAD and "--token-input" in runs["medusatok"]
+    assert init_of(runs["medusaseq"]) == MEDUSA_HEAD and "--sequential" in runs["medusaseq"]
     assert init_of(runs["eagle"]) == init_of(runs["eagle2"]) == EAGLE_HEAD
     assert runs["eagle2"][:2] == ["train", "eagle"] and runs["eagle2"][runs["eagle2"].index("--num-layers") + 1] == "2"
     assert init_of(runs["mtp"]) == MTP_HEAD and init_of(runs["draft"]) is None

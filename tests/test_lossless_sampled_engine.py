@@ -67,6 +67,10 @@ def prompt(tiny_llama):
 
 @pytest.fixture(scope="module")
 def exact(tiny_llama, prompt):
+    return exact_law(tiny_llama, prompt)
+
+
+def exact_law(tiny_llama, prompt) -> dict:
     """{(x1, x2): probability} of the first two sampled tokens, from the target alone."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
@@ -171,3 +175,106 @@ def test_a_proposer_reporting_wrong_probabilities_is_caught(tiny_llama, tiny_lla
     assert set(x1.tolist()) <= set(support)
     assert stats.chisquare(obs, exp).pvalue < ALPHA  # the marginal of x1 alone already rejects it
     assert joint_pvalue(pairs, exact) < ALPHA
+
+
+
+# ------------------------------------------------------------------ sequential Medusa heads
+SEQ_SCALE = 30.0  # the heads' maps of the drafted tokens, scaled up (see seq_case)
+
+
+def accept_law(p: torch.Tensor, q: torch.Tensor, q_reported: torch.Tensor) -> torch.Tensor:
+    """The law of the token a verify position emits when its draft is sampled from ``q`` and
+    reported as ``q_reported`` (the rejection sampler's rule: accepted iff ``u q' < p``, else
+    drawn from ``norm(max(0, p - q'))``)."""
+    a = torch.where(q_reported > 0, (p / q_reported.clamp_min(1e-300)).clamp(max=1.0), (p > 0).double())
+    kept = q * a
+    residual = (p - q_reported).clamp_min(0)
+    return kept + (1 - kept.sum()) * residual / residual.sum()
+
+
+@pytest.fixture(scope="module")
+def seq_case(tiny_llama, tmp_path_factory):
+    """Sequential Medusa heads (3) trained on the tiny target, their maps of the drafted tokens
+    scaled by SEQ_SCALE (a few hundred tiny steps move them little from zero; any heads are
+    valid drafts), and a prompt chosen among 400 seeded random ones where the first draft is
+    often accepted and the second head's distribution depends on it. Returns (spec, prompt,
+    exact law of (x1, x2), the law a proposer reporting its second head without the first
+    draft produces (computed: x1 exact; given the first draft accepted, x2 by
+    :func:`accept_law` with the unfed head reported), their total variation)."""
+    if importlib.util.find_spec("speculum_medusa") is None:
+        pytest.skip("speculum-medusa is not installed")
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from speculum.testing import PrefillHidden
+    out = train_tiny("medusa", tiny_llama, tmp_path_factory.mktemp("seq_medusa"), steps=600,
+                     extra=("--num-heads", "3", "--sequential", "--save-dtype", "float32"))
+    f = out / "medusa_lm_head.safetensors"
+    sd = load_file(str(f))
+    save_file({k: v * SEQ_SCALE if k.startswith("seq_proj.") else v for k, v in sd.items()}, str(f))
+    spec = {"method": "medusa", "model": str(out), "num_speculative_tokens": 3}
+    heads = LLM(str(tiny_llama), spec, device="cpu", dtype="float32").proposer.heads
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    prefill = PrefillHidden(tiny_llama, (-1,))
+
+    def laws(prompt):
+        with torch.inference_mode():
+            p1 = topk_probs(model(torch.tensor([prompt])).logits[0, -1])
+            z0 = heads.features(prefill(prompt[:-1])[-1][-1], torch.tensor(prompt[-1]))  # drafts x1, x2, ...
+            q0, q1_unfed = topk_probs(heads.logits(0, z0)), topk_probs(heads.logits(1, z0))
+            exact, wrong = {}, {}
+            for x1 in p1.nonzero().flatten().tolist():
+                p2 = topk_probs(model(torch.tensor([prompt + [x1]])).logits[0, -1])
+                q1 = topk_probs(heads.logits(1, heads.advance(0, z0, torch.tensor(x1))))
+                both = float(min(q0[x1], p1[x1]))  # x1 emitted as the accepted first draft
+                w = accept_law(p2, q1, q1_unfed)
+                for x2 in p2.nonzero().flatten().tolist():
+                    exact[(x1, x2)] = float(p1[x1] * p2[x2])
+                    wrong[(x1, x2)] = both * float(w[x2]) + (float(p1[x1]) - both) * float(p2[x2])
+        tv = 0.5 * sum(abs(exact[c] - wrong.get(c, 0.0)) for c in exact)
+        return exact, wrong, tv
+
+    g = torch.Generator().manual_seed(0)
+    cands = [torch.randint(3, 500, (6,), generator=g).tolist() for _ in range(400)]
+    prompt = max(cands, key=lambda pr: laws(pr)[2])
+    return spec, prompt, *laws(prompt)
+
+
+def test_sampled_sequential_medusa_follows_the_target(tiny_llama, seq_case):
+    """Sequential Medusa heads report each draft's distribution given the drafts before it:
+    the output follows the target's law (the joint test above: TV >= 0.06 detected with
+    probability > 0.99)."""
+    spec, prompt, exact, _, _ = seq_case
+    assert all(v * N >= 5 for v in exact.values()) and power_at_tv(0.06, len(exact)) > 0.99
+    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
+    pairs = sample_pairs(llm, prompt)
+    m = llm.metrics
+    assert m.accepted_per_position[1] > 0.1 * N  # second drafts are verified and accepted
+    assert joint_pvalue(pairs, exact) > ALPHA
+
+
+def test_sequential_medusa_reporting_its_heads_unfed_is_caught(tiny_llama, seq_case):
+    """The wrong variant: drafts sampled given the drafts before them, but each head's
+    distribution reported without them (as if the heads were Medusa-1's). Its law of
+    (x1, x2), computed, is at TV >= 0.06 from the target's; the joint test rejects it."""
+    spec, prompt, exact, wrong_law, tv = seq_case
+    assert tv >= 0.06, f"pick a case where the unfed heads differ enough (TV {tv:.3f})"
+    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
+    proposer = llm.proposer
+    heads, inner = proposer.heads, proposer.propose
+
+    def wrong(batch):
+        last = {s.seq_id: proposer.last.get(s.seq_id) for s in batch.seqs}
+        d = inner(batch)
+        if d.probs is not None:
+            with torch.inference_mode():
+                for b, s in enumerate(batch.seqs):
+                    if d.lengths[b]:
+                        z0 = heads.features(last[s.seq_id], torch.tensor(s.token_ids[-1]))
+                        for i in range(1, d.probs.shape[1]):
+                            d.probs[b, i] = topk_probs(heads.logits(i, z0)).to(d.probs.dtype)
+        return d
+
+    proposer.propose = wrong
+    pairs = sample_pairs(llm, prompt)
+    assert joint_pvalue(pairs, exact) < ALPHA
+    assert joint_pvalue(pairs, wrong_law) > ALPHA  # and it is the law computed for it

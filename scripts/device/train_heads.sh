@@ -85,6 +85,9 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # shipped since the twenty-second session, on the whole vocabulary (as eagle and mtp since the twenty-eighth; the
 # default medusa entry, Medusa-1 heads, stays on 8,192 tokens beside the four others);
 # with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (a zero token map: they start as those)
+# medusaseq: sequentially dependent Medusa heads (--sequential, after Hydra: each head also reads the tokens drafted
+# before it), on the whole vocabulary; with INIT_FROM_SHIPPED=1 grown from the shipped token-aware heads (zero maps
+# of the drafted tokens: they start as those)
 # eagle3: drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary), the kind
 # shipped since the twenty-fourth session; eagle3tail: the same (its earlier name, kept for old commands);
 # eagle3own: the draft vocabulary only (from scratch: a head with the tail cannot be continued without it)
@@ -96,7 +99,8 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # one whose output projections start at zero: it drafts as the shipped head until trained)
 for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 2" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
          "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
-         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
+         "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" \
+         "medusaseq=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac

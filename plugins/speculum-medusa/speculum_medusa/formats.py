@@ -8,7 +8,9 @@ LM head (``L = medusa_num_layers``). Heads saved without LM heads (``{i}.{L}.wei
 absent; speculum writes ``"medusa_shared_lm_head": true``) use the target's LM head.
 Token-aware heads (:mod:`speculum_medusa.model`, speculum's extension) add
 ``"speculum_token_input": true`` and the shared map ``token_proj.weight`` [H, H] (either
-one makes them token-aware here; the flag without the map is an error). Medusa's own
+one makes them token-aware here; the flag without the map is an error). Sequentially
+dependent heads add ``"speculum_sequential": true`` and ``seq_proj.{j}.weight`` [H, H] for
+``j < medusa_num_heads - 1`` (the map of the token ``j + 1`` places after ``x_{t+1}``). Medusa's own
 loader would drop the map and draft worse, not wrongly: drafts never change the output.
 """
 
@@ -46,10 +48,18 @@ def load_medusa(path: Path, target: TargetParts) -> MedusaHeads:
     token_input = bool(cfg.get("speculum_token_input")) or "token_proj.weight" in sd
     if token_input and "token_proj.weight" not in sd:
         raise ConfigError(f"{where}: config.json says speculum_token_input but the weights lack 'token_proj.weight'")
+    sequential = bool(cfg.get("speculum_sequential")) or "seq_proj.0.weight" in sd
+    missing = [f"seq_proj.{j}.weight" for j in range(n_heads - 1) if f"seq_proj.{j}.weight" not in sd]
+    if sequential and (missing or not token_input):
+        raise ConfigError(f"{where}: sequential heads (speculum_sequential) need 'token_proj.weight' and "
+                          f"seq_proj.0..{n_heads - 2}; missing {(['token_proj.weight'] if not token_input else []) + missing}")
     heads = MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers,
-                        lm_head=None if own else target.lm_head, embed=target.embed if token_input else None)
+                        lm_head=None if own else target.lm_head, embed=target.embed if token_input else None,
+                        sequential=sequential)
     if token_input:
         copy_weight(heads.token_proj.weight, sd["token_proj.weight"], "token_proj.weight", where)
+    for j, lin in enumerate(heads.seq_proj or ()):
+        copy_weight(lin.weight, sd[f"seq_proj.{j}.weight"], f"seq_proj.{j}.weight", where)
     for i in range(n_heads):
         for j in range(n_layers):
             for p in ("weight", "bias"):
@@ -73,6 +83,8 @@ def medusa_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
             sd[f"{i}.{heads.num_layers}.weight"] = heads.heads[i].weight.detach()
     if heads.token_proj is not None:
         sd["token_proj.weight"] = heads.token_proj.weight.detach()
+    for j, lin in enumerate(heads.seq_proj or ()):
+        sd[f"seq_proj.{j}.weight"] = lin.weight.detach()
     return sd
 
 
@@ -83,6 +95,8 @@ def save_medusa(heads: MedusaHeads, path: Path, base_model: str = "", meta: dict
            "medusa_shared_lm_head": heads.heads is None}
     if heads.token_input:
         cfg["speculum_token_input"] = True
+    if heads.sequential:
+        cfg["speculum_sequential"] = True
     if meta:
         cfg["speculum"] = meta
     return write_checkpoint(path, cfg, medusa_state(heads), filename=WEIGHT_FILES[0], dtype=dtype)

@@ -11,7 +11,9 @@ a static buffer of target states ``x`` [Bb, H]:
   (Medusa's own tree decoding, :class:`MedusaExpander`), so no
   tree bookkeeping is left to the host.
 
-Token-aware heads also read each row's last token ``tok`` [Bb] (a second static input).
+Token-aware heads also read each row's last token ``tok`` [Bb] (a second static input);
+sequential heads read each head's draft in the next one (chains: one loop over the heads;
+trees: each frontier node's features from its parent's and its token).
 It is captured once per batch bucket and replayed after one device copy of the inputs.
 With ``use_graphs=False`` (CPU, tests) the same function runs eagerly, so the CPU tests
 check what the graph computes. Sampled drafts and logits processors stay on the eager
@@ -28,11 +30,13 @@ from speculum.tree import TreeSpec
 
 
 class MedusaExpander:
-    """Medusa heads as a :class:`speculum.proposers.tree.Expander`: a node's children do
-    not depend on its token, only on its depth (head ``level`` gives depth ``level + 1``)."""
+    """Medusa heads as a :class:`speculum.proposers.tree.Expander` (head ``level`` gives
+    depth ``level + 1``): a node's children depend only on its depth, or, for sequential
+    heads, on its path too (the features of each frontier node, from its parent's)."""
 
     def __init__(self, heads, x: torch.Tensor):
         self.heads, self.x, self.device = heads, x, x.device  # x: [R, H] the heads' features
+        self.frontier = x.unsqueeze(1)  # sequential heads: the last frontier's features [R, F, H]
 
     #: frontiers and nodes of dynamic trees chosen by the fused top-k on CUDA
     topk = staticmethod(topk)
@@ -41,6 +45,10 @@ class MedusaExpander:
         return topk_logprobs(self.heads.logits(0, self.x), width)
 
     def expand(self, level, parent, tokens, vis, slots, width):
+        if self.heads.sequential:  # [R, F, H]: the parents' features, each advanced by its node's token
+            up = self.frontier.gather(1, parent.unsqueeze(-1).expand(-1, -1, self.frontier.shape[-1]))
+            self.frontier = self.heads.advance(level - 1, up, tokens)
+            return topk_logprobs(self.heads.logits(level, self.frontier), width)
         lp, ids = topk_logprobs(self.heads.logits(level, self.x), width)  # [R, width]
         F = tokens.shape[1]
         return lp.unsqueeze(1).expand(-1, F, -1), ids.unsqueeze(1).expand(-1, F, -1)
@@ -63,7 +71,12 @@ class MedusaGraphs:
         module doc)."""
         x = self.heads.features(x, tok)
         if self.tree is None:
-            return torch.stack([self.heads.logits(i, x).argmax(dim=-1) for i in range(self.k)], dim=1)
+            drafts = []
+            for i in range(self.k):
+                drafts.append(self.heads.logits(i, x).argmax(dim=-1))
+                if i + 1 < self.k:
+                    x = self.heads.advance(i, x, drafts[-1])
+            return torch.stack(drafts, dim=1)
         return packed_tree(*draft_tree(MedusaExpander(self.heads, x), self.tree, self.plan))
 
     def run(self, x: torch.Tensor, tok: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,6 +13,15 @@ it. With ``token_input`` every head reads ``h_t + P e(x_{t+1})`` instead of ``h_
 by the heads, zero-initialised: grown from a Medusa-1 checkpoint, the heads start out
 drafting exactly as it did. Still one state and no draft loop (EAGLE feeds the same token
 to an autoregressive head).
+
+Sequentially dependent heads (``sequential``, speculum's extension after Hydra, Ankner et
+al. 2024): token-aware heads where head ``i`` also reads the tokens drafted before it,
+``z_i = z_{i-1} + Q_i e(x_{t+i+1})`` from ``z_0 = h_t + P e(x_{t+1})``, with one ``H x H``
+map ``Q_j`` per offset ``j`` (shared by the heads, zero-initialised: grown from token-aware
+heads they draft exactly as those). A Medusa-1 head ``i`` must guess the ``i`` tokens
+between ``x_{t+1}`` and its own; a sequential one is told the drafted ones, which are the
+true ones whenever its draft can be accepted. Drafting is then a loop over the heads
+(each adds one map to the previous head's features), still one state and no KV cache.
 """
 
 from __future__ import annotations
@@ -39,9 +48,11 @@ class MedusaHeads(nn.Module):
     """``num_heads`` Medusa heads; ``lm_head`` given = shared with the target (not saved)."""
 
     def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1,
-                 lm_head: torch.Tensor | None = None, embed: torch.Tensor | None = None):
+                 lm_head: torch.Tensor | None = None, embed: torch.Tensor | None = None,
+                 sequential: bool = False):
         """``embed`` given: token-aware heads (the module doc) over the target's [V, H]
-        input embedding (a plain attribute, not saved)."""
+        input embedding (a plain attribute, not saved); ``sequential``: heads that also read
+        the tokens drafted before them (needs ``embed``)."""
         super().__init__()
         self.hidden_size, self.vocab_size = hidden, vocab
         self.num_heads, self.num_layers = num_heads, num_layers
@@ -55,6 +66,17 @@ class MedusaHeads(nn.Module):
         if embed is not None:
             self.token_proj = nn.Linear(hidden, hidden, bias=False)
             nn.init.zeros_(self.token_proj.weight)
+        if sequential and embed is None:
+            raise ValueError("sequential Medusa heads read the target's embedding: give embed")
+        #: map j (offset j + 1): the token drafted j + 1 places after x_{t+1}, read by heads j + 1 ...
+        self.seq_proj = nn.ModuleList(nn.Linear(hidden, hidden, bias=False)
+                                      for _ in range(num_heads - 1)) if sequential else None
+        for lin in self.seq_proj or ():
+            nn.init.zeros_(lin.weight)
+
+    @property
+    def sequential(self) -> bool:
+        return self.seq_proj is not None
 
     @property
     def token_input(self) -> bool:
@@ -67,6 +89,26 @@ class MedusaHeads(nn.Module):
             return h
         w = self.token_proj.weight
         return h.to(w.dtype) + self.token_proj(self.embed[tokens].to(w.dtype))
+
+    def advance(self, i: int, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Head ``i + 1``'s features from head ``i``'s ``x`` [..., H] and the tokens head ``i``
+        drafted ``tokens`` [...]: ``x`` itself unless the heads are sequential."""
+        if self.seq_proj is None:
+            return x
+        lin = self.seq_proj[i]
+        return x + lin(self.embed[tokens].to(lin.weight.dtype))
+
+    def teacher_forced(self, i: int, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Head ``i``'s features at every position of ``x`` [..., T, H] (:meth:`features` of the
+        states and ``tokens`` [..., T], the token each state produced) when the tokens drafted
+        before it are the true ones, the following entries of ``tokens`` (positions whose
+        later tokens lie past the end read token 0: they have no target either)."""
+        T = x.shape[-2]
+        for j in range(i):
+            ahead = tokens[..., j + 1:]
+            ahead = torch.cat([ahead, ahead.new_zeros(*ahead.shape[:-1], min(j + 1, T))], dim=-1)[..., :T]
+            x = self.advance(j, x, ahead)
+        return x
 
     def logits(self, i: int, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Head ``i``'s logits [..., V] from :meth:`features` [..., H] (for Medusa-1 heads the

@@ -5,7 +5,8 @@ sequence's last token: after the prefill the last prefilled position, after a ve
 the last accepted one. Head ``i`` turns it into draft ``i + 1`` (token-aware heads also read
 the sequence's last token, the one that state produced). Drafts are the heads'
 argmax, or (for sampled requests) samples from each head's processed distribution,
-reported as ``probs``; the heads' drafts are independent, which the verifier allows.
+reported as ``probs``; the heads' drafts are independent, which the verifier allows
+(sequential heads: each head's distribution given the drafts before it, as a draft model's).
 
 With a token tree in the config, the tree's nodes at depth ``d`` are top-k tokens of
 head ``d - 1`` (Medusa's own tree decoding): a static tree (``speculative_token_tree``,
@@ -88,8 +89,9 @@ class MedusaProposer:
             raise ConfigError(f"num_speculative_tokens={k} but {path} has {heads.num_heads} Medusa heads; "
                               f"use num_speculative_tokens <= {heads.num_heads}")
         heads = heads.to(device=target.embed.device, dtype=target.embed.dtype).eval().requires_grad_(False)
-        log.info("Medusa heads %s: %d heads x %d layers%s", path, heads.num_heads, heads.num_layers,
-                 " (shared LM head)" if heads.heads is None else "")
+        log.info("Medusa heads %s: %d heads x %d layers%s%s", path, heads.num_heads, heads.num_layers,
+                 " (shared LM head)" if heads.heads is None else "",
+                 ", sequential" if heads.sequential else ", token-aware" if heads.token_input else "")
         return cls(heads, sample=ctx.config.draft_sample_method == "sample", tree=tree, k=k,
                    cuda_graphs=bool(getattr(ctx.target, "cuda_graphs", False)))
 
@@ -159,6 +161,8 @@ class MedusaProposer:
                                          torch.stack(drafts, dim=1) if drafts else None)
                     drafts.append(tok)
                     probs.append(p)
+                    if i + 1 < k:
+                        x = self.heads.advance(i, x, tok)
             drafts, probs = torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if sample else None
         in_rows = set(rows)
         lengths = [k if b in in_rows else 0 for b in range(B)]

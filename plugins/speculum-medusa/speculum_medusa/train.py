@@ -6,7 +6,10 @@ next-token distribution at ``t + i + 1``), weighted ``--head-decay ** i`` as in 
 Blocks start as the identity (zero weights) so each head starts as the target's head.
 ``--token-input``: token-aware heads (:mod:`speculum_medusa.model`) that also read the token
 ``x_{t+1}``; with ``--init-from`` a Medusa-1 checkpoint they start as its heads (the token
-map at zero).
+map at zero). ``--sequential``: token-aware heads that also read the tokens drafted before
+them (:mod:`speculum_medusa.model`), trained on the true ones (teacher forcing: the drafts an
+accepted prefix holds are the true tokens); with ``--init-from`` token-aware heads they start
+as those (the maps at zero).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class MedusaTrainer(Trainer):
         g.add_argument("--token-input", action="store_true",
                        help="token-aware heads: each head also reads the token x_{t+1} its state produced "
                             "(the sequence's last token, known when the heads run; speculum's extension)")
+        g.add_argument("--sequential", action="store_true",
+                       help="sequentially dependent heads (after Hydra): head i also reads the tokens drafted by "
+                            "heads 0..i-1 (implies --token-input; speculum's extension)")
         g.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head i is decay**i")
         g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
@@ -45,7 +51,7 @@ class MedusaTrainer(Trainer):
     def build(self, args, target, state, data, train_ids):
         heads = MedusaHeads(target.hidden_size, target.vocab_size, args.num_heads, args.num_layers,
                             lm_head=None if args.own_lm_head else target.lm_head,
-                            embed=target.embed if args.token_input else None)
+                            embed=target.embed if token_aware(args) else None, sequential=args.sequential)
         if heads.heads is not None:
             with torch.no_grad():
                 for h in heads.heads:
@@ -56,14 +62,15 @@ class MedusaTrainer(Trainer):
         K = args.num_heads
         vocab = loss_vocab(heads, target, args)
         td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not heads.training)
-        x = heads.features(batch.hidden[-1], shifted(batch.tokens, 1))  # h_t and x_{t+1}
+        nxt = shifted(batch.tokens, 1)
+        x = heads.features(batch.hidden[-1], nxt)  # h_t and x_{t+1}
         T = x.shape[1]
         total = torch.zeros((), device=x.device)
         ok, scored = [], []
         for i in range(K):
             m = batch.target_mask(i + 1, args.loss_on)
             rows = td.rows(i + 1, m)
-            logits = heads.logits(i, x[:, : T - i - 1][m], vocab)
+            logits = heads.logits(i, heads.teacher_forced(i, x, nxt)[:, : T - i - 1][m], vocab)
             total = total + args.head_decay ** i * soft_ce(logits, td.probs[rows])
             pred = logits.argmax(-1)
             ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
@@ -77,7 +84,8 @@ class MedusaTrainer(Trainer):
     def load(self, path, target, args):
         """The checkpoint at ``path``; with ``--num-layers`` above its own, grown to that many
         blocks per head: the checkpoint's blocks first, then zero-initialised ones (identity
-        maps); with ``--token-input`` and Medusa-1 heads, given a zero token map. Either way
+        maps); with ``--token-input`` and Medusa-1 heads, given a zero token map; with
+        ``--sequential`` and heads that are not, given zero maps of the drafted tokens. Either way
         the grown heads start out drafting exactly as the checkpoint's did."""
         heads = load_medusa(path, target)
         extra = args.num_layers - heads.num_layers
@@ -85,13 +93,17 @@ class MedusaTrainer(Trainer):
             raise ConfigError(f"--init-from {path}: its heads have {heads.num_layers} blocks each, --num-layers "
                               f"asks for {args.num_layers}; give --num-layers {heads.num_layers} (or more: the "
                               "checkpoint's blocks, then identity ones)")
-        if heads.token_input and not args.token_input:
+        if heads.sequential and not args.sequential:
+            raise ConfigError(f"--init-from {path}: its heads are sequential (speculum_sequential); give --sequential")
+        if heads.token_input and not token_aware(args):
             raise ConfigError(f"--init-from {path}: its heads are token-aware (speculum_token_input); give --token-input")
-        token = args.token_input and not heads.token_input
-        if extra <= 0 and not token:
+        token = token_aware(args) and not heads.token_input
+        seq = args.sequential and not heads.sequential
+        if extra <= 0 and not token and not seq:
             return heads
         grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, args.num_layers,
-                            lm_head=heads.shared_lm_head, embed=target.embed if args.token_input else None)
+                            lm_head=heads.shared_lm_head, embed=target.embed if token_aware(args) else None,
+                            sequential=args.sequential)
         with torch.no_grad():
             for old, new in zip(heads.blocks, grown.blocks):
                 for j, block in enumerate(old):
@@ -101,4 +113,11 @@ class MedusaTrainer(Trainer):
                     new.weight.copy_(old.weight)
             if heads.token_input:
                 grown.token_proj.weight.copy_(heads.token_proj.weight)
+            for old, new in zip(heads.seq_proj or (), grown.seq_proj or ()):
+                new.weight.copy_(old.weight)
         return grown
+
+
+def token_aware(args) -> bool:
+    """Whether the heads read the token their state produced (--token-input, or --sequential)."""
+    return bool(args.token_input or getattr(args, "sequential", False))

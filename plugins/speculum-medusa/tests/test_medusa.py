@@ -396,3 +396,179 @@ def test_token_aware_heads_grow_from_medusa_1_heads(target, trained, token_train
         train_tiny("medusa", target, tmp_path / "drop", steps=2, num_prompts=16, max_tokens=16,
                    extra=("--num-heads", "3", "--init-from", str(token_trained)))
     assert "token-aware (speculum_token_input); give --token-input" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ sequential heads
+@pytest.fixture(scope="module")
+def seq_trained(target, tmp_path_factory):
+    return train_tiny("medusa", target, tmp_path_factory.mktemp("train_seq"), extra=("--num-heads", "3", "--sequential"))
+
+
+def random_seq_heads(parts, seed=0) -> MedusaHeads:
+    heads = MedusaHeads(parts.hidden_size, parts.vocab_size, 3, 2, lm_head=parts.lm_head, embed=parts.embed,
+                        sequential=True)
+    torch.manual_seed(seed)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return heads
+
+
+def test_sequential_heads_round_trip_and_read_the_drafted_tokens(parts, tmp_path):
+    heads = random_seq_heads(parts)
+    save_medusa(heads, tmp_path / "m", base_model="tiny")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["speculum_sequential"] is True and cfg["speculum_token_input"] is True
+    assert {"seq_proj.0.weight", "seq_proj.1.weight"} <= set(read_weights(tmp_path / "m"))
+    loaded = load_medusa(tmp_path / "m", parts)
+    assert loaded.sequential
+    h, tok, d0 = torch.randn(4, parts.hidden_size), torch.tensor([1, 2, 3, 4]), torch.tensor([9, 8, 7, 6])
+    x = loaded.features(h, tok)
+    assert torch.equal(loaded.advance(0, x, d0), heads.advance(0, heads.features(h, tok), d0))
+    # the drafted token matters to the next head; head 0's features do not depend on it
+    assert not torch.equal(loaded.advance(0, x, d0), loaded.advance(0, x, d0 + 1))
+    assert torch.equal(random_heads(parts, own=False).advance(0, h, d0), h)  # Medusa-1 heads ignore it
+    # teacher forcing: head i's features at t read the true tokens after t's, as a drafting loop
+    # fed those tokens computes them
+    seq = torch.randint(0, parts.vocab_size, (7,))
+    xs = loaded.features(torch.randn(7, parts.hidden_size), seq)
+    for t in range(4):
+        z = xs[t]
+        for i in range(3):
+            torch.testing.assert_close(loaded.teacher_forced(i, xs, seq)[t], z)
+            z = loaded.advance(i, z, seq[t + i + 1]) if i < 2 else z
+    weights = read_weights(tmp_path / "m")
+    del weights["seq_proj.1.weight"]
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / "m" / "medusa_lm_head.safetensors"))
+    with pytest.raises(ConfigError, match=r"missing \['seq_proj.1.weight'\]"):
+        load_medusa(tmp_path / "m", parts)
+
+
+@pytest.mark.parametrize("runner", ["native", "hf"])
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 3}, TREE_CONFIGS["static"], TREE_CONFIGS["dynamic"]],
+                         ids=["chain", "static-tree", "dynamic-tree"])
+def test_sequential_greedy_output_is_identical_to_no_speculation(target, seq_trained, runner, spec):
+    spec = {"method": "medusa", "model": str(seq_trained), **spec}
+    if "num_speculative_tokens" in spec:
+        base = make_llm(target, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
+        llm = make_llm(target, spec, runner=runner, max_num_seqs=2)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]
+        assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+    else:
+        assert_tree_greedy_lossless(lambda sp, **kw: make_llm(target, sp, runner=runner, **kw), spec, PROMPTS,
+                                    GREEDY, max_num_seqs=2)
+
+
+def test_sequential_chains_read_each_draft_before_them(target, seq_trained):
+    """Each chain equals a loop computed here from a fresh prefill: head 0 on (the state that
+    produced the last token, that token), each next head on the features advanced by the
+    draft before it. Drafting every head from head 0's features (the Medusa-1 way, the
+    wrong variant) differs from the proposer's chains: the maps are trained, not zero."""
+    llm = make_llm(target, {"method": "medusa", "model": str(seq_trained), "num_speculative_tokens": 3},
+                   max_num_seqs=4)
+    heads = llm.proposer.heads
+    assert heads.sequential and all(lin.weight.abs().sum() > 0 for lin in heads.seq_proj)
+    drafts = record_drafts(llm)
+    llm.generate(PROMPTS, GREEDY)
+    prefill = PrefillHidden(target, (-1,))
+    checked = differs = 0
+    for rows, live in drafts:
+        for toks, got in zip(rows, live.tolist()):
+            if len(toks) < 2:
+                continue
+            with torch.inference_mode():
+                z0 = heads.features(prefill(toks[:-1])[-1][-1], torch.tensor(toks[-1]))
+                z, want = z0, []
+                for i in range(3):
+                    want.append(int(heads.logits(i, z).argmax()))
+                    z = heads.advance(i, z, torch.tensor(want[-1])) if i < 2 else z
+                wrong = [int(heads.logits(i, z0).argmax()) for i in range(3)]
+            assert got == want
+            checked += 1
+            differs += wrong != want
+    assert checked > 10 and differs > 0, (checked, differs)
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_sequential_tree_nodes_are_top_k_given_their_path(target, seq_trained, tree):
+    """Each tree node's children are the top-k of the head of its depth on the features of
+    its own path (computed here by a loop over the path's tokens), for every node."""
+    llm = make_llm(target, {"method": "medusa", "model": str(seq_trained), **TREE_CONFIGS[tree]}, max_num_seqs=4)
+    seen = record_trees(llm)
+    llm.generate(PROMPTS, GREEDY)
+    prefill, heads = PrefillHidden(target, (-1,)), llm.proposer.heads
+
+    def topk_for(tokens):
+        with torch.inference_mode():
+            z0 = heads.features(prefill(tokens[:-1])[-1][-1], torch.tensor(tokens[-1]))
+
+        def topk(path, width):
+            with torch.inference_mode():
+                z = z0
+                for i, t in enumerate(path):
+                    z = heads.advance(i, z, torch.tensor(t))
+                lp, ids = topk_logprobs(heads.logits(len(path), z), width)
+            return lp.tolist(), ids.tolist()
+        return topk
+
+    assert assert_trees_follow_reference(seen, llm.speculative_config.tree, topk_for) > 10
+
+
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 7}],
+                         ids=["chain", "tree"])
+def test_sequential_drafts_from_the_verdict_change_nothing(target, seq_trained, tree):
+    spec = {"method": "medusa", "model": str(seq_trained), **(tree or {"num_speculative_tokens": 3})}
+    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS,
+                                             SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
+    assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+
+
+def test_sampled_sequential_drafts_report_the_distribution_given_the_drafts_before(target, seq_trained):
+    """A sampled chain's reported distribution at position i is head i's processed
+    distribution on the features advanced by the tokens actually drafted before it."""
+    llm = make_llm(target, {"method": "medusa", "model": str(seq_trained), "num_speculative_tokens": 3})
+    heads, prefill = llm.proposer.heads, PrefillHidden(target, (-1,))
+    seen = []
+    inner = llm.proposer.propose
+
+    def propose(batch):  # copies: the loop masks drafts past a request's room in place
+        d = inner(batch)
+        seen.append(([list(s.token_ids) for s in batch.seqs], d.token_ids.clone(), d.probs.clone(), d.lengths))
+        return d
+    llm.proposer.propose = propose
+    llm.generate(PROMPTS[1:3], SamplingParams(temperature=1.0, max_tokens=10, seed=3, ignore_eos=True))
+    checked = 0
+    for rows, drafted, probs, lengths in seen:
+        for b, toks in enumerate(rows):
+            if lengths[b] == 0:
+                continue
+            with torch.inference_mode():
+                z = heads.features(prefill(toks[:-1])[-1][-1], torch.tensor(toks[-1]))
+                for i in range(3):
+                    torch.testing.assert_close(probs[b, i].double(), heads.logits(i, z).softmax(-1).double(),
+                                               atol=1e-5, rtol=1e-4)
+                    z = heads.advance(i, z, drafted[b, i]) if i < 2 else z
+            checked += 1
+    assert checked > 5
+
+
+def test_sequential_heads_grow_from_token_aware_heads(target, token_trained, seq_trained, parts, tmp_path, capsys):
+    """--sequential --init-from token-aware heads: zero maps, so at a learning rate of 0 the
+    exported heads draft as the checkpoint's; a sequential checkpoint without --sequential
+    is refused (its maps would be dropped silently)."""
+    out = train_tiny("medusa", target, tmp_path / "seq", steps=2, num_prompts=16, max_tokens=16,
+                     extra=("--num-heads", "3", "--sequential", "--init-from", str(token_trained), "--lr", "0",
+                            "--save-dtype", "float32"))
+    after = read_weights(out)
+    assert not after["seq_proj.0.weight"].any() and not after["seq_proj.1.weight"].any()
+    old, new = load_medusa(token_trained, parts), load_medusa(out, parts)
+    assert new.sequential and not old.sequential
+    h, tok, d = torch.randn(5, parts.hidden_size), torch.arange(5), torch.arange(5, 10)
+    z_old, z_new = old.features(h, tok), new.features(h, tok)
+    for i in range(3):
+        torch.testing.assert_close(new.logits(i, z_new), old.logits(i, z_old))
+        z_new = new.advance(i, z_new, d) if i < 2 else z_new
+    with pytest.raises(RuntimeError):
+        train_tiny("medusa", target, tmp_path / "drop", steps=2, num_prompts=16, max_tokens=16,
+                   extra=("--num-heads", "3", "--token-input", "--init-from", str(seq_trained)))
+    assert "sequential (speculum_sequential); give --sequential" in capsys.readouterr().err
