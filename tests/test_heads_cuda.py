@@ -48,15 +48,17 @@ def test_graphed_drafting_is_lossless_and_matches_eager(target, heads, method):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("speculum_medusa") is None, reason="needs speculum-medusa")
-@pytest.mark.parametrize("token", [False, True], ids=["medusa-1", "token-aware"])
+@pytest.mark.parametrize("token", [(), ("--token-input",), ("--sequential",)],
+                         ids=["medusa-1", "token-aware", "sequential"])
 @pytest.mark.parametrize("tree", [None, "dynamic", "static"])
 def test_graphed_medusa_drafting_is_lossless_and_matches_eager(target, tmp_path_factory, tree, token):
     """Medusa's greedy chain and tree drafting as CUDA graphs (token-aware heads: the last
-    token a second static input, gathered from the verdict on the device): outputs identical
-    to plain decoding, drafts step by step as the same static function run eagerly."""
+    token a second static input, gathered from the verdict on the device; sequential heads: a
+    loop over the heads inside the graph): outputs identical to plain decoding, drafts step by
+    step as the same static function run eagerly."""
     from speculum.testing import TREE_CONFIGS
     head = train_tiny("medusa", target, tmp_path_factory.mktemp("medusa"),
-                      extra=("--num-heads", "3") + (("--token-input",) if token else ()))
+                      extra=("--num-heads", "3") + token)
     spec = {"method": "medusa", "model": str(head), **(TREE_CONFIGS[tree] if tree else {"num_speculative_tokens": 3})}
     llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
     assert all(llms[g].proposer.graphs.use_graphs == g for g in (False, True))
