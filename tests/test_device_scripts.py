@@ -70,6 +70,11 @@ def test_each_method_starts_where_asked(tmp_path):
     assert runs["eagle2"][:2] == ["train", "eagle"] and runs["eagle2"][runs["eagle2"].index("--num-layers") + 1] == "2"
     assert init_of(runs["mtp"]) == MTP_HEAD and init_of(runs["draft"]) is None
     assert all(r[r.index("--loss-vocab") + 1] == "0" for r in runs.values())  # the whole vocabulary
+    # ARGS_<method>: that trainer's own options, after the shared ones (argparse: the last wins)
+    runs = launch_loop(tmp_path, METHODS="mtp medusaseq", T="--lr 2e-4", ARGS_medusaseq="--lr 1e-3")
+    assert runs["mtp"].count("--lr") == 1 and runs["mtp"][runs["mtp"].index("--lr") + 1] == "2e-4"
+    lrs = [runs["medusaseq"][i + 1] for i, a in enumerate(runs["medusaseq"]) if a == "--lr"]
+    assert lrs == ["2e-4", "1e-3"]
 
     earlier = tmp_path / "earlier"
     for m in ("eagle2", "draft"):

@@ -115,8 +115,11 @@ for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 
   # heads over the shipped ones; DRAFT_INIT wins for the draft
   [ -n "${INIT_DIR:-}" ] && [ -f "$INIT_DIR/$n/config.json" ] && INIT="--init-from $INIT_DIR/$n"
   [ "$n" = draft ] && [ -n "${DRAFT_INIT:-}" ] && INIT="--init-from $DRAFT_INIT"
-  echo "$n: ${INIT:-a fresh start (no shipped head in the tree or carried, or eagle3own)}"
-  speculum train ${m#*=} $T $INIT --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
+  # ARGS_<method>: more options for that trainer alone, after TRAIN_ARGS (so they win: e.g. ARGS_medusaseq="--lr 1e-3"
+  # for heads with new zero maps beside heads continued at TRAIN_ARGS="--lr 2e-4")
+  own="ARGS_$n"; own="${!own:-}"
+  echo "$n: ${INIT:-a fresh start (no shipped head in the tree or carried, or eagle3own)}${own:+ ($own)}"
+  speculum train ${m#*=} $T $INIT $own --out $TR/$n > $TR/$n.log 2>&1 < /dev/null &
   PIDS+=($!)
 done
 for p in "${PIDS[@]}"; do wait $p || echo "a training failed (pid $p): see $TR/*.log"; done
