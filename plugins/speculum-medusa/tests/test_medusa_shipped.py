@@ -38,3 +38,45 @@ def test_shipped_head_trees_are_lossless_on_the_default_model(baseline, method):
     """A dynamic EAGLE-2 tree (top-4, depth 4, 16 tokens verified) with the shipped head."""
     assert_shipped_head_lossless(method, baseline, NUM_PROMPTS, MAX_TOKENS,
                                  tree={"tree_topk": 4, "tree_depth": 4, "num_draft_tokens": 16})
+
+
+@pytest.mark.real_model
+def test_sequential_heads_grown_from_the_shipped_ones_on_the_default_model(baseline, tmp_path):
+    """The shipped heads grown sequential (`speculum train medusa --sequential --init-from`'s
+    load: zero maps of the drafted tokens) draft exactly as the shipped heads on the default
+    model (same acceptance, step for step), and with maps that are not zero the output is
+    still the model's own."""
+    import argparse
+
+    import torch
+    from speculum.backends.torch.heads import TargetParts
+    from speculum.engine import LLM
+    from speculum.sampling import SamplingParams
+    from speculum.testing import mt_bench_chat_prompts
+    from speculum_medusa.formats import save_medusa
+    from speculum_medusa.train import MedusaTrainer
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def run(model=None):
+        spec = {"method": "medusa", "num_speculative_tokens": 4, **({"model": str(model)} if model else {})}
+        llm = LLM(speculative_config=spec, dtype="float32", device="cpu", max_num_seqs=NUM_PROMPTS)
+        outs = llm.generate(mt_bench_chat_prompts(NUM_PROMPTS), params)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in baseline]
+        return llm
+
+    shipped = run()
+    parts = TargetParts.from_runner(shipped.target)
+    args = argparse.Namespace(num_layers=2, token_input=False, sequential=True)
+    grown = MedusaTrainer().load(next(HEADS.glob("*/config.json")).parent, parts, args)
+    assert grown.sequential and not any(lin.weight.any() for lin in grown.seq_proj)
+    save_medusa(grown, tmp_path / "seq", base_model="SmolLM2-135M-Instruct", dtype=torch.float32)
+    same = run(tmp_path / "seq")
+    assert same.proposer.heads.sequential
+    assert same.metrics.accepted_per_position == shipped.metrics.accepted_per_position
+    with torch.no_grad():
+        for lin in grown.seq_proj:
+            torch.nn.init.normal_(lin.weight, std=0.05, generator=torch.Generator().manual_seed(0))
+    save_medusa(grown, tmp_path / "moved", base_model="SmolLM2-135M-Instruct", dtype=torch.float32)
+    moved = run(tmp_path / "moved")
+    assert moved.metrics.accepted_per_position != shipped.metrics.accepted_per_position  # the maps are read
