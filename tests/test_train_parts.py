@@ -240,3 +240,42 @@ def test_curves_are_collected_and_plotted(tmp_path):
     c = json.loads(out.read_text())["eagle3"]
     assert c["seconds"] == [5.0, 10.0] and c["val_accuracy_1"] == [0.5, 0.6]
     assert c["eval_acceptance_length"] == [1.5, None] and png.stat().st_size > 1000
+
+
+def test_draft_feature_regression_adds_the_distance_to_the_targets_states(tiny_llama):
+    """``speculum train draft --reg-weight w``: the loss is the soft cross-entropy plus ``w``
+    times the smooth-L1 distance between the draft's final normed states and the target's at
+    the same positions (EAGLE's feature regression for a standalone draft); 0 leaves it out;
+    a draft of another width cannot compare its states and is refused."""
+    import argparse
+
+    from speculum.backends.torch import read_state_dict
+    from speculum.backends.torch.heads import TargetParts
+    from speculum.errors import ConfigError
+    from speculum.train.data import Batch
+    from speculum.train.draft import DraftTrainer
+    parts = TargetParts.from_checkpoint(tiny_llama)
+    args = argparse.Namespace(num_layers=1, hidden_size=None, intermediate_size=None, num_heads=None, num_kv_heads=None,
+                              shape=None, init_from=None, train_embeddings=False, embeddings_from_target=False,
+                              num_positions=3, seed=0, loss_on="answer", loss_vocab=0, reg_weight=0.0)
+    trainer = DraftTrainer()
+    model = trainer.build(args, parts, read_state_dict(tiny_llama), None, None)
+    T, H = 10, parts.hidden_size
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 500, (2, T), generator=g)
+    hidden = {-1: torch.randn(2, T, H, generator=g)}
+    ones = torch.ones(2, T, dtype=torch.bool)
+    batch = Batch(tokens, hidden, ones, ones)
+    plain = trainer.loss(model, batch, parts, args)[0]
+    args.reg_weight = 2.0
+    with_reg = trainer.loss(model, batch, parts, args)[0]
+    m = batch.target_mask(0)
+    mine = model.model(input_ids=tokens).last_hidden_state[m]
+    want = 2.0 * torch.nn.functional.smooth_l1_loss(mine, hidden[-1][m])
+    torch.testing.assert_close(with_reg - plain, want)
+    with_reg.backward()  # the distance trains the layers
+    assert model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+    args.hidden_size = H // 2
+    narrow = trainer.build(args, parts, read_state_dict(tiny_llama), None, None)
+    with pytest.raises(ConfigError, match="the draft must have the target's width"):
+        trainer.loss(narrow, batch, parts, args)
