@@ -132,10 +132,6 @@ class DraftTrainer(Trainer):
                             "(14 MB instead of 71 for a 2-layer SmolLM2-135M draft in bf16)")
         g.add_argument("--num-positions", type=int, default=4,
                        help="chain length the validation acceptance figures are for")
-        g.add_argument("--reg-weight", type=float, default=0.0,
-                       help="weight of a smooth-L1 loss between the draft's and the target's final normed states, "
-                            "beside the soft cross-entropy (the target's width only; EAGLE's feature regression "
-                            "applied to a standalone draft; default 0: none)")
         g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=3e-4)
 
@@ -222,11 +218,7 @@ class DraftTrainer(Trainer):
         vocab = loss_vocab(model, target, args)
         td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not model.training)
         m = batch.target_mask(0, args.loss_on)  # [B, T]
-        h = model.model(input_ids=batch.tokens).last_hidden_state[m]  # [N, H]: final normed, as the target's
-        reg = getattr(args, "reg_weight", 0.0)
-        if reg and h.shape[-1] != batch.hidden[-1].shape[-1]:
-            raise ConfigError(f"--reg-weight compares the draft's final states with the target's: the draft must have "
-                              f"the target's width ({batch.hidden[-1].shape[-1]}, this one {h.shape[-1]})")
+        h = model.model(input_ids=batch.tokens).last_hidden_state[m]  # [N, H]
         w = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab]
         logits = torch.nn.functional.linear(h, w)
         rows = td.rows(0, m)
@@ -238,10 +230,7 @@ class DraftTrainer(Trainer):
         K = args.num_positions
         score = chain_score([ok[:, j + 1:] for j in range(K)], [m[:, j + 1:] for j in range(K)], batch.greedy,
                             None if model.training else batch.valid)
-        loss = soft_ce(logits, td.probs[rows])
-        if reg:
-            loss = loss + reg * torch.nn.functional.smooth_l1_loss(h.float(), batch.hidden[-1][m].float())
-        return loss, score
+        return soft_ce(logits, td.probs[rows]), score
 
     def export(self, model, out, target, args, meta):
         from speculum.model_source import TARGET_EMBEDDING_KEYS, resolve_model_path
