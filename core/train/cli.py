@@ -120,7 +120,8 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
                         "exported worse than it came), instead of the last step's")
     t.add_argument("--save-every", type=int, default=250, help="write a resumable checkpoint every N steps")
     t.add_argument("--time-limit", type=float, default=0,
-                   help="stop after this many seconds of training (then validate and export as at the end)")
+                   help="stop after this many seconds from the first step (wall clock, validation included; then "
+                        "validate and export as at the end)")
     t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     t.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this checkpoint of the method (e.g. the shipped head) instead of a fresh "
