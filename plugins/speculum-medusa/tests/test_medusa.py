@@ -330,8 +330,10 @@ def test_token_aware_heads_round_trip_and_read_the_token(parts, tmp_path):
 @pytest.mark.parametrize("runner", ["native", "hf"])
 @pytest.mark.parametrize("spec", [{"num_speculative_tokens": 3}, TREE_CONFIGS["static"], TREE_CONFIGS["dynamic"]],
                          ids=["chain", "static-tree", "dynamic-tree"])
-def test_token_aware_greedy_output_is_identical_to_no_speculation(target, token_trained, runner, spec):
-    spec = {"method": "medusa", "model": str(token_trained), **spec}
+@pytest.mark.parametrize("kind", ["token_trained", "seq_trained"], ids=["token-aware", "sequential"])
+def test_token_aware_greedy_output_is_identical_to_no_speculation(target, request, kind, runner, spec):
+    """Token-aware and sequential heads (the fixtures below): chains and both kinds of tree."""
+    spec = {"method": "medusa", "model": str(request.getfixturevalue(kind)), **spec}
     if "num_speculative_tokens" in spec:
         base = make_llm(target, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
         llm = make_llm(target, spec, runner=runner, max_num_seqs=2)
@@ -369,10 +371,12 @@ def test_token_aware_drafts_read_the_last_state_and_the_token_it_produced(target
 
 @pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 7}],
                          ids=["chain", "tree"])
-def test_token_aware_drafts_from_the_verdict_change_nothing(target, token_trained, tree):
+@pytest.mark.parametrize("kind", ["token_trained", "seq_trained"], ids=["token-aware", "sequential"])
+def test_token_aware_drafts_from_the_verdict_change_nothing(target, request, kind, tree):
     """Drafted from the device verdict (the new last token gathered there), the chains and
-    trees equal those of a run without overlap, and outputs plain decoding's."""
-    spec = {"method": "medusa", "model": str(token_trained), **(tree or {"num_speculative_tokens": 3})}
+    trees of token-aware and sequential heads equal those of a run without overlap, and
+    outputs plain decoding's."""
+    spec = {"method": "medusa", "model": str(request.getfixturevalue(kind)), **(tree or {"num_speculative_tokens": 3})}
     _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS,
                                              SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
     assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
@@ -444,21 +448,6 @@ def test_sequential_heads_round_trip_and_read_the_drafted_tokens(parts, tmp_path
         load_medusa(tmp_path / "m", parts)
 
 
-@pytest.mark.parametrize("runner", ["native", "hf"])
-@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 3}, TREE_CONFIGS["static"], TREE_CONFIGS["dynamic"]],
-                         ids=["chain", "static-tree", "dynamic-tree"])
-def test_sequential_greedy_output_is_identical_to_no_speculation(target, seq_trained, runner, spec):
-    spec = {"method": "medusa", "model": str(seq_trained), **spec}
-    if "num_speculative_tokens" in spec:
-        base = make_llm(target, runner=runner, max_num_seqs=4).generate(PROMPTS, GREEDY)
-        llm = make_llm(target, spec, runner=runner, max_num_seqs=2)
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]
-        assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
-    else:
-        assert_tree_greedy_lossless(lambda sp, **kw: make_llm(target, sp, runner=runner, **kw), spec, PROMPTS,
-                                    GREEDY, max_num_seqs=2)
-
-
 def test_sequential_chains_read_each_draft_before_them(target, seq_trained):
     """Each chain equals a loop computed here from a fresh prefill: head 0 on (the state that
     produced the last token, that token), each next head on the features advanced by the
@@ -512,15 +501,6 @@ def test_sequential_tree_nodes_are_top_k_given_their_path(target, seq_trained, t
         return topk
 
     assert assert_trees_follow_reference(seen, llm.speculative_config.tree, topk_for) > 10
-
-
-@pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 7}],
-                         ids=["chain", "tree"])
-def test_sequential_drafts_from_the_verdict_change_nothing(target, seq_trained, tree):
-    spec = {"method": "medusa", "model": str(seq_trained), **(tree or {"num_speculative_tokens": 3})}
-    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS,
-                                             SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
-    assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
 
 
 def test_sampled_sequential_drafts_report_the_distribution_given_the_drafts_before(target, seq_trained):
