@@ -68,7 +68,7 @@ def head_ranks(llm, heads, chats, max_tokens: int, depth: int, width: int):
             # sequential heads the true tokens after it: a tree node is accepted only where its path holds those)
             nxt = torch.tensor(toks[P:] + [0], device=h.device)
             x = heads.features(h[P - 1:], nxt)
-            logits = torch.stack([heads.logits(i, heads.teacher_forced(i, x, nxt)) for i in range(depth)]).float()
+            logits = torch.stack([heads.logits(i, z) for i, z in enumerate(heads.teacher_forced(x, nxt, depth))]).float()
             top.append(logits.log_softmax(-1).topk(width, dim=-1).values[:, : max(T - P - 1, 0)].transpose(0, 1).cpu())
             # states inside the answer with a token 2 ahead (t = P - 1 + u): head i's rank of
             # toks[t + i + 2], or width (a miss) past the answer

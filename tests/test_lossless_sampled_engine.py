@@ -51,6 +51,16 @@ def topk_probs(logits: torch.Tensor, k: int = TOP_K, temperature: float = 1.0) -
     return out
 
 
+def accept_law(p: torch.Tensor, q: torch.Tensor, q_reported: torch.Tensor) -> torch.Tensor:
+    """The law of the token a verify position emits when its draft is sampled from ``q`` and
+    reported as ``q_reported`` (the rejection sampler's rule: accepted iff ``u q' < p``, else
+    drawn from ``norm(max(0, p - q'))``)."""
+    a = torch.where(q_reported > 0, (p / q_reported.clamp_min(1e-300)).clamp(max=1.0), (p > 0).double())
+    kept = q * a
+    residual = (p - q_reported).clamp_min(0)
+    return kept + (1 - kept.sum()) * residual / residual.sum()
+
+
 @pytest.fixture(scope="module")
 def prompt(tiny_llama):
     """``[a, b, c, d, a, b]``: n-gram lookup drafts ``c, d, a``; ``c`` is chosen among 200
@@ -162,10 +172,7 @@ def test_a_proposer_reporting_wrong_probabilities_is_caught(tiny_llama, tiny_lla
         dl = draft(torch.tensor([prompt]))
     p, q = topk_probs(tl.logits[0, -1]), topk_probs(dl.logits[0, -1])
     q2 = q ** SHARPEN / (q ** SHARPEN).sum()
-    ratio = torch.where(q2 > 0, p / q2.clamp_min(1e-300), torch.zeros_like(p)).clamp(max=1.0)
-    accepted = q * ratio
-    residual = (p - q2).clamp_min(0)
-    w = accepted + (1 - accepted.sum()) * residual / residual.sum()
+    w = accept_law(p, q, q2)
     tv = float(0.5 * (w - p).abs().sum())
     assert tv >= 0.06, f"pick a case where the broken proposer differs enough (TV {tv:.3f})"
     x1 = np.array([a for a, _ in pairs])
@@ -180,16 +187,6 @@ def test_a_proposer_reporting_wrong_probabilities_is_caught(tiny_llama, tiny_lla
 
 # ------------------------------------------------------------------ sequential Medusa heads
 SEQ_SCALE = 30.0  # the heads' maps of the drafted tokens, scaled up (see seq_case)
-
-
-def accept_law(p: torch.Tensor, q: torch.Tensor, q_reported: torch.Tensor) -> torch.Tensor:
-    """The law of the token a verify position emits when its draft is sampled from ``q`` and
-    reported as ``q_reported`` (the rejection sampler's rule: accepted iff ``u q' < p``, else
-    drawn from ``norm(max(0, p - q'))``)."""
-    a = torch.where(q_reported > 0, (p / q_reported.clamp_min(1e-300)).clamp(max=1.0), (p > 0).double())
-    kept = q * a
-    residual = (p - q_reported).clamp_min(0)
-    return kept + (1 - kept.sum()) * residual / residual.sum()
 
 
 @pytest.fixture(scope="module")

@@ -98,17 +98,16 @@ class MedusaHeads(nn.Module):
         lin = self.seq_proj[i]
         return x + lin(self.embed[tokens].to(lin.weight.dtype))
 
-    def teacher_forced(self, i: int, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Head ``i``'s features at every position of ``x`` [..., T, H] (:meth:`features` of the
-        states and ``tokens`` [..., T], the token each state produced) when the tokens drafted
-        before it are the true ones, the following entries of ``tokens`` (positions whose
-        later tokens lie past the end read token 0: they have no target either)."""
-        T = x.shape[-2]
-        for j in range(i):
-            ahead = tokens[..., j + 1:]
-            ahead = torch.cat([ahead, ahead.new_zeros(*ahead.shape[:-1], min(j + 1, T))], dim=-1)[..., :T]
-            x = self.advance(j, x, ahead)
-        return x
+    def teacher_forced(self, x: torch.Tensor, tokens: torch.Tensor, n: int):
+        """Heads ``0..n-1``'s features, in order, at every position of ``x`` [..., T, H]
+        (:meth:`features` of the states and ``tokens`` [..., T], the token each state produced)
+        when the tokens drafted before each head are the true ones, the following entries of
+        ``tokens`` (past the end: token 0, at positions that have no target either). Each head's
+        features are the previous head's advanced by one token, as when drafting."""
+        for i in range(n):
+            if i:
+                x = self.advance(i - 1, x, F.pad(tokens, (0, i))[..., i:])
+            yield x
 
     def logits(self, i: int, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Head ``i``'s logits [..., V] from :meth:`features` [..., H] (for Medusa-1 heads the

@@ -67,10 +67,10 @@ class MedusaTrainer(Trainer):
         T = x.shape[1]
         total = torch.zeros((), device=x.device)
         ok, scored = [], []
-        for i in range(K):
+        for i, z in enumerate(heads.teacher_forced(x, nxt, K)):
             m = batch.target_mask(i + 1, args.loss_on)
             rows = td.rows(i + 1, m)
-            logits = heads.logits(i, heads.teacher_forced(i, x, nxt)[:, : T - i - 1][m], vocab)
+            logits = heads.logits(i, z[:, : T - i - 1][m], vocab)
             total = total + args.head_decay ** i * soft_ce(logits, td.probs[rows])
             pred = logits.argmax(-1)
             ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))

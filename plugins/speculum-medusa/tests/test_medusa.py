@@ -435,10 +435,12 @@ def test_sequential_heads_round_trip_and_read_the_drafted_tokens(parts, tmp_path
     # fed those tokens computes them
     seq = torch.randint(0, parts.vocab_size, (7,))
     xs = loaded.features(torch.randn(7, parts.hidden_size), seq)
+    forced = list(loaded.teacher_forced(xs, seq, 3))
+    assert len(forced) == 3 and all(f.shape == xs.shape for f in forced)
     for t in range(4):
         z = xs[t]
         for i in range(3):
-            torch.testing.assert_close(loaded.teacher_forced(i, xs, seq)[t], z)
+            torch.testing.assert_close(forced[i][t], z)
             z = loaded.advance(i, z, seq[t + i + 1]) if i < 2 else z
     weights = read_weights(tmp_path / "m")
     del weights["seq_proj.1.weight"]
