@@ -58,6 +58,9 @@ export_answers() {  # the answers alone (token ids, no hidden states: megabytes)
   for d in $SPECULUM_CACHE/distill/*/; do python3 -m speculum.train.distill export $d /tmp/answers | tail -1; done
   tar cf /tmp/answers.tar -C /tmp answers
 }
+# PREP_ONLY=1: stop here with the answers' hidden states made (the join call can spend the prefill, so that the
+# training call that follows on the warm machine, with the same data options and no ANSWERS, trains for its whole budget)
+[ "${PREP_ONLY:-0}" = 1 ] && exit 0
 if [ "${DATA_ONLY:-0}" = 1 ]; then  # a data call: the answers come back, training is another call's
   export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/ && ls -la $OUT
   exit 0
@@ -95,9 +98,11 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # tokens are for the CPU), as the heads shipped since the twenty-eighth session were continued; the draft saved
 # without the target's embedding (--embeddings-from-target: 14 MB for two layers, so it comes back from the call)
 # and continued from DRAFT_INIT=<a carried draft folder> when given (whatever INIT_FROM_SHIPPED says)
+# eagle2ce: eagle2 with the token loss weighing most (--ce-weight 1 --reg-weight 0.1, where EAGLE-1's paper has 0.1 and
+# 1: EAGLE-3 found the feature regression holds a head back and dropped it); INIT_DIR=<folder with eagle2ce> continues it
 # eagle2: EAGLE-1 with two layers; with INIT_FROM_SHIPPED=1 grown from the shipped one-layer head (its layer, then
 # one whose output projections start at zero: it drafts as the shipped head until trained)
-for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 2" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
+for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 2" "eagle2ce=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
          "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" \
          "medusaseq=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
