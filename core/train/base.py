@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import attrs
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from speculum.train.data import Batch, DistillData
@@ -206,6 +207,42 @@ def soft_ce(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return -(probs * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1).mean()
 
 
+#: logits of at most this many elements [rows x vocabulary] are scored at once (1 GiB in fp32)
+CE_CHUNK_ELEMENTS = 1 << 28
+
+
+def _ce_sum(score, o: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = score(o)
+    return -(probs[rows] * F.log_softmax(logits.float(), dim=-1)).sum(), logits.argmax(-1)
+
+
+def scored_ce(score, o: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
+              chunk_elements: int = CE_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft cross-entropy (mean over rows) of ``score(o)`` [N, V] against ``probs[rows]``, and
+    the argmax of ``score(o)`` (the draft's top token in ``score``'s vocabulary).
+
+    Up to ``chunk_elements`` logits this is :func:`soft_ce` on them. Above, rows go in chunks
+    whose logits are recomputed in the backward pass (``torch.utils.checkpoint``): autograd
+    then keeps ``o`` instead of several [N, V] float tensors per call. A whole-vocabulary loss
+    over a batch of 32 x 640 tokens holds ~10 GB per unrolled step without it, which let one
+    trainer take 74 GB of the H200 and the next one beside it run out of memory (2026-12-05).
+    """
+    N, V = o.shape[0], probs.shape[-1]
+    if N * V <= chunk_elements or N == 0:
+        logits = score(o)
+        return soft_ce(logits, probs[rows]), logits.argmax(-1)
+    step = max(1, chunk_elements // V)
+    total, preds = o.new_zeros((), dtype=torch.float32), []
+    for s in range(0, N, step):
+        args = (score, o[s:s + step], probs, rows[s:s + step])
+        if torch.is_grad_enabled() and o.requires_grad:
+            part, pred = torch.utils.checkpoint.checkpoint(_ce_sum, *args, use_reentrant=False)
+        else:
+            part, pred = _ce_sum(*args)
+        total, preds = total + part, preds + [pred]
+    return total / N, torch.cat(preds)
+
+
 class TargetDist:
     """The target's next-token distribution at every training position of a batch, once.
 
@@ -223,12 +260,18 @@ class TargetDist:
         self.index = torch.full(need.shape, -1, dtype=torch.int64, device=need.device)
         self.index[need] = torch.arange(int(need.sum()), device=need.device)
         feats = batch.hidden[-1][need]
-        logits = target_logits(feats, lm_head if vocab is None else lm_head[vocab])  # [N, V or Vs]
-        self.probs = logits.softmax(dim=-1)
-        top = logits.argmax(dim=-1)
+        w = lm_head if vocab is None else lm_head[vocab]
+        N, step = feats.shape[0], max(1, CE_CHUNK_ELEMENTS // w.shape[0])
+        self.probs = torch.empty(N, w.shape[0], device=feats.device)  # [N, V or Vs], filled in chunks
+        top = torch.empty(N, dtype=torch.int64, device=feats.device)
+        for s in range(0, N, step):  # (the whole [N, V] logits at once would double the peak)
+            logits = target_logits(feats[s:s + step], w)
+            self.probs[s:s + step] = logits.softmax(dim=-1)
+            top[s:s + step] = logits.argmax(dim=-1)
         self.argmax = top if vocab is None else vocab[top]
         if full and vocab is not None:
-            self.argmax = target_logits(feats, lm_head).argmax(dim=-1)
+            self.argmax = torch.cat([target_logits(feats[s:s + step], lm_head).argmax(dim=-1)
+                                     for s in range(0, N, step)]) if N else top
 
     def rows(self, shift: int, anchors: torch.Tensor) -> torch.Tensor:
         """Rows of the positions ``t + shift`` for the anchors ``t`` selected by ``anchors``."""
@@ -286,12 +329,10 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
         m = batch.target_mask(j + 1, args.loss_on)
         rows = td.rows(j + 1, m)
         o = out[:, : T - j - 1][m]
-        logits = score(o)
-        step = soft_ce(logits, td.probs[rows])
+        step, pred = scored_ce(score, o, td.probs, rows)
         if extra is not None:
             step = extra(step, j, o, m)
         total = total + args.step_decay ** j * step
-        pred = logits.argmax(-1)
         ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
         scored.append(m)
     return total, chain_score(ok, scored, batch.greedy, None if head.training else batch.valid)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from speculum.errors import ConfigError
-from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, soft_ce
+from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, scored_ce
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -220,9 +220,8 @@ class DraftTrainer(Trainer):
         m = batch.target_mask(0, args.loss_on)  # [B, T]
         h = model.model(input_ids=batch.tokens).last_hidden_state[m]  # [N, H]
         w = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab]
-        logits = torch.nn.functional.linear(h, w)
         rows = td.rows(0, m)
-        pred = logits.argmax(-1)
+        ce, pred = scored_ce(lambda x: torch.nn.functional.linear(x, w), h, td.probs, rows)
         ok = scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows])  # [B, T]
         # a chain from anchor t (x_{t+1} known) drafts from positions t + 1, t + 2, ...: the
         # same teacher-forced predictions, shifted (on a greedy answer, accepted drafts are
@@ -230,7 +229,7 @@ class DraftTrainer(Trainer):
         K = args.num_positions
         score = chain_score([ok[:, j + 1:] for j in range(K)], [m[:, j + 1:] for j in range(K)], batch.greedy,
                             None if model.training else batch.valid)
-        return soft_ce(logits, td.probs[rows]), score
+        return ce, score
 
     def export(self, model, out, target, args, meta):
         from speculum.model_source import TARGET_EMBEDDING_KEYS, resolve_model_path

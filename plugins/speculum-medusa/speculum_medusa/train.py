@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from speculum.errors import ConfigError
-from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, soft_ce
+from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, scored_ce
 from speculum.train.data import shifted
 from speculum_medusa.formats import load_medusa, save_medusa
 from speculum_medusa.model import MedusaHeads
@@ -70,9 +70,8 @@ class MedusaTrainer(Trainer):
         for i, z in enumerate(heads.teacher_forced(x, nxt, K)):
             m = batch.target_mask(i + 1, args.loss_on)
             rows = td.rows(i + 1, m)
-            logits = heads.logits(i, z[:, : T - i - 1][m], vocab)
-            total = total + args.head_decay ** i * soft_ce(logits, td.probs[rows])
-            pred = logits.argmax(-1)
+            ce, pred = scored_ce(lambda zz, i=i: heads.logits(i, zz, vocab), z[:, : T - i - 1][m], td.probs, rows)
+            total = total + args.head_decay ** i * ce
             ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
             scored.append(m)
         # heads 0..i agree at anchor t: a greedy chain from t is accepted through draft i
