@@ -54,22 +54,55 @@ def init_of(args: list[str]) -> str | None:
     return args[args.index("--init-from") + 1] if "--init-from" in args else None
 
 
-@pytest.mark.skipif(not all((ROOT / h / "config.json").exists() for h in (EAGLE_HEAD, MTP_HEAD, MEDUSA_HEAD)),
-                    reason="the shipped heads are not in this checkout")
+HEADS_SHIPPED = pytest.mark.skipif(not all((ROOT / h / "config.json").exists() for h in (EAGLE_HEAD, MTP_HEAD, MEDUSA_HEAD)),
+                                   reason="the shipped heads are not in this checkout")
+
+
+def option(args: list[str], name: str, default: str | None = None) -> str | None:
+    return args[len(args) - 1 - args[::-1].index(name) + 1] if name in args else default  # the last one wins
+
+
+@HEADS_SHIPPED
+def test_the_default_entries_train_the_kinds_shipped(tmp_path):
+    """train_heads.sh's default methods continue the shipped heads (INIT_FROM_SHIPPED=1) with the
+    options their kind needs, read from the shipped configs: as many EAGLE-1 layers, sequential
+    or token-aware Medusa heads as shipped. (The trainers refuse a mismatch, e.g. a two-layer head
+    continued with --num-layers 1, but only after a device call has started.)"""
+    import json
+    runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok", INIT_FROM_SHIPPED=1)
+    eagle = json.loads((ROOT / EAGLE_HEAD / "config.json").read_text())
+    assert init_of(runs["eagle"]) == EAGLE_HEAD
+    assert option(runs["eagle"], "--num-layers", "1") == str(eagle["num_hidden_layers"])
+    assert (option(runs["eagle"], "--ce-weight"), option(runs["eagle"], "--reg-weight")) == ("1", "0.1")
+    medusa = json.loads((ROOT / MEDUSA_HEAD / "config.json").read_text())
+    for m in ("medusa", "medusa4"):
+        assert init_of(runs[m]) == MEDUSA_HEAD
+        assert ("--sequential" in runs[m]) == bool(medusa.get("speculum_sequential"))
+        assert ("--sequential" in runs[m] or "--token-input" in runs[m]) == bool(medusa.get("speculum_token_input"))
+    assert int(option(runs["medusa"], "--num-layers")) == medusa["medusa_num_layers"]
+    assert init_of(runs["mtp"]) == MTP_HEAD
+    # variants the shipped heads cannot be grown into start from scratch (or INIT_DIR)
+    if eagle["num_hidden_layers"] > 1:
+        assert init_of(runs["eaglece"]) is None
+    if medusa.get("speculum_sequential"):
+        assert init_of(runs["medusatok"]) is None
+    assert init_of(runs["eagle2"]) == EAGLE_HEAD and option(runs["eagle2"], "--num-layers") == "2"
+    assert all(option(r, "--loss-vocab") == "0" for r in runs.values())
+
+
+@HEADS_SHIPPED
 def test_each_method_starts_where_asked(tmp_path):
-    """INIT_FROM_SHIPPED: each head from the head shipped for its method (eagle2, EAGLE-1 with two
-    layers, from the shipped one-layer eagle head, which it grows; medusatok and medusaseq from the
-    shipped token-aware Medusa heads, medusaseq growing them sequential); a method with nothing shipped from scratch; every one of these on
-    the whole vocabulary. INIT_DIR (an earlier call's output) wins where it has the method; DRAFT_INIT
-    wins for the draft."""
-    runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusatok medusaseq draft", INIT_FROM_SHIPPED=1)
-    assert set(runs) == {"eagle", "eagle2", "mtp", "medusatok", "medusaseq", "draft"}
-    assert init_of(runs["medusatok"]) == MEDUSA_HEAD and "--token-input" in runs["medusatok"]
+    """INIT_FROM_SHIPPED: each head from the head shipped for its method; a method with nothing
+    shipped from scratch; every one of these on the whole vocabulary. INIT_DIR (an earlier call's
+    output) wins where it has the method; DRAFT_INIT wins for the draft; ARGS_<method> are that
+    trainer's own options."""
+    runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusaseq draft", INIT_FROM_SHIPPED=1)
+    assert set(runs) == {"eagle", "eagle2", "mtp", "medusaseq", "draft"}
     assert init_of(runs["medusaseq"]) == MEDUSA_HEAD and "--sequential" in runs["medusaseq"]
     assert init_of(runs["eagle"]) == init_of(runs["eagle2"]) == EAGLE_HEAD
-    assert runs["eagle2"][:2] == ["train", "eagle"] and runs["eagle2"][runs["eagle2"].index("--num-layers") + 1] == "2"
+    assert runs["eagle2"][:2] == ["train", "eagle"] and option(runs["eagle2"], "--num-layers") == "2"
     assert init_of(runs["mtp"]) == MTP_HEAD and init_of(runs["draft"]) is None
-    assert all(r[r.index("--loss-vocab") + 1] == "0" for r in runs.values())  # the whole vocabulary
+    assert all(option(r, "--loss-vocab") == "0" for r in runs.values())  # the whole vocabulary
     # ARGS_<method>: that trainer's own options, after the shared ones (argparse: the last wins)
     runs = launch_loop(tmp_path, METHODS="mtp medusaseq", T="--lr 2e-4", ARGS_medusaseq="--lr 1e-3")
     assert runs["mtp"].count("--lr") == 1 and runs["mtp"][runs["mtp"].index("--lr") + 1] == "2e-4"

@@ -82,28 +82,32 @@ sys.exit(0 if d.get('recommended', d).get('hidden_size', 576) == 576 else 1)" &&
 PIDS=()
 # METHODS: which trainers share the GPU (default all five; e.g. METHODS=eagle3 gives one head the whole GPU)
 METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
-# medusa4: Medusa with MEDUSA4_LAYERS (4) blocks per head, a deeper variant trained beside the shipped
-# shape; with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (their blocks, then identity ones)
+# The default entries (eagle eagle3 medusa mtp draft) train the kinds shipped now, so INIT_FROM_SHIPPED=1 continues
+# each shipped head (tests/test_device_scripts.py checks their options against the shipped configs):
+# eagle: two layers, the token loss weighing most (--ce-weight 1 --reg-weight 0.1, where EAGLE-1's paper has 0.1 and
+#   1: EAGLE-3 found the feature regression holds a head back and dropped it), the kind shipped since the thirty-first
+#   session; eagle2ce: the same (its name in that session's commands)
+# eagle3: drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary), shipped since the
+#   twenty-fourth session; eagle3tail: the same (its earlier name); eagle3own: the draft vocabulary only (from
+#   scratch: a head with the tail cannot be continued without it)
+# medusa: sequentially dependent heads (--sequential, after Hydra: each head also reads the token its state produced
+#   and the tokens drafted before it), shipped since the thirty-first session; medusaseq: the same (its earlier name)
+# eagle, mtp, medusa and the draft: the loss over the whole vocabulary (--loss-vocab 0; the CLI's 8,192 most frequent
+#   tokens are for the CPU; in row chunks recomputed in backward, so the trainers fit side by side); the draft saved
+#   without the target's embedding (--embeddings-from-target: 14 MB for two layers, so it comes back from the call)
+#   and continued from DRAFT_INIT=<a carried draft folder> when given (whatever INIT_FROM_SHIPPED says)
+# Variants beside them:
+# eaglece: eagle's loss with one layer (never from the shipped two-layer head; INIT_DIR=<folder with eaglece>
+#   continues a one-layer head, e.g. the twenty-eighth session's: git show f510b2f:<the eagle head's files>)
+# eagle2: two layers on the paper's loss (the thirtieth session's, grown from a one-layer head: its layer, then one
+#   whose output projections start at zero)
+# medusa4: MEDUSA4_LAYERS (4) blocks per sequential head, grown from the shipped heads (their blocks, then identity ones)
 # medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced), the kind
-# shipped since the twenty-second session, on the whole vocabulary (as eagle and mtp since the twenty-eighth; the
-# default medusa entry, Medusa-1 heads, stays on 8,192 tokens beside the four others);
-# with INIT_FROM_SHIPPED=1 grown from the shipped medusa heads (a zero token map: they start as those)
-# medusaseq: sequentially dependent Medusa heads (--sequential, after Hydra: each head also reads the tokens drafted
-# before it), on the whole vocabulary; with INIT_FROM_SHIPPED=1 grown from the shipped token-aware heads (zero maps
-# of the drafted tokens: they start as those)
-# eagle3: drafting every token (--draft-tail: the target's LM head beyond its draft vocabulary), the kind
-# shipped since the twenty-fourth session; eagle3tail: the same (its earlier name, kept for old commands);
-# eagle3own: the draft vocabulary only (from scratch: a head with the tail cannot be continued without it)
-# eagle, mtp and the draft: the loss over the whole vocabulary (--loss-vocab 0; the CLI's 8,192 most frequent
-# tokens are for the CPU), as the heads shipped since the twenty-eighth session were continued; the draft saved
-# without the target's embedding (--embeddings-from-target: 14 MB for two layers, so it comes back from the call)
-# and continued from DRAFT_INIT=<a carried draft folder> when given (whatever INIT_FROM_SHIPPED says)
-# eagle2ce: eagle2 with the token loss weighing most (--ce-weight 1 --reg-weight 0.1, where EAGLE-1's paper has 0.1 and
-# 1: EAGLE-3 found the feature regression holds a head back and dropped it); INIT_DIR=<folder with eagle2ce> continues it
-# eagle2: EAGLE-1 with two layers; with INIT_FROM_SHIPPED=1 grown from the shipped one-layer head (its layer, then
-# one whose output projections start at zero: it drafts as the shipped head until trained)
-for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 2" "eagle2ce=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2" "mtp=mtp --loss-vocab 0" \
-         "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4}" \
+#   shipped from the twenty-second to the thirtieth session (never from the shipped sequential heads)
+for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle2=eagle --loss-vocab 0 --num-layers 2" \
+         "eagle2ce=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eaglece=eagle --loss-vocab 0 --ce-weight 1 --reg-weight 0.1" \
+         "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "mtp=mtp --loss-vocab 0" \
+         "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4} --sequential --loss-vocab 0" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" \
          "medusaseq=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3"; do
@@ -113,7 +117,7 @@ for m in "eagle=eagle --loss-vocab 0" "eagle2=eagle --loss-vocab 0 --num-layers 
   if [ "${INIT_FROM_SHIPPED:-0}" = 1 ]; then
     base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
     for d in plugins/speculum-*/speculum_*/{heads,drafts}/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
-    [ "$n" = eagle3own ] && INIT=""
+    case $n in eagle3own|eaglece|medusatok) INIT="" ;; esac  # kinds the shipped head cannot be grown into
   fi
   # INIT_DIR=<folder>: continue each method from what an earlier call of this script left there (TR of
   # that call, e.g. /tmp/tr on a machine still warm), where it left one: a second call goes on without copying
