@@ -43,7 +43,8 @@ import torch
 def read_chats(path: str, n: int, seed: int | None) -> list[list[dict]]:
     """The first ``n`` prompts of a JSONL file (``prompt``, or MT-bench's ``turns``: the first
     turn) as one-turn chats, shuffled with ``seed`` first (None: file order)."""
-    rows = [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]
+    from speculum.datasets import eval_set_path, read_jsonl
+    rows = read_jsonl(eval_set_path(path))  # a shipped set by name (mt_bench, other_tasks) or a path
     if seed is not None:
         random.Random(seed).shuffle(rows)
     return [[{"role": "user", "content": r["prompt"] if "prompt" in r else r["turns"][0]}] for r in rows[:n]]
@@ -201,7 +202,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="where the target answers and the heads rank (cpu, cuda)")
     ap.add_argument("--dtype", default="float32", help="the target's and the heads' dtype (float32, bfloat16)")
     ap.add_argument("--eval-prompts", default=None,
-                    help="JSONL ('prompt', or MT-bench's 'turns'): report the trees on these answers too")
+                    help="JSONL ('prompt', or MT-bench's 'turns'), or a shipped set by name (mt_bench, "
+                         "other_tasks): report the trees on these answers too")
     ap.add_argument("--eval-num-prompts", type=int, default=80)
     ap.add_argument("--topk", default="8,16", help="dynamic trees compared on --eval-prompts (tree_topk values)")
     ap.add_argument("--json", default=None, help="write the config and the counts here")
@@ -224,6 +226,8 @@ def main() -> int:
     cache = torch.load(args.cache) if args.cache and Path(args.cache).exists() else {}
     if "calib" not in cache:
         cache["calib"] = head_ranks(llm, heads, chats, args.max_tokens, D, args.max_rank)
+        if args.cache:  # kept at once: the evaluation answers below may fail or be stopped
+            torch.save(cache, args.cache)
     ranks, calib_lp = cache["calib"]
     counts = prefix_counts(ranks)
     paths = best_static(counts, args.nodes)

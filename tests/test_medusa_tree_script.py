@@ -61,3 +61,20 @@ def test_static_tree_is_the_most_frequent_prefixes_and_its_acceptance_counts_the
     # accepted drafts per row: 2, 1, 1, 2, 0, 0 -> MAL 1 + 6/6
     assert mod.mal(ranks, set(paths)) == 2.0
     assert mod.mal(ranks, {(0,), (0, 0), (0, 0, 0)}) == 1 + (2 + 1 + 0 + 3 + 0 + 0) / 6
+
+
+def test_prompt_sets_by_name_or_path(tmp_path):
+    """--prompts / --eval-prompts take a shipped set by name (mt_bench, other_tasks), as the
+    CLI's --eval-prompts does, or a JSONL path; a missing file is a clear error."""
+    import pytest
+    from speculum.datasets import mt_bench
+    from speculum.errors import RequestError
+
+    mod = _module()
+    chats = mod.read_chats("mt_bench", 3, None)
+    assert [c[0]["content"] for c in chats] == [r["turns"][0] for r in mt_bench(3)]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert mod.read_chats(str(tmp_path / "p.jsonl"), 5, None) == [[{"role": "user", "content": "a"}],
+                                                                   [{"role": "user", "content": "b"}]]
+    with pytest.raises(RequestError, match="not found"):
+        mod.read_chats(str(tmp_path / "missing.jsonl"), 1, None)
