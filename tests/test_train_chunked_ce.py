@@ -65,3 +65,34 @@ def test_no_grad_and_empty_rows():
     assert pred.shape == (37,)
     empty, pred = scored_ce(lambda x: F.linear(x, w), o[:0], probs, rows[:0], chunk_elements=202)
     assert float(empty.detach()) == 0.0 and pred.shape == (0,)
+
+
+def test_target_distribution_in_chunks_equals_one_shot(monkeypatch):
+    """TargetDist fills the target's probabilities and top tokens chunk by chunk: the same as
+    from the whole [rows x vocabulary] logits, over the whole vocabulary, within a
+    sub-vocabulary, and with the whole vocabulary's top token for validation (``full``)."""
+    import speculum.train.base as base
+    from speculum.train.data import Batch
+
+    g = torch.Generator().manual_seed(1)
+    B, T, H, V = 2, 9, 8, 50
+    hidden = torch.randn(B, T, H, generator=g)
+    lm_head = torch.randn(V, H, generator=g)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 6:] = False
+    batch = Batch(tokens=torch.zeros(B, T, dtype=torch.int64), hidden={-1: hidden}, valid=valid,
+                  answer_next=torch.ones(B, T, dtype=torch.bool))
+    vocab = torch.tensor([1, 4, 7, 20, 33, 41])
+    feats = hidden[batch.target_mask(0)]
+    for sub, full in ((None, False), (vocab, False), (vocab, True)):
+        monkeypatch.setattr(base, "CE_CHUNK_ELEMENTS", 1 << 30)
+        one = base.TargetDist(batch, lm_head, vocab=sub, full=full)
+        monkeypatch.setattr(base, "CE_CHUNK_ELEMENTS", 2 * V)  # two rows a chunk
+        assert len(base.row_chunks(len(feats), V)) == (len(feats) + 1) // 2
+        chunked = base.TargetDist(batch, lm_head, vocab=sub, full=full)
+        torch.testing.assert_close(chunked.probs, one.probs)
+        assert torch.equal(chunked.argmax, one.argmax)
+        logits = feats @ (lm_head if sub is None else lm_head[sub]).T
+        torch.testing.assert_close(one.probs, logits.softmax(-1))
+        want = (feats @ lm_head.T).argmax(-1) if full or sub is None else sub[logits.argmax(-1)]
+        assert torch.equal(one.argmax, want)

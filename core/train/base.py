@@ -211,6 +211,13 @@ def soft_ce(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 CE_CHUNK_ELEMENTS = 1 << 28
 
 
+def row_chunks(n: int, width: int, elements: int | None = None) -> list[slice]:
+    """Slices of ``n`` rows, each holding at most ``elements`` (default :data:`CE_CHUNK_ELEMENTS`)
+    values of ``width`` (one row at least)."""
+    step = max(1, (elements or CE_CHUNK_ELEMENTS) // width)
+    return [slice(s, s + step) for s in range(0, n, step)]
+
+
 def _ce_sum(score, o: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = score(o)
     return -(probs[rows] * F.log_softmax(logits.float(), dim=-1)).sum(), logits.argmax(-1)
@@ -231,10 +238,9 @@ def scored_ce(score, o: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
     if N * V <= chunk_elements or N == 0:
         logits = score(o)
         return soft_ce(logits, probs[rows]), logits.argmax(-1)
-    step = max(1, chunk_elements // V)
     total, preds = o.new_zeros((), dtype=torch.float32), []
-    for s in range(0, N, step):
-        args = (score, o[s:s + step], probs, rows[s:s + step])
+    for c in row_chunks(N, V, chunk_elements):
+        args = (score, o[c], probs, rows[c])
         if torch.is_grad_enabled() and o.requires_grad:
             part, pred = torch.utils.checkpoint.checkpoint(_ce_sum, *args, use_reentrant=False)
         else:
@@ -261,17 +267,16 @@ class TargetDist:
         self.index[need] = torch.arange(int(need.sum()), device=need.device)
         feats = batch.hidden[-1][need]
         w = lm_head if vocab is None else lm_head[vocab]
-        N, step = feats.shape[0], max(1, CE_CHUNK_ELEMENTS // w.shape[0])
+        whole = full and vocab is not None  # the top token over the whole vocabulary, not within vocab
+        N = feats.shape[0]
         self.probs = torch.empty(N, w.shape[0], device=feats.device)  # [N, V or Vs], filled in chunks
         top = torch.empty(N, dtype=torch.int64, device=feats.device)
-        for s in range(0, N, step):  # (the whole [N, V] logits at once would double the peak)
-            logits = target_logits(feats[s:s + step], w)
-            self.probs[s:s + step] = logits.softmax(dim=-1)
-            top[s:s + step] = logits.argmax(dim=-1)
-        self.argmax = top if vocab is None else vocab[top]
-        if full and vocab is not None:
-            self.argmax = torch.cat([target_logits(feats[s:s + step], lm_head).argmax(dim=-1)
-                                     for s in range(0, N, step)]) if N else top
+        # (the whole [N, V] logits at once would double the peak)
+        for c in row_chunks(N, lm_head.shape[0] if whole else w.shape[0]):
+            logits = target_logits(feats[c], w)
+            self.probs[c] = logits.softmax(dim=-1)
+            top[c] = (target_logits(feats[c], lm_head) if whole else logits).argmax(dim=-1)
+        self.argmax = vocab[top] if vocab is not None and not whole else top
 
     def rows(self, shift: int, anchors: torch.Tensor) -> torch.Tensor:
         """Rows of the positions ``t + shift`` for the anchors ``t`` selected by ``anchors``."""
