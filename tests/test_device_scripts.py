@@ -65,11 +65,11 @@ def option(args: list[str], name: str, default: str | None = None) -> str | None
 @HEADS_SHIPPED
 def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     """train_heads.sh's default methods continue the shipped heads (INIT_FROM_SHIPPED=1) with the
-    options their kind needs, read from the shipped configs: as many EAGLE-1 layers, sequential
+    options their kind needs, read from the shipped configs: as many EAGLE-1 or MTP layers, sequential
     or token-aware Medusa heads as shipped. (The trainers refuse a mismatch, e.g. a two-layer head
     continued with --num-layers 1, but only after a device call has started.)"""
     import json
-    runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok", INIT_FROM_SHIPPED=1)
+    runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok mtp2", INIT_FROM_SHIPPED=1)
     eagle = json.loads((ROOT / EAGLE_HEAD / "config.json").read_text())
     assert init_of(runs["eagle"]) == EAGLE_HEAD
     assert option(runs["eagle"], "--num-layers", "1") == str(eagle["num_hidden_layers"])
@@ -81,6 +81,9 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
         assert ("--sequential" in runs[m] or "--token-input" in runs[m]) == bool(medusa.get("speculum_token_input"))
     assert int(option(runs["medusa"], "--num-layers")) == medusa["medusa_num_layers"]
     assert init_of(runs["mtp"]) == MTP_HEAD
+    mtp = json.loads((ROOT / MTP_HEAD / "config.json").read_text())
+    assert option(runs["mtp"], "--num-layers", "1") == str(mtp.get("speculum_mtp_num_layers", 1))
+    assert init_of(runs["mtp2"]) == MTP_HEAD and option(runs["mtp2"], "--num-layers") == "2"  # grown
     # variants the shipped heads cannot be grown into start from scratch (or INIT_DIR)
     if eagle["num_hidden_layers"] > 1:
         assert init_of(runs["eaglece"]) is None

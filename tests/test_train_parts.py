@@ -176,7 +176,7 @@ def test_training_time_test_sees_what_drafting_sees(tiny_llama, method):
         model = pytest.importorskip("speculum_mtp.model")
         head = model.MTPHead(arch, parts.embed, parts.lm_head)
         torch.nn.init.normal_(head.eh_proj.weight, std=0.2)
-    init_layer(head.layer, 0.2)
+    init_layer(head.layer if method == "eagle3" else head.layers[0], 0.2)
     head.train()
     T, K, H = 12, 3, parts.hidden_size
     g = torch.Generator().manual_seed(1)

@@ -12,8 +12,9 @@ E="\"num_speculative_tokens\":$K"
 m() { if [ -n "$HEADS" ] && [ -f "$HEADS/$1/config.json" ]; then echo "{\"method\":\"$1\",\"model\":\"$HEADS/$1\",$E}"; else echo "{\"method\":\"$1\",$E}"; fi; }
 METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$(m eagle)" --method "$(m mtp)"
          --method "$(m medusa)")
-# variants trained beside the heads (train_heads.sh's eagle2, eagle2ce, eaglece, medusa4, medusatok, medusaseq): benched as their method
-for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa; do
+# variants trained beside the heads (train_heads.sh's eagle2, eagle2ce, eaglece, medusa4, medusatok, medusaseq, mtp2):
+# benched as their method
+for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa mtp2:mtp; do
   [ -n "$HEADS" ] && [ -f "$HEADS/${v%%:*}/config.json" ] && METHODS+=(--method "{\"method\":\"${v#*:}\",\"model\":\"$HEADS/${v%%:*}\",$E}")
 done
 D=${DRAFT:-/tmp/tr/draft}

@@ -259,3 +259,21 @@ def init_layer(layer: HeadDecoderLayer, std: float = 0.02) -> None:
                 p.zero_()
             else:
                 p.normal_(0.0, std)
+
+
+def grow_layers(new, old) -> None:
+    """Fill the decoder layers ``new`` (a longer list) from ``old``: its layers first, copied,
+    then layers whose attention and MLP output projections start at zero (the rest initialised
+    as :func:`init_layer`), so each adds nothing to the residual stream until trained: a head
+    grown deeper drafts exactly as the one it came from."""
+    if len(new) < len(old):
+        raise ValueError(f"cannot grow {len(old)} layers into {len(new)}")
+    with torch.no_grad():
+        for src, dst in zip(old, new):
+            dst.load_state_dict(src.state_dict())
+        for layer in list(new)[len(old):]:
+            init_layer(layer)
+            for out in (layer.attn.o, layer.mlp.down):
+                out.weight.zero_()
+                if out.bias is not None:
+                    out.bias.zero_()

@@ -93,7 +93,7 @@ class EagleTrainer(Trainer):
         at zero, so each adds nothing to the residual stream until trained. The grown head drafts
         exactly as the checkpoint's did at first: depth is added to a head without losing the
         training already in it (``--keep-best`` then exports it only if it got better)."""
-        from speculum.backends.torch.heads import init_layer
+        from speculum.backends.torch.heads import grow_layers
         head = load_eagle1(path, target)
         extra = args.num_layers - head.num_layers
         if extra < 0:
@@ -104,16 +104,8 @@ class EagleTrainer(Trainer):
             return head
         grown = Eagle1Head(attrs.evolve(head.arch, num_layers=args.num_layers), head.embed_weight,
                            head.lm_head_weight, fc_bias=head.fc.bias is not None)
-        with torch.no_grad():
-            grown.fc.load_state_dict(head.fc.state_dict())
-            for old, new in zip(head.layers, grown.layers):
-                new.load_state_dict(old.state_dict())
-            for layer in grown.layers[head.num_layers:]:
-                init_layer(layer)
-                for out in (layer.attn.o, layer.mlp.down):
-                    out.weight.zero_()
-                    if out.bias is not None:
-                        out.bias.zero_()
+        grown.fc.load_state_dict(head.fc.state_dict())
+        grow_layers(grown.layers, head.layers)
         log.info("%s: grown from %d to %d layers (the new ones start as identity maps)", path, head.num_layers,
                  grown.num_layers)
         return grown

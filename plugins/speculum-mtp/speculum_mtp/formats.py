@@ -9,6 +9,12 @@ and the decoder layer's ``input_layernorm``, ``self_attn.*``, ``post_attention_l
 and ``mlp.*``. That checkpoint may be the target itself or a standalone file holding
 only the MTP layer(s) (what ``speculum train mtp`` writes, with the target's config).
 speculum adds ``speculum_mtp_concat_order`` to the config it writes.
+
+A speculum extension: a module of more than one decoder layer (``speculum train mtp
+--num-layers L``). Its first decoder layer stays where DeepSeek-V3 keeps it; layer ``i``
+(1 <= i < L) is at ``model.layers.{N}.layers.{i}.`` (the same Llama names), and the config
+says ``speculum_mtp_num_layers: L``. Readers that know only DeepSeek-V3's layout would see a
+one-layer module, so the key is written (and checked against the weights) whenever L > 1.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from speculum.proposers.head_checkpoint import read_config, read_weights, weight
 from speculum_mtp.model import ORDERS, MTPHead
 
 ORDER_KEY = "speculum_mtp_concat_order"
+LAYERS_KEY = "speculum_mtp_num_layers"
 
 
 def detect(model_path: str, config: Mapping[str, Any]) -> str | None:
@@ -39,6 +46,21 @@ def mtp_layer_ids(path: Path, cfg: Mapping[str, Any]) -> list[int]:
     return [i for i in found if i >= N] or found
 
 
+def module_layers(names, pre: str, cfg: Mapping[str, Any], where: str) -> int:
+    """Decoder layers of the module at ``pre`` (1 + its ``layers.{i}.`` blocks), checked
+    against the config's ``speculum_mtp_num_layers``."""
+    pat = re.compile(re.escape(pre) + r"layers\.(\d+)\.self_attn\.q_proj\.weight$")
+    extra = sorted({int(m.group(1)) for n in names if (m := pat.match(n))})
+    if extra != list(range(1, len(extra) + 1)):
+        raise ConfigError(f"{where}: the module's extra decoder layers are numbered {extra}; expected 1, 2, ... "
+                          f"({pre}layers.{{i}}.*)")
+    n = 1 + len(extra)
+    said = cfg.get(LAYERS_KEY)
+    if said is not None and int(said) != n:
+        raise ConfigError(f"{where}: config.json says {LAYERS_KEY}={said}, the weights hold {n} decoder layer(s)")
+    return n
+
+
 def has_mtp(path: Path) -> bool:
     cfg = read_config(path)
     return int(cfg.get("num_nextn_predict_layers") or 0) > 0 and bool(mtp_layer_ids(path, cfg))
@@ -51,11 +73,12 @@ def load_mtp(path: Path, target: TargetParts, concat_order: str | None = None, l
     if not ids:
         raise ConfigError(f"{where}: no MTP layer (model.layers.N.eh_proj.weight) in the checkpoint")
     if layer >= len(ids):
-        raise ConfigError(f"{where}: MTP layer {layer} asked for, the checkpoint has {len(ids)}")
-    arch = arch_from_config(cfg, num_layers=1)
-    target.check(where, arch.hidden_size, cfg.get("vocab_size"))
+        raise ConfigError(f"{where}: MTP module {layer} asked for (options.layer counts from 0), the checkpoint "
+                          f"has {len(ids)}: give a layer below {len(ids)}")
     pre = f"model.layers.{ids[layer]}."
     sd = read_weights(path, prefix=pre)
+    arch = arch_from_config(cfg, num_layers=module_layers(sd, pre, cfg, where))
+    target.check(where, arch.hidden_size, cfg.get("vocab_size"))
     order = concat_order or cfg.get(ORDER_KEY) or "embed_hidden"
     if order not in ORDERS:
         raise ConfigError(f"{where}: concat_order must be one of {', '.join(ORDERS)}, got {order!r}")
@@ -74,7 +97,8 @@ def load_mtp(path: Path, target: TargetParts, concat_order: str | None = None, l
         copy_weight(param, sd[pre + name], pre + name, where)
     if own is not None:
         copy_weight(head.own_head.weight, own, pre + "shared_head.head.weight", where)
-    load_layer(head.layer, sd, pre, where)
+    for i, block in enumerate(head.layers):
+        load_layer(block, sd, pre if i == 0 else f"{pre}layers.{i}.", where)
     return head
 
 
@@ -85,7 +109,8 @@ def mtp_state(head: MTPHead, index: int) -> dict[str, torch.Tensor]:
     if head.own_head is not None:
         sd[pre + "shared_head.head.weight"] = head.own_head.weight
     sd = {k: v.detach() for k, v in sd.items()}
-    sd.update(layer_state(head.layer, pre))
+    for i, block in enumerate(head.layers):
+        sd.update(layer_state(block, pre if i == 0 else f"{pre}layers.{i}."))
     return sd
 
 
@@ -95,6 +120,8 @@ def save_mtp(head: MTPHead, path: Path, target_config: Mapping[str, Any], meta: 
     cfg = {k: v for k, v in target_config.items() if k not in ("_name_or_path", "transformers_version")}
     N = int(cfg["num_hidden_layers"])
     cfg.update({"architectures": ["LlamaMTPModule"], "num_nextn_predict_layers": 1, ORDER_KEY: head.concat_order})
+    if head.num_layers > 1:
+        cfg[LAYERS_KEY] = head.num_layers
     if meta:
         cfg["speculum"] = meta
     return write_checkpoint(path, cfg, mtp_state(head, N), dtype=dtype)

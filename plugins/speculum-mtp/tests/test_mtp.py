@@ -53,7 +53,8 @@ def random_mtp(parts, order="embed_hidden", own_head=False, seed=0) -> MTPHead:
     torch.manual_seed(seed)
     head = MTPHead(arch_from_config(parts.config, num_layers=1), parts.embed, None if own_head else parts.lm_head,
                    order)
-    init_layer(head.layer, 0.1)
+    for layer in head.layers:
+        init_layer(layer, 0.1)
     for p in (head.eh_proj.weight, head.enorm.weight, head.hnorm.weight, head.head_norm.weight):
         torch.nn.init.normal_(p, std=0.1)
     return head
@@ -331,3 +332,86 @@ def test_a_full_head_cache_makes_the_tree_wait_for_the_verdict(target, trained):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert len(calls) > 4 and llm.loop.drafted_from_verdict == len(calls) // 2 and llm.loop.from_verdict
     assert llm.metrics.num_accepted_tokens > 0
+
+
+# ------------------------------------------------------------------ modules of more than one decoder layer
+def test_two_layer_module_round_trip_and_its_format_checks(parts, tmp_path):
+    """A module of two decoder layers (speculum's extension): the first where DeepSeek-V3 keeps
+    it, the second under ``model.layers.{N}.layers.1.``, the config saying how many; loaded back
+    exactly; a config that disagrees with the weights, or a gap in their numbering, is an error."""
+    torch.manual_seed(0)
+    head = MTPHead(arch_from_config(parts.config, num_layers=2), parts.embed, parts.lm_head)
+    for layer in head.layers:
+        init_layer(layer, 0.1)
+    save_mtp(head, tmp_path / "m", parts.config)
+    sd = read_weights(tmp_path / "m")
+    assert "model.layers.2.self_attn.q_proj.weight" in sd and "model.layers.2.layers.1.self_attn.q_proj.weight" in sd
+    assert "model.layers.2.layers.1.input_layernorm.weight" in sd and not any(".layers.2.layers.2." in n for n in sd)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["speculum_mtp_num_layers"] == 2 and cfg["num_nextn_predict_layers"] == 1
+    loaded = load_mtp(tmp_path / "m", parts)
+    assert loaded.num_layers == 2
+    a, b = mtp_state(loaded, 2), mtp_state(head, 2)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # a one-layer module writes no key (DeepSeek-V3's layout exactly)
+    save_mtp(random_mtp(parts), tmp_path / "one", parts.config)
+    assert "speculum_mtp_num_layers" not in json.loads((tmp_path / "one" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "speculum_mtp_num_layers": 3}))
+    with pytest.raises(ConfigError, match="speculum_mtp_num_layers=3, the weights hold 2"):
+        load_mtp(tmp_path / "m", parts)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "speculum_mtp_num_layers"}))
+    gap = {k.replace(".layers.1.", ".layers.2."): v for k, v in sd.items()}
+    save_file({k: v.contiguous() for k, v in gap.items()}, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"numbered \[2\]"):
+        load_mtp(tmp_path / "m", parts)
+
+
+def test_two_layer_module_trains_loads_and_is_lossless(target, tmp_path):
+    out = train_tiny("mtp", target, tmp_path, steps=20, num_prompts=16, max_tokens=16, extra=("--num-layers", "2"))
+    assert json.loads((out / "config.json").read_text())["speculum_mtp_num_layers"] == 2
+    base = [o.token_ids for o in make_llm(target, max_num_seqs=4).generate(PROMPTS, GREEDY)]
+    for spec in ({"num_speculative_tokens": 3}, {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}):
+        llm = make_llm(target, {"method": "mtp", "model": str(out), **spec}, max_num_seqs=2)
+        assert llm.proposer.head.num_layers == 2
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == base
+        assert llm.metrics.num_draft_tokens > 0
+
+
+def test_module_grows_a_layer_that_starts_as_the_identity(target, trained, tmp_path, capsys):
+    """--init-from a one-layer module with --num-layers 2: everything of the module is copied and
+    the new layer's output projections are zero, so at --lr 0 the two-layer module drafts exactly
+    the tokens the one-layer one drafted. The wrong variant (the new layer's output projections
+    random) drafts other tokens, so the comparison has power. Shrinking is refused."""
+    out = train_tiny("mtp", target, tmp_path / "grown", steps=2, num_prompts=16, max_tokens=16,
+                     extra=("--init-from", str(trained), "--num-layers", "2", "--lr", "0", "--save-dtype", "float32"))
+    before, after = read_weights(trained), read_weights(out)
+    for name, w in before.items():
+        assert torch.equal(w.float(), after[name].float()), name
+    new = "model.layers.2.layers.1."
+    assert not after[new + "self_attn.o_proj.weight"].any() and not after[new + "mlp.down_proj.weight"].any()
+    assert after[new + "self_attn.q_proj.weight"].any()  # the rest of the new layer is initialised
+
+    def drafts(model):
+        llm = make_llm(target, {"method": "mtp", "model": str(model), "num_speculative_tokens": 3})
+        seen = record_drafts(llm)
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        return outs, [d.tolist() for _, d in seen], llm.proposer.head.num_layers
+
+    base_out, base_drafts, n1 = drafts(trained)
+    grown_out, grown_drafts, n2 = drafts(out)
+    assert (n1, n2) == (1, 2)
+    assert grown_drafts == base_drafts and grown_out == base_out
+    wrong = tmp_path / "random_out"
+    wrong.mkdir()
+    (wrong / "config.json").write_bytes((out / "config.json").read_bytes())
+    sd = dict(after)
+    torch.manual_seed(0)
+    for k in (new + "self_attn.o_proj.weight", new + "mlp.down_proj.weight"):
+        sd[k] = torch.randn_like(sd[k]) * 0.5
+    save_file(sd, str(wrong / "model.safetensors"))
+    assert drafts(wrong)[1] != base_drafts
+    with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
+        train_tiny("mtp", target, tmp_path / "narrow", steps=1, num_prompts=16, max_tokens=16,
+                   extra=("--init-from", str(out), "--num-layers", "1"))
+    err = capsys.readouterr().err
+    assert "the module has 2 decoder layers, --num-layers asks for 1" in err and "give --num-layers 2" in err
