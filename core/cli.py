@@ -377,6 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plugin_packages() -> set[str]:
+    """Top-level packages of the installed plugins (entry point group ``speculum``)."""
+    from importlib.metadata import entry_points
+    try:
+        return {ep.value.split(":")[0].split(".")[0] for ep in entry_points(group="speculum")}
+    except Exception:  # a broken distribution's metadata: logging stays as it is
+        return set()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -384,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         _quiet_transformers()
         logging.getLogger("speculum").setLevel(logging.INFO)  # runner choice, memory plan
+        for name in _plugin_packages():  # and the plugins' own notes (a head grown, a shipped head used)
+            logging.getLogger(name).setLevel(logging.INFO)
     try:
         return args.func(args)
     except (ConfigError, ModelLoadError, PluginError, RequestError) as exc:

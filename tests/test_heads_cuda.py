@@ -81,3 +81,31 @@ def test_graphed_forward_from_the_verdict_is_lossless(target, heads, method, sha
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [r.token_ids for r in ref]
     assert llm.loop.forwards_from_verdict > 0 and llm.loop.drafted_from_verdict > 0
     assert any(k[-1] == "verdict" for k in llm.loop.target._graphs), "no graph launched from the verdict"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("speculum_draft_model") is None, reason="needs speculum-draft-model")
+@pytest.mark.parametrize("from_verdict", ["draft", "forward"])
+def test_draft_model_chains_from_the_verdict_on_cuda(target, from_verdict):
+    """A draft model's greedy chains launched from the device verdict (its runner's own CUDA
+    graphs from the verdict: a 2-token forward rewriting the last accepted position and
+    appending the new token, then one graph a draft), and with ``"forward"`` the target's next
+    verify forward too: outputs equal plain decoding, the drafts equal those drafted after the
+    verdict's copy (``"off"``) in at least 95% of steps (fp32 on the GPU: a different forward
+    shape may flip a rare near-tie), and the draft's graphs from the verdict ran."""
+    from speculum import LLM
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3, "options": {"num_layers": 1}}
+    ref = LLM(str(target), device="cuda", dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
+    runs = {}
+    for fv in (from_verdict, "off"):
+        llm = LLM(str(target), {**spec, "from_verdict": fv}, device="cuda", dtype="float32", max_num_seqs=4)
+        seen, inner = [], llm.proposer.propose
+        llm.proposer.propose = lambda b, inner=inner, seen=seen: (lambda d: (seen.append(d.token_ids.tolist()), d)[1])(inner(b))
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [r.token_ids for r in ref]
+        runs[fv] = (llm, seen)
+    llm, seen = runs[from_verdict]
+    assert llm.loop.drafted_from_verdict > 10 and runs["off"][0].loop.drafted_from_verdict == 0
+    assert any(k[-1] == "verdict" for k in llm.proposer.runner._graphs), "no draft graph launched from the verdict"
+    if from_verdict == "forward":
+        assert llm.loop.forwards_from_verdict > 0
+    same = [a == b for a, b in zip(seen, runs["off"][1])]
+    assert len(seen) == len(runs["off"][1]) and sum(same) >= 0.95 * len(same)

@@ -19,6 +19,10 @@ for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medu
 done
 D=${DRAFT:-/tmp/tr/draft}
 [ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E}")
+# DRAFT_AB=1: the draft also drafting after the verdict's copy (from_verdict "off": before the thirty-second session's
+# chains drafted from the device verdict), in the same run
+[ "${DRAFT_AB:-0}" = 1 ] && [ -f $D/model.safetensors ] && \
+  METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E,\"from_verdict\":\"off\"}")
 # TREES=1: each head's tree too (the configurations docs/trees.md measured best for the heads before)
 t() { local h=""; [ -n "$HEADS" ] && [ -f "$HEADS/$1/config.json" ] && h="\"model\":\"$HEADS/$1\","
       echo "{\"method\":\"$1\",$h\"tree_topk\":$2,\"tree_depth\":$3,\"num_draft_tokens\":$4}"; }

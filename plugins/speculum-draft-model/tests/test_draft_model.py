@@ -28,7 +28,7 @@ def small_vocab(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("small_vocab"), "llama", seed=2, num_layers=1, vocab_size=256)
 
 
-def make_llm(target, spec, **kw) -> LLM:
+def make_llm(target, spec=None, **kw) -> LLM:
     # a small KV budget: the paged runner allocates all of it up front
     return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
@@ -209,3 +209,70 @@ def test_drafting_ahead_with_rewinds_drafts_what_a_plain_step_would(target):
     assert isinstance(loop.proposer, RewindableProposer) and loop.rewindable
     _, drafts_bad, acc_bad = run_with_an_abort_and_a_join(build(True, rewind=False), prompts, params)
     assert (drafts_bad, acc_bad) != off
+
+
+@pytest.mark.parametrize("forward", [False, True], ids=["draft", "forward"])
+def test_chains_drafted_from_the_device_verdict_change_nothing(target, forward):
+    """Overlapped greedy steps (forced on) with a draft model: each next chain starts from the
+    verdict still on the device (``VerdictDrafter``: the draft's runner forwards from the
+    accepted count only the device knows yet, rewriting the last accepted position and
+    appending the new token, then drafting), is settled by observe, taken by the plan ahead or
+    taken back when an abort or a join changes the batch. With ``forward`` the target's next
+    verify forward is launched from the verdict too. Outputs equal plain decoding, and every
+    verified draft and acceptance equal a run without overlap."""
+    from speculum.interfaces import VerdictDrafter
+    from speculum.testing import assert_overlap_changes_nothing
+    spec = self_draft(target, from_verdict="forward" if forward else "draft")
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, prompts, params)
+    assert isinstance(loop.proposer, VerdictDrafter)
+    assert loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+    assert (loop.forwards_from_verdict > 10) if forward else loop.forwards_from_verdict == 0
+
+
+def test_chains_drafted_from_the_verdict_under_preemption(target):
+    """The same with a KV budget that forces preemption (rows leave and come back while their
+    chains are drafted from the verdict, the draft's cache over-allocated for the longest
+    outcome until observe cuts it): outputs equal plain decoding, the books balance."""
+    from speculum.testing import assert_drafts_from_verdict_under_preemption
+    assert_drafts_from_verdict_under_preemption(target, self_draft(target), 20 * 16 * (512 + 256))
+
+
+def test_a_wrong_context_from_the_verdict_drafts_differently(target, monkeypatch):
+    """The wrong variant fails: chains drafted from the verdict whose first forward feeds the
+    new token where the last accepted one belongs (its K/V in the draft's cache then holds the
+    wrong token) draft other tokens than a run without overlap, though outputs stay lossless:
+    the equality of drafts the test above checks has power over what the launch writes."""
+    import speculum_draft_model.proposer as mod
+    from speculum.testing import run_with_an_abort_and_a_join
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def run(overlap: bool):
+        llm = make_llm(target, self_draft(target), max_num_seqs=4)
+        llm.loop.overlap = overlap
+        return run_with_an_abort_and_a_join(llm, prompts, params), llm.loop.drafted_from_verdict
+
+    (off, drafts_off, acc_off), _ = run(False)
+    (on, drafts_on, acc_on), n = run(True)
+    assert (on, drafts_on, acc_on) == (off, drafts_off, acc_off) and n > 10
+    inner = mod.draft_chain_from_verdict
+    monkeypatch.setattr(mod, "draft_chain_from_verdict",
+                        lambda runner, sids, lengths, acc, first, k: inner(runner, sids, lengths, acc, first[:, [1, 1]], k))
+    (bad, drafts_bad, acc_bad), n = run(True)
+    assert bad == off and n > 10  # lossless all the same
+    assert (drafts_bad, acc_bad) != (drafts_off, acc_off)
+
+
+def test_the_hf_runner_drafts_after_the_copy(target):
+    """A draft runner without forwards from the verdict (the HF runner): nothing is launched
+    early, outputs still equal plain decoding."""
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = make_llm(target, self_draft(target), max_num_seqs=4, runner="hf")
+    llm.loop.overlap = True
+    outs = llm.generate(prompts, params)
+    plain = make_llm(target, None).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.loop.drafted_from_verdict == 0
