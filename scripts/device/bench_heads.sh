@@ -12,9 +12,10 @@ E="\"num_speculative_tokens\":$K"
 m() { if [ -n "$HEADS" ] && [ -f "$HEADS/$1/config.json" ]; then echo "{\"method\":\"$1\",\"model\":\"$HEADS/$1\",$E}"; else echo "{\"method\":\"$1\",$E}"; fi; }
 METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$(m eagle)" --method "$(m mtp)"
          --method "$(m medusa)")
-# variants trained beside the heads (train_heads.sh's eagle2, eagle2ce, eaglece, medusa4, medusatok, medusaseq, mtp2):
+# variants trained beside the heads (train_heads.sh's eagle2, eagle2ce, eaglece, medusa4, medusatok, medusaseq, mtp2,
+# medusapre):
 # benched as their method
-for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa mtp2:mtp; do
+for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa mtp2:mtp medusapre:medusa; do
   [ -n "$HEADS" ] && [ -f "$HEADS/${v%%:*}/config.json" ] && METHODS+=(--method "{\"method\":\"${v#*:}\",\"model\":\"$HEADS/${v%%:*}\",$E}")
 done
 D=${DRAFT:-/tmp/tr/draft}

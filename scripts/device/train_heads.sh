@@ -104,6 +104,9 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # medusa4: MEDUSA4_LAYERS (4) blocks per sequential head, grown from the shipped heads (their blocks, then identity ones)
 # medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced), the kind
 #   shipped from the twenty-second to the thirtieth session (never from the shipped sequential heads)
+# medusapre: the shipped sequential heads with a prefix layer (--prefix-layer, after Hydra++'s prefix attention: one
+#   decoder layer over the heads' features of every position, so head 0 attends over the sequence as an EAGLE layer
+#   does; it starts as the identity, so the grown heads draft as the shipped ones until trained)
 # mtp2: an MTP module of two decoder layers (--num-layers 2, a speculum extension of DeepSeek-V3's format), grown
 #   from the shipped one-layer module (its layer, then one whose output projections start at zero: it drafts as the
 #   shipped module until trained), as eagle grew to two layers in the thirtieth session
@@ -113,7 +116,8 @@ for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0
          "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4} --sequential --loss-vocab 0" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" \
          "medusaseq=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
-         "eagle3own=eagle3" "mtp2=mtp --loss-vocab 0 --num-layers 2"; do
+         "eagle3own=eagle3" "mtp2=mtp --loss-vocab 0 --num-layers 2" \
+         "medusapre=medusa --num-heads 4 --num-layers 2 --sequential --prefix-layer --loss-vocab 0"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
   INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)

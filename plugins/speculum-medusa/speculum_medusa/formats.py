@@ -10,8 +10,12 @@ Token-aware heads (:mod:`speculum_medusa.model`, speculum's extension) add
 ``"speculum_token_input": true`` and the shared map ``token_proj.weight`` [H, H] (either
 one makes them token-aware here; the flag without the map is an error). Sequentially
 dependent heads add ``"speculum_sequential": true`` and ``seq_proj.{j}.weight`` [H, H] for
-``j < medusa_num_heads - 1`` (the map of the token ``j + 1`` places after ``x_{t+1}``). Medusa's own
-loader would drop the map and draft worse, not wrongly: drafts never change the output.
+``j < medusa_num_heads - 1`` (the map of the token ``j + 1`` places after ``x_{t+1}``). A prefix
+layer (speculum's extension after Hydra++) adds ``"speculum_prefix_layer"``, the layer's Llama
+shape (``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+``rms_norm_eps``, ``rope_theta``...; its width is the heads'), and its weights under
+``prefix.`` with Llama names (``prefix.input_layernorm.weight``, ``prefix.self_attn.q_proj.weight``...).
+Medusa's own loader would drop these and draft worse, not wrongly: drafts never change the output.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from typing import Any, Mapping
 
 import torch
 
-from speculum.backends.torch.heads import TargetParts, copy_weight
+from speculum.backends.torch.heads import TargetParts, arch_from_config, copy_weight, layer_state, load_layer
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_config, read_weights, write_checkpoint
 from speculum_medusa.model import MedusaHeads
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+PREFIX_KEY = "speculum_prefix_layer"
 
 
 def detect(model_path: str, config: Mapping[str, Any]) -> str | None:
@@ -53,9 +58,20 @@ def load_medusa(path: Path, target: TargetParts) -> MedusaHeads:
     if sequential and (missing or not token_input):
         raise ConfigError(f"{where}: sequential heads (speculum_sequential) need 'token_proj.weight' and "
                           f"seq_proj.0..{n_heads - 2}; missing {(['token_proj.weight'] if not token_input else []) + missing}")
+    prefix = None
+    if cfg.get(PREFIX_KEY):
+        shape = cfg[PREFIX_KEY]
+        if not isinstance(shape, dict):
+            raise ConfigError(f"{where}: {PREFIX_KEY} must be the prefix layer's Llama fields, got {shape!r}")
+        prefix = arch_from_config({**shape, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size},
+                                  num_layers=1)
+    elif any(k.startswith("prefix.") for k in sd):
+        raise ConfigError(f"{where}: the weights hold a prefix layer (prefix.*) but config.json has no {PREFIX_KEY}")
     heads = MedusaHeads(target.hidden_size, target.vocab_size, n_heads, n_layers,
                         lm_head=None if own else target.lm_head, embed=target.embed if token_input else None,
-                        sequential=sequential)
+                        sequential=sequential, prefix=prefix)
+    if prefix is not None:
+        load_layer(heads.prefix[0], sd, "prefix.", where)
     if token_input:
         copy_weight(heads.token_proj.weight, sd["token_proj.weight"], "token_proj.weight", where)
     for j, lin in enumerate(heads.seq_proj or ()):
@@ -85,7 +101,21 @@ def medusa_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
         sd["token_proj.weight"] = heads.token_proj.weight.detach()
     for j, lin in enumerate(heads.seq_proj or ()):
         sd[f"seq_proj.{j}.weight"] = lin.weight.detach()
+    if heads.prefixed:
+        sd.update({k: v.detach() for k, v in layer_state(heads.prefix[0], "prefix.").items()})
     return sd
+
+
+def prefix_shape(heads: MedusaHeads) -> dict[str, Any]:
+    """The prefix layer's Llama fields for ``speculum_prefix_layer``."""
+    a = heads.prefix_arch
+    shape = {"intermediate_size": a.intermediate_size, "num_attention_heads": a.num_heads,
+             "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "rms_norm_eps": a.rms_eps,
+             "rope_theta": a.rope_theta, "max_position_embeddings": a.max_position_embeddings,
+             "attention_bias": a.qkv_bias}
+    if a.rope_scaling:
+        shape["rope_scaling"] = a.rope_scaling
+    return shape
 
 
 def save_medusa(heads: MedusaHeads, path: Path, base_model: str = "", meta: dict | None = None,
@@ -97,6 +127,8 @@ def save_medusa(heads: MedusaHeads, path: Path, base_model: str = "", meta: dict
         cfg["speculum_token_input"] = True
     if heads.sequential:
         cfg["speculum_sequential"] = True
+    if heads.prefixed:
+        cfg[PREFIX_KEY] = prefix_shape(heads)
     if meta:
         cfg["speculum"] = meta
     return write_checkpoint(path, cfg, medusa_state(heads), filename=WEIGHT_FILES[0], dtype=dtype)

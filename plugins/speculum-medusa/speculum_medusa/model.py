@@ -22,6 +22,15 @@ heads they draft exactly as those). A Medusa-1 head ``i`` must guess the ``i`` t
 between ``x_{t+1}`` and its own; a sequential one is told the drafted ones, which are the
 true ones whenever its draft can be accepted. Drafting is then a loop over the heads
 (each adds one map to the previous head's features), still one state and no KV cache.
+
+A prefix layer (``prefix``, speculum's extension after Hydra++'s prefix attention, Ankner et
+al. 2024): one Llama decoder layer over the heads' features of every position, causal, with
+a KV cache of its own, so head 0 reads ``z_t``, the layer's output at ``t``, which attends over
+the whole sequence, instead of the one state ``h_t`` (with token-aware features it relates
+``x_{t+1}`` to the context, as an EAGLE head's layer does). Its attention and MLP output
+projections start at zero: grown onto trained heads, it passes the features through and they
+draft exactly as before until trained. The KV cache holds only true positions (a position
+enters once its next token is known), so rejected drafts never touch it.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from speculum.backends.torch.heads import HeadDecoderLayer, LlamaArch, Rope, grow_layers
 
 
 class ResBlock(nn.Module):
@@ -49,10 +60,11 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1,
                  lm_head: torch.Tensor | None = None, embed: torch.Tensor | None = None,
-                 sequential: bool = False):
+                 sequential: bool = False, prefix: LlamaArch | None = None):
         """``embed`` given: token-aware heads (the module doc) over the target's [V, H]
         input embedding (a plain attribute, not saved); ``sequential``: heads that also read
-        the tokens drafted before them (needs ``embed``)."""
+        the tokens drafted before them (needs ``embed``); ``prefix``: the shape of a prefix
+        layer (the target's), which then starts as the identity."""
         super().__init__()
         self.hidden_size, self.vocab_size = hidden, vocab
         self.num_heads, self.num_layers = num_heads, num_layers
@@ -73,6 +85,14 @@ class MedusaHeads(nn.Module):
                                       for _ in range(num_heads - 1)) if sequential else None
         for lin in self.seq_proj or ():
             nn.init.zeros_(lin.weight)
+        #: the prefix layer (None: the heads read one state); its shape for a KV cache
+        self.prefix, self.prefix_arch = None, prefix
+        if prefix is not None:
+            if prefix.hidden_size != hidden:
+                raise ValueError(f"a prefix layer of width {prefix.hidden_size} over heads of width {hidden}")
+            self.prefix = nn.ModuleList([HeadDecoderLayer(prefix, index=0, input_norm=True, bias=prefix.qkv_bias)])
+            grow_layers(self.prefix, [])  # the identity until trained
+            self.rope = Rope(prefix)
 
     @property
     def sequential(self) -> bool:
@@ -81,6 +101,25 @@ class MedusaHeads(nn.Module):
     @property
     def token_input(self) -> bool:
         return self.token_proj is not None
+
+    @property
+    def prefixed(self) -> bool:
+        return self.prefix is not None
+
+    def prefix_forward(self, f: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """The prefix layer's outputs ``z`` [B, q, H] from :meth:`features` ``f`` [B, q, H] at
+        ``positions`` [B, q], attending through ``ctx`` (a head cache's context, or a
+        :class:`~speculum.backends.torch.heads.TrainContext`): what the heads then read."""
+        layer = self.prefix[0]
+        x = f.to(layer.mlp_norm.weight.dtype)
+        cos, sin = self.rope(positions, x.dtype)
+        return layer(x, cos, sin, ctx)
+
+    def draft_input(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """What drafting reads from a row's state ``x`` [..., H]: :meth:`features` of the target
+        state and its token, or, with a prefix layer, ``x`` itself (its output ``z``, which read
+        the features already)."""
+        return x if self.prefix is not None else self.features(x, tokens)
 
     def features(self, h: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         """What the heads read [..., H] from final normed target states ``h`` [..., H] and the

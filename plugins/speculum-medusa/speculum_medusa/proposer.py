@@ -18,6 +18,12 @@ device (:class:`~speculum.interfaces.VerdictDrafter`): the state of each row's l
 position is gathered by the verdict's accepted count (and a tree's path), and the heads'
 static function runs on it before the host has read the verdict; observe then keeps that
 state, and the next propose of the same rows returns those drafts.
+
+Heads with a prefix layer (:mod:`speculum_medusa.model`) keep the layer's KV cache and the
+target states it has not read yet (:class:`~speculum_medusa.prefix.PrefixStates`): each
+propose first feeds them (with the tokens they produced) through the layer and the heads
+draft from its output. They draft after the verdict's copy (not from the device verdict yet),
+and the layer's forward is not graphed yet (the heads' drafting is).
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from pathlib import Path
 import attrs
 import torch
 
-from speculum.backends.torch.heads import TargetParts, head_checkpoint_path, pick_tokens
+from speculum.backends.torch.heads import HeadKVCache, TargetParts, head_checkpoint_path, pick_tokens
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView, StepFeedback, Verdict
 from speculum.proposers.tree import tree_rows, unpack_tree
 from speculum.tree import TokenTree, TreeSpec
 from speculum_medusa.formats import load_medusa
 from speculum_medusa.graph import MedusaGraphs
+from speculum_medusa.prefix import PrefixStates
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +67,13 @@ class MedusaProposer:
     kv_lookahead = 0  # no KV cache of its own
 
     def __init__(self, heads, sample: bool = True, tree: TreeSpec | None = None, k: int | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, cache: HeadKVCache | None = None):
+        """``cache``: the prefix layer's KV cache (heads with a prefix layer need one)."""
         self.heads = heads
+        if heads.prefixed and cache is None:
+            raise ValueError("Medusa heads with a prefix layer need its KV cache (MedusaProposer.from_context plans one)")
+        #: the prefix layer's state per sequence (None: heads without one)
+        self.prefix = PrefixStates(heads, cache) if heads.prefixed else None
         self.sample = sample
         p = next(heads.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -89,18 +101,31 @@ class MedusaProposer:
             raise ConfigError(f"num_speculative_tokens={k} but {path} has {heads.num_heads} Medusa heads; "
                               f"use num_speculative_tokens <= {heads.num_heads}")
         heads = heads.to(device=target.embed.device, dtype=target.embed.dtype).eval().requires_grad_(False)
-        log.info("Medusa heads %s: %d heads x %d layers%s%s", path, heads.num_heads, heads.num_layers,
+        log.info("Medusa heads %s: %d heads x %d layers%s%s%s", path, heads.num_heads, heads.num_layers,
                  " (shared LM head)" if heads.heads is None else "",
-                 ", sequential" if heads.sequential else ", token-aware" if heads.token_input else "")
+                 ", sequential" if heads.sequential else ", token-aware" if heads.token_input else "",
+                 ", prefix layer" if heads.prefixed else "")
+        cache = None
+        if heads.prefixed:  # the prefix layer's KV cache, planned with the target's
+            a = heads.prefix_arch
+            cache = HeadKVCache("medusa", 1, a.num_kv_heads, a.head_dim, target.embed.dtype, target.embed.device,
+                                max_model_len=ctx.max_model_len,
+                                weight_bytes=sum(t.numel() * t.element_size() for t in heads.parameters()))
+            cache.join_memory_plan(ctx.backend)
         return cls(heads, sample=ctx.config.draft_sample_method == "sample", tree=tree, k=k,
-                   cuda_graphs=bool(getattr(ctx.target, "cuda_graphs", False)))
+                   cuda_graphs=bool(getattr(ctx.target, "cuda_graphs", False)), cache=cache)
 
     def add_request(self, seq: SequenceView, hidden_states: dict[int, torch.Tensor] | None = None) -> None:
         h = hidden_states[-1]  # [len - 1, H]
+        if self.prefix is not None:
+            self.prefix.add(seq.seq_id, h)
+            return
         self.last[seq.seq_id] = h[-1].clone() if h.shape[0] else None
 
     def remove_request(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
+        if self.prefix is not None:
+            self.prefix.remove(seq_id)
         if self._launched is not None and seq_id in self._launched.seq_ids:
             self._launched = None  # the batch changed: those trees are for another step
 
@@ -108,7 +133,8 @@ class MedusaProposer:
         """Nothing to take back: :meth:`propose` reads each sequence's last state and
         changes nothing (:class:`~speculum.interfaces.RewindableProposer`, so the loop may
         draft the next step ahead); trees drafted from a verdict are dropped (observe kept
-        each row's state already)."""
+        each row's state already). With a prefix layer the propose fed the layer true states
+        only, which stay valid (:mod:`speculum_medusa.prefix`)."""
         self._launched = None
 
     def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict,
@@ -118,7 +144,7 @@ class MedusaProposer:
         a tree's path), before the host reads it (:class:`~speculum.interfaces.VerdictDrafter`).
         For rows that drafted this step. Returns the drafts (still being computed) or None."""
         if ((self.tree is not None and verdict.path is None) or not hidden_states or self._launched is not None
-                or any(self.last.get(sid) is None for sid in seq_ids)):
+                or self.prefix is not None or any(self.last.get(sid) is None for sid in seq_ids)):
             return None
         with torch.inference_mode():
             x = last_accepted_state(hidden_states[-1], verdict)
@@ -140,12 +166,15 @@ class MedusaProposer:
             d = launched.draft
             return d if d.tree is not None or k == d.token_ids.shape[1] else \
                 Draft(token_ids=d.token_ids[:, :k], lengths=[k] * B)
-        rows = [b for b, s in enumerate(seqs) if self.last.get(s.seq_id) is not None]
+        if self.prefix is not None:  # the prefix layer's output at each row's last known position
+            rows, x = self.prefix.catch_up(seqs)
+        else:
+            rows = [b for b, s in enumerate(seqs) if self.last.get(s.seq_id) is not None]
+            x = torch.stack([self.last[seqs[b].seq_id] for b in rows]) if rows else None  # [R, H]
         if not rows:
             return Draft(token_ids=torch.full((B, k), -1, dtype=torch.int64, device=self.device), lengths=[0] * B)
-        x = torch.stack([self.last[seqs[b].seq_id] for b in rows])  # [R, H]
         last_tok = torch.tensor([seqs[b].token_ids[-1] for b in rows], dtype=torch.int64).to(
-            self.device, non_blocking=True) if self.heads.token_input else None  # the token each state produced
+            self.device, non_blocking=True) if self.graphs.reads_token else None  # the token each state produced
         if self.tree is not None:
             return self._tree_draft(B, rows, self.graphs.run(x, last_tok))
         sample = self.sample and not batch.sampling.all_greedy
@@ -155,7 +184,7 @@ class MedusaProposer:
         else:
             drafts, probs = [], []
             with torch.inference_mode():
-                x = self.heads.features(x, last_tok)
+                x = self.heads.draft_input(x, last_tok)
                 for i in range(k):
                     tok, p = pick_tokens(self.heads.logits(i, x), rows, batch.sampling, sample,
                                          torch.stack(drafts, dim=1) if drafts else None)
@@ -196,6 +225,11 @@ class MedusaProposer:
                 launched.observed.add(sid)
             return
         h = feedback.hidden_states[-1]  # [B, k+1, H]
+        if self.prefix is not None:  # the accepted positions' states and the new token's, fed at the next propose
+            kept = h[:, : max(feedback.num_accepted, default=0) + 1].clone()  # (the target's buffers are reused)
+            for b, (sid, a) in enumerate(zip(feedback.seq_ids, feedback.num_accepted)):
+                self.prefix.observe(sid, kept[b, : a + 1])
+            return
         acc = torch.tensor(feedback.num_accepted, dtype=torch.int64).to(h.device, non_blocking=True)  # no synchronisation
         last = h[torch.arange(h.shape[0], device=h.device), acc].clone()  # the state that made the new token
         for b, sid in enumerate(feedback.seq_ids):

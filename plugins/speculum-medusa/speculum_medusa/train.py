@@ -9,13 +9,17 @@ Blocks start as the identity (zero weights) so each head starts as the target's 
 map at zero). ``--sequential``: token-aware heads that also read the tokens drafted before
 them (:mod:`speculum_medusa.model`), trained on the true ones (teacher forcing: the drafts an
 accepted prefix holds are the true tokens); with ``--init-from`` token-aware heads they start
-as those (the maps at zero).
+as those (the maps at zero). ``--prefix-layer``: a decoder layer over the heads' features of
+every position, causal (after Hydra++'s prefix attention; :mod:`speculum_medusa.model`),
+whose output the heads read; it starts as the identity, so with ``--init-from`` heads without
+one they start as those.
 """
 
 from __future__ import annotations
 
 import torch
 
+from speculum.backends.torch.heads import TrainContext, arch_from_config
 from speculum.errors import ConfigError
 from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, scored_ce
 from speculum.train.data import shifted
@@ -41,6 +45,10 @@ class MedusaTrainer(Trainer):
         g.add_argument("--sequential", action="store_true",
                        help="sequentially dependent heads (after Hydra): head i also reads the tokens drafted by "
                             "heads 0..i-1 (implies --token-input; speculum's extension)")
+        g.add_argument("--prefix-layer", action="store_true",
+                       help="a decoder layer of the target's shape over the heads' features of every position, "
+                            "whose output the heads read (after Hydra++'s prefix attention; speculum's extension; "
+                            "starts as the identity, so --init-from heads without one start as those)")
         g.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head i is decay**i")
         g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
@@ -51,7 +59,8 @@ class MedusaTrainer(Trainer):
     def build(self, args, target, state, data, train_ids):
         heads = MedusaHeads(target.hidden_size, target.vocab_size, args.num_heads, args.num_layers,
                             lm_head=None if args.own_lm_head else target.lm_head,
-                            embed=target.embed if token_aware(args) else None, sequential=args.sequential)
+                            embed=target.embed if token_aware(args) else None, sequential=args.sequential,
+                            prefix=prefix_arch(args, target))
         if heads.heads is not None:
             with torch.no_grad():
                 for h in heads.heads:
@@ -65,6 +74,10 @@ class MedusaTrainer(Trainer):
         nxt = shifted(batch.tokens, 1)
         x = heads.features(batch.hidden[-1], nxt)  # h_t and x_{t+1}
         T = x.shape[1]
+        if heads.prefixed:  # the layer over every position, causal, as its cache sees them when drafting
+            ctx = TrainContext()
+            ctx.next_step()
+            x = heads.prefix_forward(x, torch.arange(T, device=x.device).expand(x.shape[0], T), ctx)
         total = torch.zeros((), device=x.device)
         ok, scored = [], []
         for i, z in enumerate(heads.teacher_forced(x, nxt, K)):
@@ -84,8 +97,9 @@ class MedusaTrainer(Trainer):
         """The checkpoint at ``path``; with ``--num-layers`` above its own, grown to that many
         blocks per head: the checkpoint's blocks first, then zero-initialised ones (identity
         maps); with ``--token-input`` and Medusa-1 heads, given a zero token map; with
-        ``--sequential`` and heads that are not, given zero maps of the drafted tokens. Either way
-        the grown heads start out drafting exactly as the checkpoint's did."""
+        ``--sequential`` and heads that are not, given zero maps of the drafted tokens; with
+        ``--prefix-layer`` and heads without one, given one that starts as the identity. Either
+        way the grown heads start out drafting exactly as the checkpoint's did."""
         heads = load_medusa(path, target)
         extra = args.num_layers - heads.num_layers
         if extra < 0:
@@ -96,13 +110,18 @@ class MedusaTrainer(Trainer):
             raise ConfigError(f"--init-from {path}: its heads are sequential (speculum_sequential); give --sequential")
         if heads.token_input and not token_aware(args):
             raise ConfigError(f"--init-from {path}: its heads are token-aware (speculum_token_input); give --token-input")
+        pre_asked = bool(getattr(args, "prefix_layer", False))
+        if heads.prefixed and not pre_asked:
+            raise ConfigError(f"--init-from {path}: its heads have a prefix layer (speculum_prefix_layer); give "
+                              "--prefix-layer")
         token = token_aware(args) and not heads.token_input
         seq = args.sequential and not heads.sequential
-        if extra <= 0 and not token and not seq:
+        pre = pre_asked and not heads.prefixed
+        if extra <= 0 and not token and not seq and not pre:
             return heads
         grown = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, args.num_layers,
                             lm_head=heads.shared_lm_head, embed=target.embed if token_aware(args) else None,
-                            sequential=args.sequential)
+                            sequential=args.sequential, prefix=heads.prefix_arch or prefix_arch(args, target))
         with torch.no_grad():
             for old, new in zip(heads.blocks, grown.blocks):
                 for j, block in enumerate(old):
@@ -114,7 +133,18 @@ class MedusaTrainer(Trainer):
                 grown.token_proj.weight.copy_(heads.token_proj.weight)
             for old, new in zip(heads.seq_proj or (), grown.seq_proj or ()):
                 new.weight.copy_(old.weight)
+            if heads.prefixed:
+                grown.prefix.load_state_dict(heads.prefix.state_dict())
         return grown
+
+
+def prefix_arch(args, target):
+    """The prefix layer's shape (the target's decoder layer), or None without --prefix-layer."""
+    if not getattr(args, "prefix_layer", False):
+        return None
+    if not target.config:
+        raise ConfigError("--prefix-layer takes the target's layer shape from its config.json, which this target lacks")
+    return arch_from_config(target.config, num_layers=1)
 
 
 def token_aware(args) -> bool:

@@ -1,0 +1,218 @@
+"""Medusa heads with a prefix layer (after Hydra++'s prefix attention) on tiny models: format,
+losslessness in chains and trees, the layer's cache across steps, rewinds, preemption,
+training against drafting, growth onto trained heads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from speculum import LLM, SamplingParams
+from speculum.backends.torch.heads import HeadKVCache, TargetParts, TrainContext, arch_from_config
+from speculum.errors import ConfigError
+from speculum.interfaces import ProposeBatch, SequenceView
+from speculum.proposers.head_checkpoint import read_weights
+from speculum.sampling import SamplingBatch
+from speculum.testing import (PrefillHidden, assert_overlap_changes_nothing,
+                              assert_tree_greedy_lossless_under_preemption, record_drafts, tiny_model_dir, train_tiny)
+from speculum_medusa import MedusaHeads, MedusaProposer
+from speculum_medusa.formats import load_medusa, medusa_state, save_medusa
+
+PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+CHAIN = {"num_speculative_tokens": 3}
+TREE = {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def parts(target):
+    return TargetParts.from_checkpoint(target)
+
+
+@pytest.fixture(scope="module")
+def seq_trained(target, tmp_path_factory):
+    return train_tiny("medusa", target, tmp_path_factory.mktemp("seq"), extra=("--num-heads", "3", "--sequential"))
+
+
+@pytest.fixture(scope="module")
+def prefixed(target, tmp_path_factory):
+    """Sequential heads with a prefix layer, trained from scratch."""
+    return train_tiny("medusa", target, tmp_path_factory.mktemp("prefix"),
+                      extra=("--num-heads", "3", "--sequential", "--prefix-layer"))
+
+
+def make_llm(target, spec=None, **kw) -> LLM:
+    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
+
+
+def plain(target, prompts=PROMPTS, params=GREEDY):
+    return [o.token_ids for o in make_llm(target, max_num_seqs=4).generate(prompts, params)]
+
+
+def fresh_proposer(heads) -> MedusaProposer:
+    a = heads.prefix_arch
+    cache = HeadKVCache("medusa", 1, a.num_kv_heads, a.head_dim, torch.float32, "cpu", max_model_len=512)
+    return MedusaProposer(heads, cache=cache)
+
+
+# ------------------------------------------------------------------ format
+def test_prefix_heads_round_trip_and_their_format_checks(parts, tmp_path):
+    torch.manual_seed(0)
+    heads = MedusaHeads(parts.hidden_size, parts.vocab_size, 3, 1, lm_head=parts.lm_head, embed=parts.embed,
+                        sequential=True, prefix=arch_from_config(parts.config, num_layers=1))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    save_medusa(heads, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    shape = cfg["speculum_prefix_layer"]
+    assert shape["num_attention_heads"] == parts.config["num_attention_heads"]
+    assert shape["intermediate_size"] == parts.config["intermediate_size"]
+    sd = read_weights(tmp_path / "m")
+    assert {"prefix.input_layernorm.weight", "prefix.self_attn.q_proj.weight", "prefix.mlp.down_proj.weight"} <= set(sd)
+    loaded = load_medusa(tmp_path / "m", parts)
+    assert loaded.prefixed and loaded.sequential
+    a, b = medusa_state(loaded), medusa_state(heads)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                                            if k != "speculum_prefix_layer"}))
+    with pytest.raises(ConfigError, match="prefix layer .* no speculum_prefix_layer"):
+        load_medusa(tmp_path / "m", parts)
+
+
+# ------------------------------------------------------------------ drafting
+@pytest.mark.parametrize("runner", ["native", "hf"])
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
+def test_prefix_greedy_output_is_identical_to_no_speculation(target, prefixed, runner, spec):
+    llm = make_llm(target, {"method": "medusa", "model": str(prefixed), **spec}, runner=runner, max_num_seqs=2)
+    assert llm.proposer.prefix is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain(target)
+    assert 0 < llm.metrics.num_accepted_tokens < llm.metrics.num_draft_tokens
+
+
+def test_drafts_read_the_layer_over_the_whole_sequence(target, prefixed):
+    """After any number of steps (the layer's cache fed a prefill, then each step's accepted
+    states, rows joining mid-flight) the drafts equal those of a fresh proposer that feeds the
+    layer the whole sequence at once."""
+    llm = make_llm(target, {"method": "medusa", "model": str(prefixed), **CHAIN}, max_num_seqs=2)
+    drafts = record_drafts(llm)
+    llm.generate(PROMPTS, GREEDY)
+    prefill = PrefillHidden(target, (-1,))
+    fresh = fresh_proposer(llm.proposer.heads)
+    for n, (rows, live) in enumerate(drafts):
+        views = [SequenceView(10_000 + 10 * n + i, toks, 1) for i, toks in enumerate(rows)]
+        for v in views:
+            fresh.add_request(v, hidden_states=prefill(v.token_ids[:-1]))
+        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
+        assert fresh.propose(ProposeBatch(views, 3, sampling)).token_ids.tolist() == live.tolist()
+
+
+def test_the_layer_in_training_computes_what_drafting_reads(target, prefixed, parts):
+    """The trainer's pass (causal attention over the whole sequence, TrainContext) gives, at
+    every position, the output the drafting cache gives when the sequence arrives in pieces."""
+    heads = load_medusa(prefixed, parts)
+    tokens = [30, 31, 32, 30, 31, 32, 30, 11, 12, 13, 40, 41]
+    h = PrefillHidden(target, (-1,))(tokens)[-1]  # [T, H]
+    T = len(tokens) - 1
+    nxt = torch.tensor(tokens[1:]).view(1, T)
+    with torch.no_grad():
+        ctx = TrainContext()
+        ctx.next_step()
+        want = heads.prefix_forward(heads.features(h[:T].view(1, T, -1), nxt), torch.arange(T).view(1, T), ctx)[0]
+
+    def in_pieces(forget: bool) -> torch.Tensor:
+        """``forget``: the wrong variant, a fresh cache for every piece (the context dropped)."""
+        states, got, fed = fresh_proposer(heads).prefix, [], 0
+        for cut in (4, 5, 9, T):  # a prefill, then steps accepting 0, 3 and 1 drafts
+            if forget and fed:
+                states = fresh_proposer(heads).prefix
+                states.cache.add(7)
+                states.cache.prepare([7], [fed], fed)  # the positions, at zero K/V
+                states.z[7], states.pending[7] = None, h[fed:cut]
+            else:
+                states.add(7, h[:cut]) if fed == 0 else states.observe(7, h[fed:cut])
+            rows, z = states.catch_up([SequenceView(7, tokens[: cut + 1], 1)])
+            got.append(z[0])
+            fed = cut
+        return torch.stack(got)
+
+    torch.testing.assert_close(in_pieces(False), want[[3, 4, 8, T - 1]], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(in_pieces(True)[1:], want[[4, 8, T - 1]], atol=1e-3)
+
+
+def test_prefix_steps_drafted_ahead_and_rewinds_change_nothing(target, prefixed):
+    """Overlapped steps (forced on): each step is drafted ahead, which feeds the layer true
+    states, and an abort or a join drops that step (nothing to undo: what was fed stays true).
+    Outputs equal plain decoding, drafts and acceptance equal a run without overlap."""
+    spec = {"method": "medusa", "model": str(prefixed), **CHAIN}
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS, params)
+    assert loop.rewindable and loop.drafted_from_verdict == 0  # prefix heads draft after the copy
+
+
+def test_prefix_tree_lossless_under_preemption(target, prefixed):
+    """A KV budget that forces preemption (the target's cache and the layer's, 512 + 256 bytes a
+    token): rows leave, come back with a fresh prefill of the layer, and outputs still equal
+    plain decoding."""
+    spec = {"method": "medusa", "model": str(prefixed), **TREE}
+    assert_tree_greedy_lossless_under_preemption(target, spec, 512 + 256)
+
+
+def test_sampled_prefix_drafts_come_with_their_distribution(target, prefixed):
+    llm = make_llm(target, {"method": "medusa", "model": str(prefixed), **CHAIN})
+    seen, inner = [], llm.proposer.propose
+    llm.proposer.propose = lambda b: seen.append(inner(b)) or seen[-1]
+    outs = llm.generate(PROMPTS[1:3], SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs) and seen
+    for d in seen:
+        assert torch.allclose(d.probs.sum(-1), torch.ones(d.token_ids.shape), atol=1e-5)
+
+
+# ------------------------------------------------------------------ growth
+def test_a_prefix_layer_grows_onto_trained_heads(target, seq_trained, tmp_path, capsys):
+    """--init-from sequential heads with --prefix-layer: the heads are copied and the layer's
+    output projections are zero, so at --lr 0 the grown heads draft exactly the tokens the
+    checkpoint drafted (and are lossless). The wrong variant (the layer's output projections
+    random) drafts other tokens, so the comparison has power. A checkpoint with a prefix layer
+    continued without --prefix-layer is refused."""
+    out = train_tiny("medusa", target, tmp_path / "grown", steps=2, num_prompts=16, max_tokens=16,
+                     extra=("--num-heads", "3", "--sequential", "--prefix-layer", "--init-from", str(seq_trained),
+                            "--lr", "0", "--save-dtype", "float32"))
+    before, after = read_weights(seq_trained), read_weights(out)
+    for name, w in before.items():
+        assert torch.equal(w.float(), after[name]), name
+    assert not after["prefix.self_attn.o_proj.weight"].any() and not after["prefix.mlp.down_proj.weight"].any()
+    assert after["prefix.self_attn.q_proj.weight"].any()
+
+    def drafts(model):
+        llm = make_llm(target, {"method": "medusa", "model": str(model), **CHAIN})
+        seen = record_drafts(llm)
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        return outs, [d.tolist() for _, d in seen], llm.proposer.prefix is not None
+
+    base_out, base_drafts, p1 = drafts(seq_trained)
+    grown_out, grown_drafts, p2 = drafts(out)
+    assert (p1, p2) == (False, True)
+    assert grown_drafts == base_drafts and grown_out == base_out == plain(target)
+    wrong = tmp_path / "random_out"
+    wrong.mkdir()
+    (wrong / "config.json").write_bytes((out / "config.json").read_bytes())
+    sd = dict(after)
+    torch.manual_seed(0)
+    for k in ("prefix.self_attn.o_proj.weight", "prefix.mlp.down_proj.weight"):
+        sd[k] = torch.randn_like(sd[k]) * 0.5
+    save_file(sd, str(wrong / "medusa_lm_head.safetensors"))
+    assert drafts(wrong)[1] != base_drafts
+    with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
+        train_tiny("medusa", target, tmp_path / "dropped", steps=1, num_prompts=16, max_tokens=16,
+                   extra=("--num-heads", "3", "--sequential", "--init-from", str(out)))
+    assert "its heads have a prefix layer" in capsys.readouterr().err
