@@ -109,3 +109,18 @@ def test_draft_model_chains_from_the_verdict_on_cuda(target, from_verdict):
         assert llm.loop.forwards_from_verdict > 0
     same = [a == b for a, b in zip(seen, runs["off"][1])]
     assert len(seen) == len(runs["off"][1]) and sum(same) >= 0.95 * len(same)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("speculum_medusa") is None, reason="needs speculum-medusa")
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_medusa_prefix_layer_on_cuda(target, tmp_path_factory, tree):
+    """Sequential Medusa heads with a prefix layer on CUDA: the layer's catch-up over its paged
+    cache (eager), then the heads' graphed drafting from its output: outputs identical to plain
+    decoding, drafts as the same function run eagerly."""
+    from speculum.testing import TREE_CONFIGS
+    head = train_tiny("medusa", target, tmp_path_factory.mktemp("medusa_prefix"),
+                      extra=("--num-heads", "3", "--sequential", "--prefix-layer"))
+    spec = {"method": "medusa", "model": str(head), **(TREE_CONFIGS[tree] if tree else {"num_speculative_tokens": 3})}
+    llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
+    assert all(llms[g].proposer.prefix is not None for g in (False, True))
+    assert sum(same) >= 0.95 * len(same)
