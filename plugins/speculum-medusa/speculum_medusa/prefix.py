@@ -9,6 +9,13 @@ its output at ``len - 2`` (the state that produced the sequence's last token) is
 draft from. Only true positions ever enter the cache, so neither a rejected draft nor a propose
 taken back (a step drafted ahead that never ran) has anything to undo: what a catch-up fed
 stays true, and the next one goes on from there.
+
+With overlap (CUDA) a step's states are fed before the host has read how many were accepted
+(:meth:`PrefixStates.from_verdict`): every column of the verify step (a tree's in path order)
+with the verdict's tokens, at the positions that follow the cache; the output at the accepted
+count's column is gathered on the device, and once the count is known (:meth:`PrefixStates.settle`)
+the cache is cut to the accepted positions (the columns past them are overwritten by the next
+feed, which starts there).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from typing import Sequence
 import torch
 
 from speculum.backends.torch.heads import HeadKVCache
-from speculum.interfaces import SequenceView
+from speculum.interfaces import KVCacheFull, SequenceView, Verdict
+from speculum.tree import gather_path
 
 
 class PrefixStates:
@@ -81,3 +89,41 @@ class PrefixStates:
         rows = [b for b, s in enumerate(seqs) if self.z.get(s.seq_id) is not None]
         x = torch.stack([self.z[seqs[b].seq_id] for b in rows]) if rows else None
         return rows, x
+
+    def from_verdict(self, seq_ids: Sequence[int], lengths: Sequence[int], verdict: Verdict,
+                     h: torch.Tensor) -> torch.Tensor | None:
+        """Feed the verify step's states ``h`` [B, W, H] (columns; a tree's gathered along its
+        accepted path) with the verdict's tokens, while the accepted counts are still on the
+        device; returns the layer's output at each row's last accepted position [B, H] (being
+        computed), or None (nothing fed) unless every row's cache holds exactly its sequence's
+        positions but the last (``lengths[b] - 1``: its pending states consumed) and has room."""
+        if any(self.pending[sid].shape[0] or self.cache.length(sid) != n - 1 for sid, n in zip(seq_ids, lengths)):
+            return None
+        B = len(seq_ids)
+        with torch.inference_mode():
+            states = h if verdict.path is None else gather_path({-1: h}, verdict.path)[-1]
+            W = min(states.shape[1], verdict.token_ids.shape[1])
+            toks = verdict.token_ids[:, :W].to(states.device, torch.int64).clamp_min(0)  # past the count: unused
+            try:
+                positions, ctx = self.cache.prepare(list(seq_ids), [W] * B, W)
+            except KVCacheFull:
+                for sid, n in zip(seq_ids, lengths):  # rows allocated before the one without room
+                    if self.cache.length(sid) > n - 1:
+                        self.cache.truncate(sid, n - 1)
+                return None
+            out = self.heads.prefix_forward(self.heads.features(states[:, :W], toks), positions, ctx)
+            acc = verdict.num_accepted.to(out.device, torch.int64).view(B, 1, 1)
+            return out.gather(1, acc.expand(-1, 1, out.shape[-1])).squeeze(1)
+
+    def settle(self, seq_id: int, length: int, num_accepted: int, z: torch.Tensor) -> None:
+        """A row fed by :meth:`from_verdict` (its sequence ``length`` tokens long before the step)
+        once its accepted count is known: the cache keeps the accepted positions, ``z`` is its output."""
+        self.cache.truncate(seq_id, length + num_accepted)
+        self.z[seq_id] = z
+        self.pending[seq_id] = z.new_zeros(0, z.shape[-1])
+
+    def take_back(self, seq_id: int, length: int) -> None:
+        """A row fed by :meth:`from_verdict` and never settled: the cache as before the feed."""
+        if seq_id in self.pending and self.cache.length(seq_id) > length - 1:
+            self.cache.truncate(seq_id, length - 1)
+

@@ -22,8 +22,9 @@ state, and the next propose of the same rows returns those drafts.
 Heads with a prefix layer (:mod:`speculum_medusa.model`) keep the layer's KV cache and the
 target states it has not read yet (:class:`~speculum_medusa.prefix.PrefixStates`): each
 propose first feeds them (with the tokens they produced) through the layer and the heads
-draft from its output. They draft after the verdict's copy (not from the device verdict yet),
-and the layer's forward is not graphed yet (the heads' drafting is).
+draft from its output; drafting from the verdict feeds the verify step's states first, with
+the verdict's tokens, and gathers the output at the accepted count on the device. The layer's
+forward is not a CUDA graph yet (the heads' drafting is).
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ class _Launched:
     draft: Draft
     #: rows whose observe has kept their state
     observed: set[int] = attrs.field(factory=set)
+    #: with a prefix layer: each row's sequence length before the step (its layer cache was fed)
+    lengths: dict[int, int] = attrs.field(factory=dict)
 
 
 class MedusaProposer:
     hidden_layers = (-1,)
     supports_trees = True
-    kv_lookahead = 0  # no KV cache of its own
+    kv_lookahead = 0  # no positions past the sequence (a prefix layer's cache holds true positions only)
 
     def __init__(self, heads, sample: bool = True, tree: TreeSpec | None = None, k: int | None = None,
                  cuda_graphs: bool = False, cache: HeadKVCache | None = None):
@@ -127,15 +130,23 @@ class MedusaProposer:
         if self.prefix is not None:
             self.prefix.remove(seq_id)
         if self._launched is not None and seq_id in self._launched.seq_ids:
-            self._launched = None  # the batch changed: those trees are for another step
+            self._drop_launched()  # the batch changed: those drafts are for another step
 
     def rewind(self, seq_ids) -> None:
         """Nothing to take back: :meth:`propose` reads each sequence's last state and
         changes nothing (:class:`~speculum.interfaces.RewindableProposer`, so the loop may
         draft the next step ahead); trees drafted from a verdict are dropped (observe kept
         each row's state already). With a prefix layer the propose fed the layer true states
-        only, which stay valid (:mod:`speculum_medusa.prefix`)."""
-        self._launched = None
+        only, which stay valid (:mod:`speculum_medusa.prefix`); a feed from a verdict whose row
+        was never observed is cut back."""
+        self._drop_launched()
+
+    def _drop_launched(self) -> None:
+        launched, self._launched = self._launched, None
+        if launched is not None and self.prefix is not None:
+            for sid, n in launched.lengths.items():
+                if sid not in launched.observed:
+                    self.prefix.take_back(sid, n)
 
     def draft_from_verdict(self, seq_ids, lengths, verdict: Verdict,
                            hidden_states: dict[int, torch.Tensor]) -> Draft | None:
@@ -144,28 +155,38 @@ class MedusaProposer:
         a tree's path), before the host reads it (:class:`~speculum.interfaces.VerdictDrafter`).
         For rows that drafted this step. Returns the drafts (still being computed) or None."""
         if ((self.tree is not None and verdict.path is None) or not hidden_states or self._launched is not None
-                or self.prefix is not None or any(self.last.get(sid) is None for sid in seq_ids)):
+                or (self.prefix is None and any(self.last.get(sid) is None for sid in seq_ids))):
             return None
+        if self.prefix is not None:  # the layer fed this step's states; its output at the accepted count
+            x = self.prefix.from_verdict(seq_ids, lengths, verdict, hidden_states[-1])
+            if x is None:
+                return None
+            last_tok = None
+        else:
+            with torch.inference_mode():
+                x = last_accepted_state(hidden_states[-1], verdict)
+                last_tok = verdict.token_ids.gather(1, verdict.num_accepted.view(-1, 1)).squeeze(1) \
+                    if self.heads.token_input else None  # the row's new last token, on the device
         with torch.inference_mode():
-            x = last_accepted_state(hidden_states[-1], verdict)
-            last_tok = verdict.token_ids.gather(1, verdict.num_accepted.view(-1, 1)).squeeze(1) \
-                if self.heads.token_input else None  # the row's new last token, on the device
             out = self.graphs.run(x, last_tok)
         R = len(seq_ids)
         draft = Draft(token_ids=out, lengths=[out.shape[1]] * R) if self.tree is None else \
             self._tree_draft(R, list(range(R)), out)
-        self._launched = _Launched(tuple(seq_ids), x, draft)
+        self._launched = _Launched(tuple(seq_ids), x, draft,
+                                   lengths=dict(zip(seq_ids, lengths)) if self.prefix is not None else {})
         return draft
 
     def propose(self, batch: ProposeBatch) -> Draft:
         seqs, k = batch.seqs, batch.num_speculative_tokens
         B = len(seqs)
-        launched, self._launched = self._launched, None
+        launched = self._launched
         if (launched is not None and launched.seq_ids == tuple(s.seq_id for s in seqs)
                 and launched.observed == set(launched.seq_ids)):  # drafted from the verdict already
+            self._launched = None
             d = launched.draft
             return d if d.tree is not None or k == d.token_ids.shape[1] else \
                 Draft(token_ids=d.token_ids[:, :k], lengths=[k] * B)
+        self._drop_launched()  # drafts for another batch (a prefix layer's unobserved feeds cut back)
         if self.prefix is not None:  # the prefix layer's output at each row's last known position
             rows, x = self.prefix.catch_up(seqs)
         else:
@@ -220,8 +241,11 @@ class MedusaProposer:
         launched = self._launched
         if feedback.hidden_states is None and launched is not None:  # drafted from the verdict: keep its states
             where = {sid: i for i, sid in enumerate(launched.seq_ids)}
-            for sid in feedback.seq_ids:
-                self.last[sid] = launched.x[where[sid]]
+            for sid, a in zip(feedback.seq_ids, feedback.num_accepted):
+                if self.prefix is not None:
+                    self.prefix.settle(sid, launched.lengths[sid], a, launched.x[where[sid]])
+                else:
+                    self.last[sid] = launched.x[where[sid]]
                 launched.observed.add(sid)
             return
         h = feedback.hidden_states[-1]  # [B, k+1, H]

@@ -149,14 +149,53 @@ def test_the_layer_in_training_computes_what_drafting_reads(target, prefixed, pa
     assert not torch.allclose(in_pieces(True)[1:], want[[4, 8, T - 1]], atol=1e-3)
 
 
-def test_prefix_steps_drafted_ahead_and_rewinds_change_nothing(target, prefixed):
-    """Overlapped steps (forced on): each step is drafted ahead, which feeds the layer true
-    states, and an abort or a join drops that step (nothing to undo: what was fed stays true).
-    Outputs equal plain decoding, drafts and acceptance equal a run without overlap."""
+@pytest.mark.parametrize("forward", [False, True], ids=["", "forward-from-verdict"])
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
+def test_prefix_drafts_from_the_verdict_and_rewinds_change_nothing(target, prefixed, spec, forward):
+    """Overlapped steps (forced on): each next chain or tree starts from the verdict still on the
+    device (the layer fed every verify column with the verdict's tokens, its output gathered at
+    the accepted count; observe then cuts its cache to the accepted positions), is drafted ahead,
+    and an abort or a join drops that step (a feed never observed is cut back; what a propose fed
+    stays true). With ``forward`` the next verify forward starts from the verdict too. Outputs
+    equal plain decoding, drafts and acceptance equal a run without overlap."""
+    spec = {"method": "medusa", "model": str(prefixed), **spec}
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def build(target, spec=None, **kw):
+        llm = make_llm(target, spec, **kw)
+        llm.loop.forward_from_verdict = forward and spec is not None
+        return llm
+
+    _, loop = assert_overlap_changes_nothing(build, target, spec, PROMPTS, params)
+    assert loop.rewindable and loop.drafted_from_verdict > 10, loop.drafted_from_verdict
+    assert (loop.forwards_from_verdict > 10) == forward
+
+
+def test_a_feed_from_the_verdict_kept_whole_drafts_differently(target, prefixed, monkeypatch):
+    """The wrong variant: a settle that keeps every fed column in the layer's cache (the rejected
+    ones too) drafts other tokens than a run without overlap, though outputs stay lossless: the
+    equality above has power over the cut."""
+    from speculum.testing import run_with_an_abort_and_a_join
+    from speculum_medusa.prefix import PrefixStates
     spec = {"method": "medusa", "model": str(prefixed), **CHAIN}
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-    _, loop = assert_overlap_changes_nothing(make_llm, target, spec, PROMPTS, params)
-    assert loop.rewindable and loop.drafted_from_verdict == 0  # prefix heads draft after the copy
+
+    def run(overlap: bool):
+        llm = make_llm(target, spec, max_num_seqs=4)
+        llm.loop.overlap = overlap
+        return run_with_an_abort_and_a_join(llm, PROMPTS, params)
+
+    off = run(False)
+    inner = PrefixStates.settle
+    monkeypatch.setattr(PrefixStates, "settle", lambda self, sid, n, a, z: inner(self, sid, n, 3, z))
+    bad = run(True)
+    assert bad[0] == off[0] and bad[1:] != off[1:]
+
+
+def test_prefix_drafts_from_the_verdict_under_preemption(target, prefixed):
+    from speculum.testing import assert_drafts_from_verdict_under_preemption
+    spec = {"method": "medusa", "model": str(prefixed), **TREE}
+    assert_drafts_from_verdict_under_preemption(target, spec, 20 * 16 * (512 + 256))
 
 
 def test_prefix_tree_lossless_under_preemption(target, prefixed):
