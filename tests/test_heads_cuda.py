@@ -114,9 +114,9 @@ def test_draft_model_chains_from_the_verdict_on_cuda(target, from_verdict):
 @pytest.mark.skipif(importlib.util.find_spec("speculum_medusa") is None, reason="needs speculum-medusa")
 @pytest.mark.parametrize("tree", [None, "dynamic"])
 def test_medusa_prefix_layer_on_cuda(target, tmp_path_factory, tree):
-    """Sequential Medusa heads with a prefix layer on CUDA: the layer's catch-up over its paged
-    cache (eager), then the heads' graphed drafting from its output: outputs identical to plain
-    decoding, drafts as the same function run eagerly."""
+    """Sequential Medusa heads with a prefix layer on CUDA: the layer fed over its paged cache
+    (eager; from the device verdict, as overlap is on), then the heads' graphed drafting from its
+    output: outputs identical to plain decoding, drafts as the same function run eagerly."""
     from speculum.testing import TREE_CONFIGS
     head = train_tiny("medusa", target, tmp_path_factory.mktemp("medusa_prefix"),
                       extra=("--num-heads", "3", "--sequential", "--prefix-layer"))
@@ -124,3 +124,4 @@ def test_medusa_prefix_layer_on_cuda(target, tmp_path_factory, tree):
     llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
     assert all(llms[g].proposer.prefix is not None for g in (False, True))
     assert sum(same) >= 0.95 * len(same)
+    assert all(llms[g].loop.drafted_from_verdict > 0 for g in (False, True))  # the layer fed from the verdict
