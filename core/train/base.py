@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from speculum.errors import ConfigError
 from speculum.train.data import Batch, DistillData
 
 if TYPE_CHECKING:  # the torch heads load when a trainer runs, not when plugins are listed
@@ -62,7 +63,6 @@ class Trainer:
     def load(self, path: Path, target: TargetParts, args: argparse.Namespace) -> nn.Module:
         """A checkpoint of this method's public format, as a module whose state :meth:`build`'s
         module takes (``--init-from``: start training from it)."""
-        from speculum.errors import ConfigError
         raise ConfigError(f"`speculum train {self.name}` cannot start from a checkpoint (--init-from); "
                           "train from scratch, or --resume a run of its own")
 
@@ -341,6 +341,16 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
         ok.append(scatter_rows(m, (pred if vocab is None else vocab[pred]) == td.argmax[rows]))
         scored.append(m)
     return total, chain_score(ok, scored, batch.greedy, None if head.training else batch.valid)
+
+
+def layers_to_add(path, noun: str, have: int, want: int) -> int:
+    """How many decoder layers ``--num-layers want`` adds to the checkpoint at ``path`` (``noun``:
+    "the head", "the module"), which has ``have``; fewer than it has is a ConfigError (a trained
+    layer is never dropped silently)."""
+    if want < have:
+        raise ConfigError(f"--init-from {path}: {noun} has {have} layers, --num-layers asks for {want}; give "
+                          f"--num-layers {have} (or more: its layers, then new ones that start as identity maps)")
+    return want - have
 
 
 def layer_from_target(layer, target_state: dict[str, torch.Tensor], index: int) -> None:

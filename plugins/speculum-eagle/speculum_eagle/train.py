@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from speculum.backends.torch.heads import arch_from_config
 from speculum.errors import ConfigError
-from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, loss_vocab
+from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, layers_to_add, loss_vocab
 from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, load_eagle1, load_eagle3, save_eagle1, save_eagle3
 from speculum_eagle.model import Eagle1Head, Eagle3Head
 
@@ -95,12 +95,7 @@ class EagleTrainer(Trainer):
         training already in it (``--keep-best`` then exports it only if it got better)."""
         from speculum.backends.torch.heads import grow_layers
         head = load_eagle1(path, target)
-        extra = args.num_layers - head.num_layers
-        if extra < 0:
-            raise ConfigError(f"--init-from {path}: the head has {head.num_layers} layers, --num-layers asks for "
-                              f"{args.num_layers}; give --num-layers {head.num_layers} (or more: its layers, then "
-                              "new ones that start as identity maps)")
-        if extra == 0:
+        if not layers_to_add(path, "the head", head.num_layers, args.num_layers):
             return head
         grown = Eagle1Head(attrs.evolve(head.arch, num_layers=args.num_layers), head.embed_weight,
                            head.lm_head_weight, fc_bias=head.fc.bias is not None)

@@ -19,7 +19,7 @@ import torch
 
 from speculum.backends.torch.heads import arch_from_config, grow_layers, init_layer
 from speculum.errors import ConfigError
-from speculum.train.base import Trainer, chain_loss, layer_from_target, loss_vocab
+from speculum.train.base import Trainer, chain_loss, layer_from_target, layers_to_add, loss_vocab
 from speculum_mtp.formats import load_mtp, save_mtp
 from speculum_mtp.model import ORDERS, MTPHead
 
@@ -82,12 +82,7 @@ class MTPTrainer(Trainer):
         if head.concat_order != args.concat_order:
             raise ConfigError(f"--init-from {path}: its concat order is {head.concat_order!r}; pass "
                               f"--concat-order {head.concat_order}")
-        extra = args.num_layers - head.num_layers
-        if extra < 0:
-            raise ConfigError(f"--init-from {path}: the module has {head.num_layers} decoder layers, --num-layers "
-                              f"asks for {args.num_layers}; give --num-layers {head.num_layers} (or more: its "
-                              "layers, then new ones that start as identity maps)")
-        if extra == 0:
+        if not layers_to_add(path, "the module", head.num_layers, args.num_layers):
             return head
         grown = MTPHead(attrs.evolve(head.arch, num_layers=args.num_layers), head.embed_weight,
                         head.lm_head_weight if head.own_head is None else None, head.concat_order)

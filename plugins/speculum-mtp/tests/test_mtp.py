@@ -414,4 +414,4 @@ def test_module_grows_a_layer_that_starts_as_the_identity(target, trained, tmp_p
         train_tiny("mtp", target, tmp_path / "narrow", steps=1, num_prompts=16, max_tokens=16,
                    extra=("--init-from", str(out), "--num-layers", "1"))
     err = capsys.readouterr().err
-    assert "the module has 2 decoder layers, --num-layers asks for 1" in err and "give --num-layers 2" in err
+    assert "the module has 2 layers, --num-layers asks for 1" in err and "give --num-layers 2" in err
