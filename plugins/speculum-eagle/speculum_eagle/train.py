@@ -23,7 +23,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from speculum.backends.torch.heads import arch_from_config
+from speculum.backends.torch.heads import arch_from_config, grow_layers
 from speculum.errors import ConfigError
 from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, layers_to_add, loss_vocab
 from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, load_eagle1, load_eagle3, save_eagle1, save_eagle3
@@ -93,7 +93,6 @@ class EagleTrainer(Trainer):
         at zero, so each adds nothing to the residual stream until trained. The grown head drafts
         exactly as the checkpoint's did at first: depth is added to a head without losing the
         training already in it (``--keep-best`` then exports it only if it got better)."""
-        from speculum.backends.torch.heads import grow_layers
         head = load_eagle1(path, target)
         if not layers_to_add(path, "the head", head.num_layers, args.num_layers):
             return head

@@ -66,12 +66,6 @@ class MedusaGraphs:
         self._graphs: dict[int, tuple[StaticGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = GraphPool()
 
-    @property
-    def reads_token(self) -> bool:
-        """Whether drafting reads each row's last token (token-aware heads without a prefix
-        layer; with one, the token went into the layer's input)."""
-        return self.heads.token_input and not self.heads.prefixed
-
     def _draft(self, x: torch.Tensor, tok: torch.Tensor | None) -> torch.Tensor:
         """The static function: target states [Bb, H] (and last tokens [Bb]; with a prefix layer
         its outputs, no tokens) -> drafts (see the module doc)."""
@@ -88,7 +82,7 @@ class MedusaGraphs:
     def run(self, x: torch.Tensor, tok: torch.Tensor | None = None) -> torch.Tensor:
         """Drafts of the rows of ``x`` [R, H] whose last tokens are ``tok`` [R] (read by
         token-aware heads only; graph outputs: valid until the next run)."""
-        tok = tok if self.reads_token else None
+        tok = tok if self.heads.draft_reads_token else None
         with torch.inference_mode():
             if not self.use_graphs:
                 return self._draft(x, tok)
@@ -103,7 +97,7 @@ class MedusaGraphs:
     def _capture(self, Bb: int, H: int, dtype: torch.dtype) -> tuple[StaticGraph, torch.Tensor, torch.Tensor]:
         buf = torch.zeros(Bb, H, dtype=dtype, device=self.device)  # the inputs: filled before each replay
         tbuf = torch.zeros(Bb, dtype=torch.int64, device=self.device)
-        tok = tbuf if self.reads_token else None
+        tok = tbuf if self.heads.draft_reads_token else None
         entry = (self._pool.capture(lambda: self._draft(buf, tok)), buf, tbuf)
         self._graphs[Bb] = entry
         return entry

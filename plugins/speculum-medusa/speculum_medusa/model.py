@@ -115,6 +115,12 @@ class MedusaHeads(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         return layer(x, cos, sin, ctx)
 
+    @property
+    def draft_reads_token(self) -> bool:
+        """Whether drafting reads each row's last token (token-aware heads without a prefix
+        layer; with one, the token went into the layer's input)."""
+        return self.token_input and self.prefix is None
+
     def draft_input(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         """What drafting reads from a row's state ``x`` [..., H]: :meth:`features` of the target
         state and its token, or, with a prefix layer, ``x`` itself (its output ``z``, which read

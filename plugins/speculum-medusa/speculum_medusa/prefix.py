@@ -108,8 +108,7 @@ class PrefixStates:
                 positions, ctx = self.cache.prepare(list(seq_ids), [W] * B, W)
             except KVCacheFull:
                 for sid, n in zip(seq_ids, lengths):  # rows allocated before the one without room
-                    if self.cache.length(sid) > n - 1:
-                        self.cache.truncate(sid, n - 1)
+                    self.take_back(sid, n)
                 return None
             out = self.heads.prefix_forward(self.heads.features(states[:, :W], toks), positions, ctx)
             acc = verdict.num_accepted.to(out.device, torch.int64).view(B, 1, 1)

@@ -195,7 +195,7 @@ class MedusaProposer:
         if not rows:
             return Draft(token_ids=torch.full((B, k), -1, dtype=torch.int64, device=self.device), lengths=[0] * B)
         last_tok = torch.tensor([seqs[b].token_ids[-1] for b in rows], dtype=torch.int64).to(
-            self.device, non_blocking=True) if self.graphs.reads_token else None  # the token each state produced
+            self.device, non_blocking=True) if self.heads.draft_reads_token else None  # the token each state produced
         if self.tree is not None:
             return self._tree_draft(B, rows, self.graphs.run(x, last_tok))
         sample = self.sample and not batch.sampling.all_greedy
