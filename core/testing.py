@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import attrs
 import torch
@@ -91,6 +92,50 @@ def assert_training_starts_from(method: str, target: Path, checkpoint: Path, wor
     for name, w in before.items():
         assert torch.equal(w, after[name]), name
     return out
+
+
+def assert_grown_head_drafts_as_before(make_llm, spec: dict, before: Path, grown: Path, new_outputs: Sequence[str],
+                                       prompts, params, plain: list, workdir: Path):
+    """A head grown by ``--init-from ... --lr 0`` (``grown``, from ``before``): every weight of
+    ``before`` is in ``grown`` unchanged, the new part's output projections ``new_outputs`` (an
+    ``o_proj`` and a ``down_proj``) are zero and the rest of it initialised (its ``q_proj``), and
+    the engine ``make_llm(spec + {"model": ...})`` drafts exactly the tokens it drafted from
+    ``before`` with outputs equal to ``plain``. The wrong variant, the same weights with those
+    output projections random, drafts other tokens (so the comparison has power). Returns the
+    engines for ``before`` and ``grown``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from speculum.proposers.head_checkpoint import read_weights
+    old, new = read_weights(before), read_weights(grown)
+    for name, w in old.items():
+        assert torch.equal(w.float(), new[name].float()), name
+    assert not any(new[k].any() for k in new_outputs)
+    assert new[new_outputs[0].replace("o_proj", "q_proj")].any()  # the rest of the new part is initialised
+
+    def drafts(model: Path):
+        llm = make_llm({**spec, "model": str(model)})
+        seen = record_drafts(llm)
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        return llm, outs, [d.tolist() for _, d in seen]
+
+    base_llm, base_out, base_drafts = drafts(before)
+    grown_llm, grown_out, grown_drafts = drafts(grown)
+    assert grown_drafts == base_drafts and grown_out == base_out == plain
+    wrong = Path(workdir) / "random_out"
+    wrong.mkdir()
+    weights = [f for f in grown.iterdir() if f.suffix == ".safetensors"]
+    for f in grown.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, wrong / f.name)
+    sd = dict(new)
+    torch.manual_seed(0)
+    for k in new_outputs:
+        sd[k] = torch.randn_like(sd[k]) * 0.5
+    save_file(sd, str(wrong / weights[0].name))
+    assert drafts(wrong)[2] != base_drafts
+    return base_llm, grown_llm
 
 
 def record_drafts(llm) -> list:

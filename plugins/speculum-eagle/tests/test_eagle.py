@@ -605,39 +605,13 @@ def test_eagle_head_grows_a_layer_that_starts_as_the_identity(target, trained, t
     """--init-from a 1-layer EAGLE head with --num-layers 2: its fc and layer are copied, the new
     layer's output projections are zero, so at --lr 0 the exported 2-layer head drafts exactly
     the tokens the 1-layer one drafted (and is lossless). The wrong variant, a new layer with
-    random output projections, drafts differently (checked below, so the comparison has power)."""
+    random output projections, drafts differently (so the comparison has power)."""
+    from speculum.testing import assert_grown_head_drafts_as_before
     one = trained["eagle"]
     out = train_tiny("eagle", target, tmp_path / "grown", steps=2, num_prompts=16, max_tokens=16,
                      extra=("--init-from", str(one), "--num-layers", "2", "--lr", "0", "--save-dtype", "float32"))
-    before, after = read_weights(one), read_weights(out)
-    for name, w in before.items():
-        assert torch.equal(w.float(), after[name].float()), name
-    assert not after["layers.1.self_attn.o_proj.weight"].any() and not after["layers.1.mlp.down_proj.weight"].any()
-    assert after["layers.1.self_attn.q_proj.weight"].any()  # the rest of the new layer is initialised
-    cfg = {"num_speculative_tokens": 3}
-
-    def drafts(model):
-        llm = make_llm(target, {"method": "eagle", "model": str(model), **cfg})
-        seen = record_drafts(llm)
-        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        return outs, [d.tolist() for _, d in seen], llm.proposer.head.num_layers
-
-    base_out, base_drafts, n1 = drafts(one)
-    grown_out, grown_drafts, n2 = drafts(out)
-    assert (n1, n2) == (1, 2)
-    assert grown_drafts == base_drafts and grown_out == base_out
     plain = [o.token_ids for o in make_llm(target).generate(PROMPTS, GREEDY)]
-    assert grown_out == plain  # lossless
-    # the wrong variant: the same new layer with random output projections drafts other tokens
-    wrong = tmp_path / "random_out"
-    wrong.mkdir()
-    for f in out.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            (wrong / f.name).write_bytes(f.read_bytes())
-    sd = dict(after)
-    torch.manual_seed(0)
-    for k in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
-        sd[k] = torch.randn_like(sd[k]) * 0.5
-    from safetensors.torch import save_file
-    save_file(sd, str(wrong / "model.safetensors"))
-    assert drafts(wrong)[1] != base_drafts
+    base, grown = assert_grown_head_drafts_as_before(
+        lambda spec: make_llm(target, spec), {"method": "eagle", "num_speculative_tokens": 3}, one, out,
+        ["layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"], PROMPTS, GREEDY, plain, tmp_path)
+    assert (base.proposer.head.num_layers, grown.proposer.head.num_layers) == (1, 2)

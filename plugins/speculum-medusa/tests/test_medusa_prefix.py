@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from speculum import LLM, SamplingParams
 from speculum.backends.torch.heads import HeadKVCache, TargetParts, TrainContext, arch_from_config
@@ -223,34 +222,14 @@ def test_a_prefix_layer_grows_onto_trained_heads(target, seq_trained, tmp_path, 
     checkpoint drafted (and are lossless). The wrong variant (the layer's output projections
     random) drafts other tokens, so the comparison has power. A checkpoint with a prefix layer
     continued without --prefix-layer is refused."""
+    from speculum.testing import assert_grown_head_drafts_as_before
     out = train_tiny("medusa", target, tmp_path / "grown", steps=2, num_prompts=16, max_tokens=16,
                      extra=("--num-heads", "3", "--sequential", "--prefix-layer", "--init-from", str(seq_trained),
                             "--lr", "0", "--save-dtype", "float32"))
-    before, after = read_weights(seq_trained), read_weights(out)
-    for name, w in before.items():
-        assert torch.equal(w.float(), after[name]), name
-    assert not after["prefix.self_attn.o_proj.weight"].any() and not after["prefix.mlp.down_proj.weight"].any()
-    assert after["prefix.self_attn.q_proj.weight"].any()
-
-    def drafts(model):
-        llm = make_llm(target, {"method": "medusa", "model": str(model), **CHAIN})
-        seen = record_drafts(llm)
-        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        return outs, [d.tolist() for _, d in seen], llm.proposer.prefix is not None
-
-    base_out, base_drafts, p1 = drafts(seq_trained)
-    grown_out, grown_drafts, p2 = drafts(out)
-    assert (p1, p2) == (False, True)
-    assert grown_drafts == base_drafts and grown_out == base_out == plain(target)
-    wrong = tmp_path / "random_out"
-    wrong.mkdir()
-    (wrong / "config.json").write_bytes((out / "config.json").read_bytes())
-    sd = dict(after)
-    torch.manual_seed(0)
-    for k in ("prefix.self_attn.o_proj.weight", "prefix.mlp.down_proj.weight"):
-        sd[k] = torch.randn_like(sd[k]) * 0.5
-    save_file(sd, str(wrong / "medusa_lm_head.safetensors"))
-    assert drafts(wrong)[1] != base_drafts
+    base, grown = assert_grown_head_drafts_as_before(
+        lambda spec: make_llm(target, spec), {"method": "medusa", **CHAIN}, seq_trained, out,
+        ["prefix.self_attn.o_proj.weight", "prefix.mlp.down_proj.weight"], PROMPTS, GREEDY, plain(target), tmp_path)
+    assert (base.proposer.prefix is None, grown.proposer.prefix is not None) == (True, True)
     with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
         train_tiny("medusa", target, tmp_path / "dropped", steps=1, num_prompts=16, max_tokens=16,
                    extra=("--num-heads", "3", "--sequential", "--init-from", str(out)))

@@ -382,34 +382,15 @@ def test_module_grows_a_layer_that_starts_as_the_identity(target, trained, tmp_p
     the new layer's output projections are zero, so at --lr 0 the two-layer module drafts exactly
     the tokens the one-layer one drafted. The wrong variant (the new layer's output projections
     random) drafts other tokens, so the comparison has power. Shrinking is refused."""
+    from speculum.testing import assert_grown_head_drafts_as_before
     out = train_tiny("mtp", target, tmp_path / "grown", steps=2, num_prompts=16, max_tokens=16,
                      extra=("--init-from", str(trained), "--num-layers", "2", "--lr", "0", "--save-dtype", "float32"))
-    before, after = read_weights(trained), read_weights(out)
-    for name, w in before.items():
-        assert torch.equal(w.float(), after[name].float()), name
     new = "model.layers.2.layers.1."
-    assert not after[new + "self_attn.o_proj.weight"].any() and not after[new + "mlp.down_proj.weight"].any()
-    assert after[new + "self_attn.q_proj.weight"].any()  # the rest of the new layer is initialised
-
-    def drafts(model):
-        llm = make_llm(target, {"method": "mtp", "model": str(model), "num_speculative_tokens": 3})
-        seen = record_drafts(llm)
-        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        return outs, [d.tolist() for _, d in seen], llm.proposer.head.num_layers
-
-    base_out, base_drafts, n1 = drafts(trained)
-    grown_out, grown_drafts, n2 = drafts(out)
-    assert (n1, n2) == (1, 2)
-    assert grown_drafts == base_drafts and grown_out == base_out
-    wrong = tmp_path / "random_out"
-    wrong.mkdir()
-    (wrong / "config.json").write_bytes((out / "config.json").read_bytes())
-    sd = dict(after)
-    torch.manual_seed(0)
-    for k in (new + "self_attn.o_proj.weight", new + "mlp.down_proj.weight"):
-        sd[k] = torch.randn_like(sd[k]) * 0.5
-    save_file(sd, str(wrong / "model.safetensors"))
-    assert drafts(wrong)[1] != base_drafts
+    plain = [o.token_ids for o in make_llm(target).generate(PROMPTS, GREEDY)]
+    base, grown = assert_grown_head_drafts_as_before(
+        lambda spec: make_llm(target, spec), {"method": "mtp", "num_speculative_tokens": 3}, trained, out,
+        [new + "self_attn.o_proj.weight", new + "mlp.down_proj.weight"], PROMPTS, GREEDY, plain, tmp_path)
+    assert (base.proposer.head.num_layers, grown.proposer.head.num_layers) == (1, 2)
     with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1
         train_tiny("mtp", target, tmp_path / "narrow", steps=1, num_prompts=16, max_tokens=16,
                    extra=("--init-from", str(out), "--num-layers", "1"))
