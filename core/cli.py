@@ -380,8 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _plugin_packages() -> set[str]:
     """Top-level packages of the installed plugins (entry point group ``speculum``)."""
     from importlib.metadata import entry_points
+
+    from speculum.plugins import ENTRY_POINT_GROUP
     try:
-        return {ep.value.split(":")[0].split(".")[0] for ep in entry_points(group="speculum")}
+        return {ep.value.split(":")[0].split(".")[0] for ep in entry_points(group=ENTRY_POINT_GROUP)}
     except Exception:  # a broken distribution's metadata: logging stays as it is
         return set()
 
