@@ -19,6 +19,7 @@ TRAIN_HEADS = ROOT / "scripts" / "device" / "train_heads.sh"
 EAGLE_HEAD = "plugins/speculum-eagle/speculum_eagle/heads/eagle-smollm2-135m-instruct"
 MTP_HEAD = "plugins/speculum-mtp/speculum_mtp/heads/mtp-smollm2-135m-instruct"
 MEDUSA_HEAD = "plugins/speculum-medusa/speculum_medusa/heads/medusa-smollm2-135m-instruct"
+DRAFT = "plugins/speculum-draft-model/speculum_draft_model/drafts/draft-smollm2-135m-instruct"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None,
                                 reason="needs bash and git")
@@ -98,8 +99,9 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
 
 @HEADS_SHIPPED
 def test_each_method_starts_where_asked(tmp_path):
-    """INIT_FROM_SHIPPED: each head from the head shipped for its method; a method with nothing
-    shipped from scratch; every one of these on the whole vocabulary. INIT_DIR (an earlier call's
+    """INIT_FROM_SHIPPED: each head from the head shipped for its method, the draft from the draft
+    shipped (the draft-model plugin's ``drafts/``), a method with nothing shipped from scratch;
+    every one of these on the whole vocabulary. INIT_DIR (an earlier call's
     output) wins where it has the method; DRAFT_INIT wins for the draft; ARGS_<method> are that
     trainer's own options."""
     runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusaseq draft", INIT_FROM_SHIPPED=1)
@@ -107,8 +109,11 @@ def test_each_method_starts_where_asked(tmp_path):
     assert init_of(runs["medusaseq"]) == MEDUSA_HEAD and "--sequential" in runs["medusaseq"]
     assert init_of(runs["eagle"]) == init_of(runs["eagle2"]) == EAGLE_HEAD
     assert runs["eagle2"][:2] == ["train", "eagle"] and option(runs["eagle2"], "--num-layers") == "2"
-    assert init_of(runs["mtp"]) == MTP_HEAD and init_of(runs["draft"]) is None
+    assert init_of(runs["mtp"]) == MTP_HEAD
+    assert init_of(runs["draft"]) == (DRAFT if (ROOT / DRAFT / "config.json").exists() else None)
     assert all(option(r, "--loss-vocab") == "0" for r in runs.values())  # the whole vocabulary
+    runs = launch_loop(tmp_path, METHODS="eagle3own", INIT_FROM_SHIPPED=1)
+    assert init_of(runs["eagle3own"]) is None  # a kind the shipped head cannot be continued into: from scratch
     # ARGS_<method>: that trainer's own options, after the shared ones (argparse: the last wins)
     runs = launch_loop(tmp_path, METHODS="mtp medusaseq", T="--lr 2e-4", ARGS_medusaseq="--lr 1e-3")
     assert runs["mtp"].count("--lr") == 1 and runs["mtp"][runs["mtp"].index("--lr") + 1] == "2e-4"

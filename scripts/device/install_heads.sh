@@ -10,8 +10,8 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$DST"
 cat "$PARTS"/heads.tar.part_* | tar x -C "$DST"
 N=smollm2-135m-instruct
-install() {  # method dir plugin-folder files...
-  local src="$DST/$1" dst="plugins/$2/heads/$1-$N"
+install() {  # method plugin-package [folder: heads, or drafts for the draft model]
+  local src="$DST/$1" dst="plugins/$2/${3:-heads}/$1-$N"
   [ -d "$src" ] || { echo "$1: not in this run (METHODS=...): the shipped head stays"; return 0; }
   mkdir -p "$dst"
   rm -f "$dst"/*
@@ -23,4 +23,5 @@ install eagle speculum-eagle/speculum_eagle
 install eagle3 speculum-eagle/speculum_eagle
 install medusa speculum-medusa/speculum_medusa
 install mtp speculum-mtp/speculum_mtp
-echo "the draft model (not shipped: its embedding alone is 57 MB) is in $DST/draft"
+# the draft saved without the target's embedding (--embeddings-from-target: 14 MB for two layers)
+install draft speculum-draft-model/speculum_draft_model drafts
