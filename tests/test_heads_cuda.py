@@ -115,13 +115,15 @@ def test_draft_model_chains_from_the_verdict_on_cuda(target, from_verdict):
 @pytest.mark.parametrize("tree", [None, "dynamic"])
 def test_medusa_prefix_layer_on_cuda(target, tmp_path_factory, tree):
     """Sequential Medusa heads with a prefix layer on CUDA: the layer fed over its paged cache
-    (eager; from the device verdict, as overlap is on), then the heads' graphed drafting from its
-    output: outputs identical to plain decoding, drafts as the same function run eagerly."""
+    from the device verdict (overlap is on; a CUDA graph of the feed in the graphed engine), then
+    the heads' graphed drafting from its output: outputs identical to plain decoding, drafts as
+    the same functions run eagerly."""
     from speculum.testing import TREE_CONFIGS
     head = train_tiny("medusa", target, tmp_path_factory.mktemp("medusa_prefix"),
                       extra=("--num-heads", "3", "--sequential", "--prefix-layer"))
     spec = {"method": "medusa", "model": str(head), **(TREE_CONFIGS[tree] if tree else {"num_speculative_tokens": 3})}
     llms, same = graphed_vs_eager_drafts(target, spec, PROMPTS, GREEDY)
     assert all(llms[g].proposer.prefix is not None for g in (False, True))
+    assert llms[True].proposer.prefix.feed._graphs and not llms[False].proposer.prefix.feed._graphs
     assert sum(same) >= 0.95 * len(same)
     assert all(llms[g].loop.drafted_from_verdict > 0 for g in (False, True))  # the layer fed from the verdict

@@ -112,5 +112,13 @@ class HeadKVCache:
         pos, wsl, blk = alloc.step_slots(seq_ids, [int(n) for n in num_tokens], q, B, nb)
         dev = self.device
         pos_t, wsl_t, blk_t = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (pos, wsl, blk))
-        read = (blk_t.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(B, -1)
-        return pos_t, PagedContext(self.pools, wsl_t, read, causal_mask(pos_t, read.shape[1]))
+        return pos_t, self.context(pos_t, wsl_t, blk_t)
+
+    def context(self, positions: torch.Tensor, write_slots: torch.Tensor, block_tables: torch.Tensor) -> PagedContext:
+        """The context of a forward at ``positions`` [B, q] writing ``write_slots`` [B, q] and
+        reading the blocks ``block_tables`` [B, nb] (0-padded: the scratch block, masked out by
+        position), from device tensors only: what a static function (a CUDA graph) calls."""
+        bs = self.allocator.block_size
+        read = (block_tables.unsqueeze(-1) * bs + torch.arange(bs, device=block_tables.device)).reshape(
+            block_tables.shape[0], -1)
+        return PagedContext(self.pools, write_slots, read, causal_mask(positions, read.shape[1]))

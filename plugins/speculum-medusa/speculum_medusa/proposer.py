@@ -23,8 +23,8 @@ Heads with a prefix layer (:mod:`speculum_medusa.model`) keep the layer's KV cac
 target states it has not read yet (:class:`~speculum_medusa.prefix.PrefixStates`): each
 propose first feeds them (with the tokens they produced) through the layer and the heads
 draft from its output; drafting from the verdict feeds the verify step's states first, with
-the verdict's tokens, and gathers the output at the accepted count on the device. The layer's
-forward is not a CUDA graph yet (the heads' drafting is).
+the verdict's tokens, and gathers the output at the accepted count on the device (a CUDA
+graph on a GPU, as the heads' drafting is; the catch-up at a propose stays eager).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class MedusaProposer:
         if heads.prefixed and cache is None:
             raise ValueError("Medusa heads with a prefix layer need its KV cache (MedusaProposer.from_context plans one)")
         #: the prefix layer's state per sequence (None: heads without one)
-        self.prefix = PrefixStates(heads, cache) if heads.prefixed else None
+        self.prefix = PrefixStates(heads, cache, cuda_graphs) if heads.prefixed else None
         self.sample = sample
         p = next(heads.parameters())
         self.device, self.dtype = p.device, p.dtype
