@@ -74,32 +74,21 @@ def draft_chain_from_verdict(runner, seq_ids: Sequence[int], lengths: Sequence[i
     or the sequence's last token when none was) and the verdict's new token. The first forward
     rewrites that position (the last draft of a fully accepted chain was never fed) and appends
     the new token; each next forward appends the draft before it; every position is counted on
-    the device from the accepted count (``runner.forward_from_verdict``: the host allocates
-    each row for the longest outcome, so the caller truncates to ``lengths[b] + a + k`` once it
-    knows ``a``). Returns the drafts [B, k] (still being computed), or None when the runner
-    cannot (no room for the longest outcome, or no graph): every row is then cut back to
-    ``lengths[b] - 1`` positions, from which the next propose catches up as usual."""
-    def cut_back() -> None:
-        for sid, n in zip(seq_ids, lengths):
-            if runner.length(sid) > n - 1:
-                runner.truncate(sid, n - 1)
-
-    tokens, ids = [], first
+    the device from the accepted count (``runner.chain_from_verdict``, one static function, a
+    CUDA graph on a GPU: the host allocates each row for the longest outcome, so the caller
+    truncates to ``lengths[b] + a + k`` once it knows ``a``). Returns the drafts [B, k] (still
+    being computed), or None when the runner cannot (no room for the longest outcome, or no
+    graph): every row is then cut back to ``lengths[b] - 1`` positions, from which the next
+    propose catches up as usual."""
+    out = None
     try:
-        for i in range(k):
-            # forward i writes from position lengths - 1 + a + i + (i > 0): it keeps that many first
-            starts = [n - 1 + i + (i > 0) for n in lengths]
-            out = runner.forward_from_verdict(list(seq_ids), starts, num_accepted, ids)
-            if out is None:
-                cut_back()
-                return None
-            tok = out.logits[:, -1].argmax(dim=-1)
-            tokens.append(tok)
-            ids = tok.view(-1, 1)
-    except BaseException:
-        cut_back()
-        raise
-    return torch.stack(tokens, dim=1)
+        out = runner.chain_from_verdict(list(seq_ids), [n - 1 for n in lengths], num_accepted, first, k)
+    finally:  # None or an error: nothing of the chain stays
+        if out is None:
+            for sid, n in zip(seq_ids, lengths):
+                if runner.length(sid) > n - 1:
+                    runner.truncate(sid, n - 1)
+    return out
 
 
 def rollback(runner: ModelRunner, seq_ids: Sequence[int], num_accepted: Sequence[int],

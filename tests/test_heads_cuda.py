@@ -87,8 +87,8 @@ def test_graphed_forward_from_the_verdict_is_lossless(target, heads, method, sha
 @pytest.mark.parametrize("from_verdict", ["draft", "forward"])
 def test_draft_model_chains_from_the_verdict_on_cuda(target, from_verdict):
     """A draft model's greedy chains launched from the device verdict (its runner's own CUDA
-    graphs from the verdict: a 2-token forward rewriting the last accepted position and
-    appending the new token, then one graph a draft), and with ``"forward"`` the target's next
+    graph of a whole chain from the verdict: a 2-token forward rewriting the last accepted
+    position and appending the new token, then one forward a draft), and with ``"forward"`` the target's next
     verify forward too: outputs equal plain decoding, the drafts equal those drafted after the
     verdict's copy (``"off"``) in at least 95% of steps (fp32 on the GPU: a different forward
     shape may flip a rare near-tie), and the draft's graphs from the verdict ran."""
@@ -104,7 +104,7 @@ def test_draft_model_chains_from_the_verdict_on_cuda(target, from_verdict):
         runs[fv] = (llm, seen)
     llm, seen = runs[from_verdict]
     assert llm.loop.drafted_from_verdict > 10 and runs["off"][0].loop.drafted_from_verdict == 0
-    assert any(k[-1] == "verdict" for k in llm.proposer.runner._graphs), "no draft graph launched from the verdict"
+    assert any(k[-1] == "chain" for k in llm.proposer.runner._graphs), "no draft chain graphed from the verdict"
     if from_verdict == "forward":
         assert llm.loop.forwards_from_verdict > 0
     same = [a == b for a, b in zip(seen, runs["off"][1])]

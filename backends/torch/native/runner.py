@@ -10,7 +10,9 @@ The next verify forward (a chain's or a tree's) can start from a verdict still o
 device (:meth:`NativeRunner.forward_from_verdict`): a tree's accepted path is moved into
 place and each row's positions and write slots are made on the device from its accepted
 count, over a block table the host reserved for the longest outcome, so the forward is
-queued before the host has read the verdict.
+queued before the host has read the verdict. A draft model's greedy chain from a verdict
+(:meth:`NativeRunner.chain_from_verdict`) is its ``k`` such forwards and their argmaxes, each
+fed the one before, as one static function: one graph replay a chain.
 
 Token trees (``forward(..., tree=...)``): column ``c`` of a verify forward is written at
 the sequence's next logical slot as usual, but gets the position ``root + depth`` and
@@ -287,6 +289,89 @@ class NativeRunner:
         if cols is not None:
             pos, read, mask = self._tree(pos, read, cols)
         return self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask)
+
+    def chain_from_verdict(self, seq_ids: Sequence[int], starts: Sequence[int], num_accepted: torch.Tensor,
+                           first: torch.Tensor, k: int) -> torch.Tensor | None:
+        """A greedy chain of ``k`` drafts per row from a verdict still on the device, as one
+        static function (a CUDA graph per batch bucket, ``k`` and block bucket; eager without
+        graphs): :meth:`forward_from_verdict` with ``first`` ([B, 2]: the token at position
+        ``starts[b] + num_accepted[b]``, rewritten, and the verdict's new token), then ``k - 1``
+        forwards each appending the argmax of the one before. Row ``b`` then holds
+        ``starts[b] + num_accepted[b] + k + 1`` positions at most: ``k + 1`` are allocated past its
+        length for the longest outcome, and the caller truncates once it knows the count. Returns
+        the drafts [B, k] (being computed), or None with nothing allocated or launched (no room, or
+        no graph for the shape)."""
+        if not self.forwards_from_verdict:
+            return None
+        B = len(seq_ids)
+        before = [self.allocator.length(sid) for sid in seq_ids]
+        try:
+            for sid in seq_ids:
+                self.allocator.allocate(sid, k + 1)
+        except KVCacheFull:
+            for sid, n in zip(seq_ids, before):
+                if self.allocator.length(sid) > n:
+                    self.allocator.truncate(sid, n)
+            return None
+        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
+        Bb = bucket(B, BATCH_BUCKETS) if self.cuda_graphs else B
+        nb = bucket(max(need, 1), self._block_buckets)
+        blk = self.allocator.block_tables(seq_ids, Bb, nb)
+        start = np.zeros(Bb, dtype=np.int64)
+        start[:B] = [int(n) for n in starts]
+        acc = num_accepted.to(self.device, torch.int64).view(B)
+        ids = first.to(self.device, torch.int64).clamp(0, self.vocab_size - 1)
+        if not self.cuda_graphs:
+            with torch.inference_mode():
+                return self._chain(torch.from_numpy(blk).to(self.device), torch.from_numpy(start).to(self.device),
+                                   acc, ids, k)
+        key = (Bb, k, nb, "chain")
+        entry = self._graphs.get(key)
+        if entry is None:
+            try:  # (a capture runs on zeroed inputs: it writes nothing but scratch slots)
+                entry = self._capture_chain(key)
+            except Exception as exc:  # nothing launched: drafting waits for the host's copy from now on
+                log.warning("%s: no CUDA graph for a chain from the verdict (%r); such chains are off", self.name, exc)
+                self.forwards_from_verdict = False
+                for sid, n in zip(seq_ids, before):
+                    self.allocator.truncate(sid, n)
+                return None
+        graph, (acc_buf, ids_buf) = entry
+        h = graph.host()
+        h[: Bb * nb] = blk.reshape(-1)
+        h[Bb * nb:] = start
+        graph.upload()
+        acc_buf.zero_()
+        ids_buf.zero_()
+        acc_buf[:B].copy_(acc)
+        ids_buf[:B].copy_(ids)
+        return graph.replay()[:B].clone()  # (a copy: the launch keeps its drafts past the next replay)
+
+    def _chain(self, blk: torch.Tensor, start: torch.Tensor, acc: torch.Tensor, first: torch.Tensor,
+               k: int) -> torch.Tensor:
+        """The static function of :meth:`chain_from_verdict` -> the drafts [Bb, k]. Forward ``i``
+        keeps ``start + acc + i + (i > 0)`` positions: the first rewrites one and appends one."""
+        ids, drafts = first, []
+        for i in range(k):
+            logits, _ = self._from_verdict(blk, start + (i + (i > 0)), acc, ids, ())
+            drafts.append(logits[:, -1].argmax(dim=-1))
+            ids = drafts[-1].view(-1, 1)
+        return torch.stack(drafts, dim=1)
+
+    def _capture_chain(self, key):
+        Bb, k, nb, _ = key
+        dev = self.device
+        meta = torch.zeros(Bb * nb + Bb, dtype=torch.int64, device=dev)
+        acc = torch.zeros(Bb, dtype=torch.int64, device=dev)
+        ids = torch.zeros(Bb, 2, dtype=torch.int64, device=dev)
+        for q in (2, 1):
+            self.model.tune_gemms(Bb * q)
+        entry = (self._pool.capture(lambda: self._chain(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids, k),
+                                    meta, staging=8), (acc, ids))
+        self._graphs[key] = entry
+        log.debug("%s: captured CUDA graph of a chain of %d from the verdict for batch %d, %d blocks", self.name, k,
+                  Bb, nb)
+        return entry
 
     def _capture_from_verdict(self, key):
         Bb, q, nb, hidden_layers, tree, width, _ = key
