@@ -112,6 +112,9 @@ def test_each_method_starts_where_asked(tmp_path):
     assert init_of(runs["mtp"]) == MTP_HEAD
     assert init_of(runs["draft"]) == (DRAFT if (ROOT / DRAFT / "config.json").exists() else None)
     assert all(option(r, "--loss-vocab") == "0" for r in runs.values())  # the whole vocabulary
+    runs = launch_loop(tmp_path, METHODS="draft3", INIT_FROM_SHIPPED=1)
+    assert init_of(runs["draft3"]) == (DRAFT if (ROOT / DRAFT / "config.json").exists() else None)
+    assert option(runs["draft3"], "--num-layers") == "3" and runs["draft3"][:2] == ["train", "draft"]
     runs = launch_loop(tmp_path, METHODS="eagle3own", INIT_FROM_SHIPPED=1)
     assert init_of(runs["eagle3own"]) is None  # a kind the shipped head cannot be continued into: from scratch
     # ARGS_<method>: that trainer's own options, after the shared ones (argparse: the last wins)

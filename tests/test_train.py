@@ -299,6 +299,34 @@ def test_a_draft_with_a_wider_mlp_starts_as_the_target_shaped_one(tiny_llama, pr
     assert not torch.allclose(logits["narrow"], wrong, atol=1e-3)
 
 
+def test_a_trained_draft_grows_deeper_and_drafts_as_before(tiny_llama, prompts, tmp_path):
+    """``--init-from`` a 2-layer draft with ``--num-layers 3``: its layers unchanged, then a copy of
+    its last layer whose attention and MLP output projections start at zero, so at ``--lr 0`` the
+    grown draft drafts exactly the tokens the 2-layer one drafted (lossless, the same acceptance);
+    the wrong variant (those projections random) drafts others. Continued without ``--num-layers``
+    it stays at 3 (the checkpoint's shape is the default)."""
+    from speculum.testing import assert_grown_head_drafts_as_before
+    common = ["--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12", "--max-tokens", "12",
+              "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--batch-size", "4", "--eval-every", "0",
+              "--save-dtype", "float32"]
+    two, three, again = tmp_path / "two", tmp_path / "three", tmp_path / "again"
+    assert train(["draft", *common, "--steps", "4", "--num-layers", "2", "--out", str(two)]) == 0
+    assert train(["draft", *common, "--steps", "1", "--lr", "0", "--init-from", str(two), "--num-layers", "3",
+                  "--out", str(three)]) == 0
+    assert json.loads((three / "config.json").read_text())["num_hidden_layers"] == 3
+    p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+    plain = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(p, greedy)]
+    spec = {"method": "draft_model", "num_speculative_tokens": 3}
+    llms = assert_grown_head_drafts_as_before(
+        lambda sp: LLM(str(tiny_llama), sp, **kw), spec, two, three,
+        ["model.layers.2.self_attn.o_proj.weight", "model.layers.2.mlp.down_proj.weight"], p, greedy, plain, tmp_path)
+    assert llms[1].metrics.num_accepted_tokens == llms[0].metrics.num_accepted_tokens > 0
+    assert train(["draft", *common, "--steps", "1", "--init-from", str(three), "--out", str(again)]) == 0
+    assert json.loads((again / "config.json").read_text())["num_hidden_layers"] == 3
+
+
 def test_a_shipped_draft_is_used_when_model_is_unset_and_only_for_its_target(tiny_llama, prompts, tmp_path,
                                                                             monkeypatch):
     """A draft in the draft-model plugin's ``drafts/`` folder (as one would ship for the default

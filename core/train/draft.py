@@ -192,26 +192,38 @@ class DraftTrainer(Trainer):
     def load(self, path, target, args):
         """A draft saved by this trainer (or any transformers Llama of the same shape), for
         ``--init-from``; one saved without the target's embedding gets it back first. Asked for
-        a wider MLP than the checkpoint's (``--intermediate-size``, the rest of the shape its
-        own), it grows: its units first, the extra ones adding nothing until trained."""
+        a wider MLP than the checkpoint's (``--intermediate-size``) or more layers
+        (``--num-layers``), the rest of the shape its own, it grows: its units first, the extra
+        ones adding nothing until trained; its layers first, then copies of its last layer whose
+        attention and MLP output projections start at zero (each adds nothing to the residual
+        stream until trained). Either way the grown draft drafts exactly as the checkpoint."""
         from transformers import AutoModelForCausalLM
 
         from speculum.model_source import complete_draft, resolve_model_path
         full = complete_draft(path, resolve_model_path(args.model))
         draft = AutoModelForCausalLM.from_pretrained(str(full), dtype=torch.float32)
         want, have = draft_shape(args, dict(target.config)), config_shape(draft.config.to_dict())
-        if want["intermediate_size"] <= have["intermediate_size"] or \
-                any(want[k] != have[k] for k in have if k != "intermediate_size"):
+        grows = ("intermediate_size", "num_layers")
+        if all(want[k] <= have[k] for k in grows) or any(want[k] != have[k] for k in have if k not in grows):
             return draft  # the same shape (or one it cannot grow into: the loop says what differs)
         import copy
         config = copy.deepcopy(draft.config)
-        config.intermediate_size = want["intermediate_size"]
+        config.intermediate_size = max(want["intermediate_size"], have["intermediate_size"])
+        config.num_hidden_layers = max(want["num_layers"], have["num_layers"])
         torch.manual_seed(args.seed)
         grown = AutoModelForCausalLM.from_config(config).float()
         own = grown.state_dict()
-        grown.load_state_dict({k: widened(own[k], v, k) for k, v in draft.state_dict().items()})
-        log.info("%s: MLP grown from %d to %d units (the new ones add nothing until trained)", path,
-                 have["intermediate_size"], want["intermediate_size"])
+        src = draft.state_dict()
+        last = have["num_layers"] - 1
+        for i in range(have["num_layers"], config.num_hidden_layers):  # copies of the last layer, outputs at zero
+            for k, v in list(src.items()):
+                if k.startswith(f"model.layers.{last}."):
+                    src[k.replace(f"model.layers.{last}.", f"model.layers.{i}.", 1)] = \
+                        torch.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v
+        grown.load_state_dict({k: widened(own[k], v, k) for k, v in src.items()})
+        log.info("%s: grown from %d layers of %d MLP units to %d of %d (the new parts add nothing until trained)",
+                 path, have["num_layers"], have["intermediate_size"], config.num_hidden_layers,
+                 config.intermediate_size)
         return grown
 
     def loss(self, model, batch, target, args):

@@ -18,6 +18,9 @@ METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$
 for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa mtp2:mtp medusapre:medusa; do
   [ -n "$HEADS" ] && [ -f "$HEADS/${v%%:*}/config.json" ] && METHODS+=(--method "{\"method\":\"${v#*:}\",\"model\":\"$HEADS/${v%%:*}\",$E}")
 done
+# a draft trained beside it with more layers (train_heads.sh's draft3)
+[ -n "$HEADS" ] && [ -f "$HEADS/draft3/model.safetensors" ] && \
+  METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$HEADS/draft3\",$E}")
 D=${DRAFT:-/tmp/tr/draft}
 [ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E}")
 # DRAFT_AB=1: the draft also drafting after the verdict's copy (from_verdict "off": before the thirty-second session's

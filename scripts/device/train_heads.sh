@@ -110,6 +110,8 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # mtp2: an MTP module of two decoder layers (--num-layers 2, a speculum extension of DeepSeek-V3's format), grown
 #   from the shipped one-layer module (its layer, then one whose output projections start at zero: it drafts as the
 #   shipped module until trained), as eagle grew to two layers in the thirtieth session
+# draft3: the draft grown to three layers (--num-layers 3: its layers, then a copy of its last whose output projections
+#   start at zero, so it drafts as the draft it grew from until trained); from the shipped draft with INIT_FROM_SHIPPED=1
 for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle2=eagle --loss-vocab 0 --num-layers 2" \
          "eagle2ce=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eaglece=eagle --loss-vocab 0 --ce-weight 1 --reg-weight 0.1" \
          "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "mtp=mtp --loss-vocab 0" \
@@ -117,7 +119,8 @@ for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" \
          "medusaseq=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3" "mtp2=mtp --loss-vocab 0 --num-layers 2" \
-         "medusapre=medusa --num-heads 4 --num-layers 2 --sequential --prefix-layer --loss-vocab 0"; do
+         "medusapre=medusa --num-heads 4 --num-layers 2 --sequential --prefix-layer --loss-vocab 0" \
+         "draft3=draft $SHAPE --loss-vocab 0 $EMB --num-layers 3 ${DRAFT_ARGS:-}"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
   INIT=""  # INIT_FROM_SHIPPED=1: continue from the head shipped for this method (carry its folder)
