@@ -208,25 +208,10 @@ class NativeRunner:
         if not self.forwards_from_verdict:
             return None
         B, q = token_ids.shape
-        before = [self.allocator.length(sid) for sid in seq_ids]
-
-        def undo() -> None:  # every row as before: nothing allocated
-            for sid, n in zip(seq_ids, before):
-                if self.allocator.length(sid) > n:
-                    self.allocator.truncate(sid, n)
-
-        try:
-            for sid in seq_ids:
-                self.allocator.allocate(sid, q)
-        except KVCacheFull:
-            undo()
+        reserved = self._reserve(seq_ids, starts, q)
+        if reserved is None:
             return None
-        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
-        Bb = bucket(B, BATCH_BUCKETS) if self.cuda_graphs else B
-        nb = bucket(max(need, 1), self._block_buckets)
-        blk = self.allocator.block_tables(seq_ids, Bb, nb)
-        start = np.zeros(Bb, dtype=np.int64)
-        start[:B] = [int(n) for n in starts]
+        Bb, nb, blk, start, undo = reserved
         dev = self.device
         acc = num_accepted.to(dev, torch.int64).view(B)
         ids = token_ids.to(dev, torch.int64).clamp(0, self.vocab_size - 1)
@@ -267,6 +252,32 @@ class NativeRunner:
             tree_bufs[1][:B].copy_(cols[1])
         return _replayed(graph, B)
 
+    def _reserve(self, seq_ids: Sequence[int], starts: Sequence[int], n: int):
+        """Each row's block table extended by ``n`` positions past its length (the longest outcome
+        of a launch from a verdict) -> (batch bucket, block bucket, block tables [Bb, nb], starts
+        [Bb] as numpy, an ``undo`` putting every row back), or None with nothing allocated when the
+        cache has no room."""
+        before = [self.allocator.length(sid) for sid in seq_ids]
+
+        def undo() -> None:  # every row as before: nothing allocated
+            for sid, m in zip(seq_ids, before):
+                if self.allocator.length(sid) > m:
+                    self.allocator.truncate(sid, m)
+
+        try:
+            for sid in seq_ids:
+                self.allocator.allocate(sid, n)
+        except KVCacheFull:
+            undo()
+            return None
+        B = len(seq_ids)
+        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
+        Bb = bucket(B, BATCH_BUCKETS) if self.cuda_graphs else B
+        nb = bucket(max(need, 1), self._block_buckets)
+        start = np.zeros(Bb, dtype=np.int64)
+        start[:B] = [int(x) for x in starts]
+        return Bb, nb, self.allocator.block_tables(seq_ids, Bb, nb), start, undo
+
     def _from_verdict(self, blk: torch.Tensor, start: torch.Tensor, acc: torch.Tensor, ids: torch.Tensor,
                       hidden_layers: tuple, path: torch.Tensor | None = None, cols=None):
         """The static function of :meth:`forward_from_verdict`: block tables [Bb, nb], starts
@@ -304,21 +315,10 @@ class NativeRunner:
         if not self.forwards_from_verdict:
             return None
         B = len(seq_ids)
-        before = [self.allocator.length(sid) for sid in seq_ids]
-        try:
-            for sid in seq_ids:
-                self.allocator.allocate(sid, k + 1)
-        except KVCacheFull:
-            for sid, n in zip(seq_ids, before):
-                if self.allocator.length(sid) > n:
-                    self.allocator.truncate(sid, n)
+        reserved = self._reserve(seq_ids, starts, k + 1)
+        if reserved is None:
             return None
-        need = max(blocks_for(self.allocator.length(s), self.block_size) for s in seq_ids)
-        Bb = bucket(B, BATCH_BUCKETS) if self.cuda_graphs else B
-        nb = bucket(max(need, 1), self._block_buckets)
-        blk = self.allocator.block_tables(seq_ids, Bb, nb)
-        start = np.zeros(Bb, dtype=np.int64)
-        start[:B] = [int(n) for n in starts]
+        Bb, nb, blk, start, undo = reserved
         acc = num_accepted.to(self.device, torch.int64).view(B)
         ids = first.to(self.device, torch.int64).clamp(0, self.vocab_size - 1)
         if not self.cuda_graphs:
@@ -333,8 +333,7 @@ class NativeRunner:
             except Exception as exc:  # nothing launched: drafting waits for the host's copy from now on
                 log.warning("%s: no CUDA graph for a chain from the verdict (%r); such chains are off", self.name, exc)
                 self.forwards_from_verdict = False
-                for sid, n in zip(seq_ids, before):
-                    self.allocator.truncate(sid, n)
+                undo()
                 return None
         graph, (acc_buf, ids_buf) = entry
         h = graph.host()
