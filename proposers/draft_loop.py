@@ -63,26 +63,26 @@ def draft_autoregressive(runner: ModelRunner, seqs: Sequence[SequenceView], k: i
                  lengths=[k] * B)
 
 
-def draft_chain_from_verdict(runner, seq_ids: Sequence[int], lengths: Sequence[int], num_accepted: torch.Tensor,
-                             first: torch.Tensor, k: int) -> torch.Tensor | None:
+def draft_chain_from_verdict(runner, seq_ids: Sequence[int], lengths: Sequence[int], rows: torch.Tensor,
+                             last: Sequence[int], k: int) -> torch.Tensor | None:
     """Greedy chains of ``k`` drafts per row with ``runner``, started from a verdict still on
     the device (the host has not read how many drafts each row accepted).
 
     Row ``b``'s draft cache holds its ``lengths[b]`` tokens and the ``k - 1`` drafts of the step
-    just verified, of which ``num_accepted[b]`` ([B], on the device) were accepted. ``first``
-    ([B, 2], on the device): the token at position ``lengths[b] - 1 + a`` (the last accepted draft,
-    or the sequence's last token when none was) and the verdict's new token. The first forward
-    rewrites that position (the last draft of a fully accepted chain was never fed) and appends
-    the new token; each next forward appends the draft before it; every position is counted on
-    the device from the accepted count (``runner.chain_from_verdict``, one static function, a
-    CUDA graph on a GPU: the host allocates each row for the longest outcome, so the caller
-    truncates to ``lengths[b] + a + k`` once it knows ``a``). Returns the drafts [B, k] (still
-    being computed), or None when the runner cannot (no room for the longest outcome, or no
-    graph): every row is then cut back to ``lengths[b] - 1`` positions, from which the next
-    propose catches up as usual."""
+    just verified. ``rows`` [B, 1 + k+1] (the verdict's ``as_rows()``, on the device): each row's
+    accepted count ``a`` and the tokens the step emitted; ``last``: each row's last token before
+    the step (position ``lengths[b] - 1``). The first forward rewrites position
+    ``lengths[b] - 1 + a`` (the last accepted draft, or ``last[b]``: the last draft of a fully
+    accepted chain was never fed) and appends the new token; each next forward appends the
+    draft before it; every position is counted on the device from the accepted count
+    (``runner.chain_from_verdict``, one static function, a CUDA graph on a GPU: the host
+    allocates each row for the longest outcome, so the caller truncates to ``lengths[b] + a + k``
+    once it knows ``a``). Returns the drafts [B, k] (still being computed), or None when the
+    runner cannot (no room for the longest outcome, or no graph): every row is then cut back to
+    ``lengths[b] - 1`` positions, from which the next propose catches up as usual."""
     out = None
     try:
-        out = runner.chain_from_verdict(list(seq_ids), [n - 1 for n in lengths], num_accepted, first, k)
+        out = runner.chain_from_verdict(list(seq_ids), [n - 1 for n in lengths], rows, last, k)
     finally:  # None or an error: nothing of the chain stays
         if out is None:
             for sid, n in zip(seq_ids, lengths):

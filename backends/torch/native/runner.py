@@ -301,31 +301,35 @@ class NativeRunner:
             pos, read, mask = self._tree(pos, read, cols)
         return self.model(ids, pos, wsl, read, self.pools, hidden_layers, True, mask)
 
-    def chain_from_verdict(self, seq_ids: Sequence[int], starts: Sequence[int], num_accepted: torch.Tensor,
-                           first: torch.Tensor, k: int) -> torch.Tensor | None:
+    def chain_from_verdict(self, seq_ids: Sequence[int], starts: Sequence[int], rows: torch.Tensor,
+                           last: Sequence[int], k: int) -> torch.Tensor | None:
         """A greedy chain of ``k`` drafts per row from a verdict still on the device, as one
-        static function (a CUDA graph per batch bucket, ``k`` and block bucket; eager without
-        graphs): :meth:`forward_from_verdict` with ``first`` ([B, 2]: the token at position
-        ``starts[b] + num_accepted[b]``, rewritten, and the verdict's new token), then ``k - 1``
-        forwards each appending the argmax of the one before. Row ``b`` then holds
-        ``starts[b] + num_accepted[b] + k + 1`` positions at most: ``k + 1`` are allocated past its
-        length for the longest outcome, and the caller truncates once it knows the count. Returns
-        the drafts [B, k] (being computed), or None with nothing allocated or launched (no room, or
-        no graph for the shape)."""
+        static function (a CUDA graph per batch bucket, ``k``, verdict width and block bucket;
+        eager without graphs). ``rows`` [B, 1 + >= 2] (the verdict's :meth:`~speculum.interfaces.Verdict.as_rows`,
+        on the device): each row's accepted count ``a`` and the tokens its step emitted;
+        ``last`` (host): each row's token at position ``starts[b]``, its last before the step.
+        The first forward is :meth:`forward_from_verdict` of two tokens: the one at position
+        ``starts[b] + a`` (the last accepted draft, or ``last[b]`` when none was), rewritten, and the
+        verdict's new token; then ``k - 1`` forwards each append the argmax of the one before.
+        Row ``b`` then holds ``starts[b] + a + k + 1`` positions at most: ``k + 1`` are allocated
+        past its length for the longest outcome, and the caller truncates once it knows ``a``.
+        Only the metadata (block tables, starts, ``last``) crosses from the host, in one pinned
+        copy; the verdict's rows are copied on the device. Returns the drafts [B, k] (being
+        computed), or None with nothing allocated or launched (no room, or no graph for the shape)."""
         if not self.forwards_from_verdict:
             return None
-        B = len(seq_ids)
+        B, W = rows.shape
         reserved = self._reserve(seq_ids, starts, k + 1)
         if reserved is None:
             return None
         Bb, nb, blk, start, undo = reserved
-        acc = num_accepted.to(self.device, torch.int64).view(B)
-        ids = first.to(self.device, torch.int64).clamp(0, self.vocab_size - 1)
+        meta = np.concatenate([blk.reshape(-1), start, np.zeros(Bb, dtype=np.int64)])
+        meta[Bb * nb + Bb: Bb * nb + Bb + B] = [int(t) for t in last]
+        rows = rows.to(self.device, torch.int64)
         if not self.cuda_graphs:
             with torch.inference_mode():
-                return self._chain(torch.from_numpy(blk).to(self.device), torch.from_numpy(start).to(self.device),
-                                   acc, ids, k)
-        key = (Bb, k, nb, "chain")
+                return self._chain(torch.from_numpy(meta).to(self.device), rows, Bb, nb, k)
+        key = (Bb, k, W, nb, "chain")
         entry = self._graphs.get(key)
         if entry is None:
             try:  # (a capture runs on zeroed inputs: it writes nothing but scratch slots)
@@ -335,22 +339,22 @@ class NativeRunner:
                 self.forwards_from_verdict = False
                 undo()
                 return None
-        graph, (acc_buf, ids_buf) = entry
-        h = graph.host()
-        h[: Bb * nb] = blk.reshape(-1)
-        h[Bb * nb:] = start
+        graph, rows_buf = entry
+        graph.host()[:] = meta
         graph.upload()
-        acc_buf.zero_()
-        ids_buf.zero_()
-        acc_buf[:B].copy_(acc)
-        ids_buf[:B].copy_(ids)
+        rows_buf[:B].copy_(rows)  # (padding rows keep earlier rows' values: they read and write the scratch block)
         return graph.replay()[:B].clone()  # (a copy: the launch keeps its drafts past the next replay)
 
-    def _chain(self, blk: torch.Tensor, start: torch.Tensor, acc: torch.Tensor, first: torch.Tensor,
-               k: int) -> torch.Tensor:
-        """The static function of :meth:`chain_from_verdict` -> the drafts [Bb, k]. Forward ``i``
-        keeps ``start + acc + i + (i > 0)`` positions: the first rewrites one and appends one."""
-        ids, drafts = first, []
+    def _chain(self, meta: torch.Tensor, rows: torch.Tensor, Bb: int, nb: int, k: int) -> torch.Tensor:
+        """The static function of :meth:`chain_from_verdict`: metadata ``[blocks | starts | last]``
+        and the verdict's rows [Bb, W] -> the drafts [Bb, k]. Forward ``i`` keeps
+        ``start + a + i + (i > 0)`` positions: the first rewrites one and appends one."""
+        blk, start, last = meta.split([Bb * nb, Bb, Bb])
+        blk = blk.view(Bb, nb)
+        acc = rows[:, 0].clamp(0, rows.shape[1] - 2)
+        cand = torch.cat([last.view(Bb, 1), rows[:, 1:]], dim=1)  # the tokens from position start on
+        ids = first_chain_tokens(cand, acc).clamp(0, self.vocab_size - 1)
+        drafts = []
         for i in range(k):
             logits, _ = self._from_verdict(blk, start + (i + (i > 0)), acc, ids, ())
             drafts.append(logits[:, -1].argmax(dim=-1))
@@ -358,15 +362,13 @@ class NativeRunner:
         return torch.stack(drafts, dim=1)
 
     def _capture_chain(self, key):
-        Bb, k, nb, _ = key
+        Bb, k, W, nb, _ = key
         dev = self.device
-        meta = torch.zeros(Bb * nb + Bb, dtype=torch.int64, device=dev)
-        acc = torch.zeros(Bb, dtype=torch.int64, device=dev)
-        ids = torch.zeros(Bb, 2, dtype=torch.int64, device=dev)
+        meta = torch.zeros(Bb * nb + 2 * Bb, dtype=torch.int64, device=dev)
+        rows = torch.zeros(Bb, W, dtype=torch.int64, device=dev)
         for q in (2, 1):
             self.model.tune_gemms(Bb * q)
-        entry = (self._pool.capture(lambda: self._chain(meta[: Bb * nb].view(Bb, nb), meta[Bb * nb:], acc, ids, k),
-                                    meta, staging=8), (acc, ids))
+        entry = (self._pool.capture(lambda: self._chain(meta, rows, Bb, nb, k), meta, staging=8), rows)
         self._graphs[key] = entry
         log.debug("%s: captured CUDA graph of a chain of %d from the verdict for batch %d, %d blocks", self.name, k,
                   Bb, nb)
@@ -517,6 +519,15 @@ class NativeRunner:
 
     def remove(self, seq_id: int) -> None:
         self.allocator.free(seq_id)
+
+
+def first_chain_tokens(cand: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """A chain's first forward from a verdict [B, 2]: the token at position ``start + a``,
+    rewritten (``cand[b, a]``: the last accepted draft, or the row's last token when none was),
+    then the verdict's new token (``cand[b, a + 1]``); ``cand`` [B, 1 + k+1] holds the tokens
+    from position ``start`` on, ``acc`` [B] the accepted counts."""
+    a = acc.view(-1, 1)
+    return torch.cat([cand.gather(1, a), cand.gather(1, a + 1)], dim=1)
 
 
 def _replayed(graph, B: int) -> ForwardOutput:

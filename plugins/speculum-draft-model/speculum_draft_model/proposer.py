@@ -154,14 +154,9 @@ class DraftModelProposer:
                        for sid, n in zip(seq_ids, lengths))):
             return None
         B = len(seq_ids)
-        with torch.inference_mode():
-            toks = verdict.token_ids.to(torch.int64)
-            acc = verdict.num_accepted.to(toks.device, torch.int64).view(B, 1)
-            last = torch.tensor([self._last[sid] for sid in seq_ids], dtype=torch.int64).view(B, 1)
-            cand = torch.cat([last.to(toks.device, non_blocking=True), toks], dim=1)  # position n - 1 on
-            # the token at position n - 1 + a (the last accepted, or the sequence's last) and the new one
-            first = torch.cat([cand.gather(1, acc), cand.gather(1, acc + 1)], dim=1)
-            out = draft_chain_from_verdict(self.runner, seq_ids, lengths, acc.view(B), first, k)
+        with torch.inference_mode():  # (the verdict's rows stay on the device; the last tokens go with the metadata)
+            out = draft_chain_from_verdict(self.runner, seq_ids, lengths, verdict.as_rows(),
+                                           [self._last[sid] for sid in seq_ids], k)
         if out is None:
             return None
         draft = Draft(token_ids=out, lengths=[k] * B)

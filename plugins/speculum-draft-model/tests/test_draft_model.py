@@ -244,7 +244,7 @@ def test_a_wrong_context_from_the_verdict_drafts_differently(target, monkeypatch
     new token where the last accepted one belongs (its K/V in the draft's cache then holds the
     wrong token) draft other tokens than a run without overlap, though outputs stay lossless:
     the equality of drafts the test above checks has power over what the launch writes."""
-    import speculum_draft_model.proposer as mod
+    import speculum.backends.torch.native.runner as mod
     from speculum.testing import run_with_an_abort_and_a_join
     prompts = [{"prompt_token_ids": [3 + i, 17, 29, 41, 3 + i, 17]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
@@ -257,9 +257,8 @@ def test_a_wrong_context_from_the_verdict_drafts_differently(target, monkeypatch
     (off, drafts_off, acc_off), _ = run(False)
     (on, drafts_on, acc_on), n = run(True)
     assert (on, drafts_on, acc_on) == (off, drafts_off, acc_off) and n > 10
-    inner = mod.draft_chain_from_verdict
-    monkeypatch.setattr(mod, "draft_chain_from_verdict",
-                        lambda runner, sids, lengths, acc, first, k: inner(runner, sids, lengths, acc, first[:, [1, 1]], k))
+    inner = mod.first_chain_tokens
+    monkeypatch.setattr(mod, "first_chain_tokens", lambda cand, acc: inner(cand, acc)[:, [1, 1]])
     (bad, drafts_bad, acc_bad), n = run(True)
     assert bad == off and n > 10  # lossless all the same
     assert (drafts_bad, acc_bad) != (drafts_off, acc_off)
