@@ -23,6 +23,11 @@ done
   METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$HEADS/draft3\",$E}")
 D=${DRAFT:-/tmp/tr/draft}
 [ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E}")
+# DRAFT_KS="2 3": the draft at those k too (its acceptance falls fast along a chain: 0.45, 0.24, 0.15, 0.12 per
+# position on the H100, 2026-12-05, so a shorter chain may pay more)
+for dk in ${DRAFT_KS:-}; do
+  [ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",\"num_speculative_tokens\":$dk}")
+done
 # DRAFT_AB=1: the draft also drafting after the verdict's copy (from_verdict "off": before the thirty-second session's
 # chains drafted from the device verdict), in the same run
 [ "${DRAFT_AB:-0}" = 1 ] && [ -f $D/model.safetensors ] && \
