@@ -40,4 +40,4 @@ SET=${SET:-mt_bench}; SUFFIX=""; [ "$SET" = mt_bench ] || SUFFIX="_$SET"
 # INTERLEAVE=1: each category through every config in turn (the machine's drift shared by all)
 speculum bench offline --model $M --dtype bfloat16 --batch-size 1 --prompts-per-category ${PPC:-10} --max-tokens 256 \
   $([ "${INTERLEAVE:-0}" = 1 ] && echo --interleave) \
-  --mt-bench $SET "${METHODS[@]}" --json $OUT/heads_speed_bf16$SUFFIX.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -17
+  --mt-bench $SET "${METHODS[@]}" --json $OUT/heads_speed_bf16$SUFFIX.json 2>&1 | grep -v -E "Loading|Writing|it/s" | tail -40
