@@ -32,8 +32,8 @@ from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.backends.torch.heads.graph import (HeadDraftGraphs, HeadExpander, HeadTreeGraphs, greedy_tokens,
                                                  head_topk)
 from speculum.backends.torch.heads.layers import (HeadAttention, HeadDecoderLayer, RMSNorm, Rope, TrainContext,
-                                                  arch_from_config, copy_weight, grow_layers, init_layer, layer_state,
-                                                  load_layer, rope_cos_sin)
+                                                  arch_fields, arch_from_config, copy_weight, grow_layers, init_layer,
+                                                  layer_state, load_layer, rope_cos_sin)
 from speculum.backends.torch.heads.proposer import (ChainHead, ChainHeadProposer, TargetParts,
                                                     head_checkpoint_path, pick_tokens, target_weights)
 from speculum.backends.torch.native.arch import LlamaArch
@@ -41,8 +41,8 @@ from speculum.backends.torch.native.kernels import topk, topk_logprobs
 
 __all__ = [
     # layers
-    "HeadAttention", "HeadDecoderLayer", "LlamaArch", "RMSNorm", "Rope", "TrainContext", "arch_from_config",
-    "copy_weight", "grow_layers", "init_layer", "layer_state", "load_layer", "rope_cos_sin",
+    "HeadAttention", "HeadDecoderLayer", "LlamaArch", "RMSNorm", "Rope", "TrainContext", "arch_fields",
+    "arch_from_config", "copy_weight", "grow_layers", "init_layer", "layer_state", "load_layer", "rope_cos_sin",
     # the head's KV cache
     "HeadKVCache", "PagedContext",
     # drafting

@@ -53,6 +53,19 @@ def arch_from_config(cfg: Mapping[str, Any], num_layers: int | None = None) -> L
                           "intermediate_size, num_attention_heads, vocab_size...)") from None
 
 
+def arch_fields(arch: LlamaArch) -> dict[str, Any]:
+    """A decoder layer's Llama fields of ``arch`` as config.json spells them: what
+    :func:`arch_from_config` reads back (width, vocabulary and depth aside, which a head's
+    format states in its own way)."""
+    fields = {"intermediate_size": arch.intermediate_size, "num_attention_heads": arch.num_heads,
+              "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "rms_norm_eps": arch.rms_eps,
+              "rope_theta": arch.rope_theta, "max_position_embeddings": arch.max_position_embeddings,
+              "attention_bias": arch.qkv_bias}
+    if arch.rope_scaling:
+        fields["rope_scaling"] = arch.rope_scaling
+    return fields
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """[B, q] positions -> (cos, sin) [B, q, 1, D]."""
     freqs = positions.float().unsqueeze(-1) * inv_freq

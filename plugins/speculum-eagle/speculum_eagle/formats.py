@@ -26,7 +26,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from speculum.backends.torch.heads import TargetParts, arch_from_config, copy_weight, layer_state, load_layer
+from speculum.backends.torch.heads import (TargetParts, arch_fields, arch_from_config, copy_weight, layer_state,
+                                           load_layer)
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_config, read_weights, weight_names, write_checkpoint
 from speculum_eagle.model import Eagle1Head, Eagle3Head
@@ -115,12 +116,7 @@ def load_eagle1(path: Path, target: TargetParts) -> Eagle1Head:
 def _llama_config(arch, architecture: str, num_layers: int, meta: dict | None, **extra) -> dict:
     """The Llama fields a head's config.json shares (EAGLE-1 and EAGLE-3), plus ``extra``."""
     cfg = {"architectures": [architecture], "model_type": "llama", "hidden_size": arch.hidden_size,
-           "intermediate_size": arch.intermediate_size, "num_attention_heads": arch.num_heads,
-           "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "num_hidden_layers": num_layers,
-           "rms_norm_eps": arch.rms_eps, "rope_theta": arch.rope_theta,
-           "max_position_embeddings": arch.max_position_embeddings, "vocab_size": arch.vocab_size, **extra}
-    if arch.rope_scaling:
-        cfg["rope_scaling"] = arch.rope_scaling
+           "num_hidden_layers": num_layers, "vocab_size": arch.vocab_size, **arch_fields(arch), **extra}
     if meta:
         cfg["speculum"] = meta
     return cfg
@@ -128,7 +124,7 @@ def _llama_config(arch, architecture: str, num_layers: int, meta: dict | None, *
 
 def eagle1_config(head: Eagle1Head, target_cfg: Mapping[str, Any] | None = None, meta: dict | None = None) -> dict:
     a = head.arch
-    return _llama_config(a, EAGLE1_ARCH, a.num_layers, meta, hidden_act="silu", attention_bias=a.qkv_bias,
+    return _llama_config(a, EAGLE1_ARCH, a.num_layers, meta, hidden_act="silu",
                          bias=head.fc.bias is not None, tie_word_embeddings=False)
 
 
@@ -198,7 +194,7 @@ def eagle3_config(head: Eagle3Head, meta: dict | None = None) -> dict:
     a = head.arch
     cfg = _llama_config(a, EAGLE3_ARCH, 1, meta, draft_vocab_size=int(head.lm_head.weight.shape[0]),
                         target_hidden_size=head.fc.weight.shape[1] // len(head.feature_layers), hidden_act="silu",
-                        attention_bias=a.qkv_bias, tie_word_embeddings=False,
+                        tie_word_embeddings=False,
                         eagle_config={"eagle_aux_hidden_state_layer_ids": layers_to_aux_ids(head.feature_layers)})
     if head.tail is not None:
         cfg["speculum_target_tail"] = True

@@ -25,7 +25,8 @@ from typing import Any, Mapping
 
 import torch
 
-from speculum.backends.torch.heads import TargetParts, arch_from_config, copy_weight, layer_state, load_layer
+from speculum.backends.torch.heads import (TargetParts, arch_fields, arch_from_config, copy_weight, layer_state,
+                                           load_layer)
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_config, read_weights, write_checkpoint
 from speculum_medusa.model import MedusaHeads
@@ -106,18 +107,6 @@ def medusa_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
     return sd
 
 
-def prefix_shape(heads: MedusaHeads) -> dict[str, Any]:
-    """The prefix layer's Llama fields for ``speculum_prefix_layer``."""
-    a = heads.prefix_arch
-    shape = {"intermediate_size": a.intermediate_size, "num_attention_heads": a.num_heads,
-             "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "rms_norm_eps": a.rms_eps,
-             "rope_theta": a.rope_theta, "max_position_embeddings": a.max_position_embeddings,
-             "attention_bias": a.qkv_bias}
-    if a.rope_scaling:
-        shape["rope_scaling"] = a.rope_scaling
-    return shape
-
-
 def save_medusa(heads: MedusaHeads, path: Path, base_model: str = "", meta: dict | None = None,
                 dtype: torch.dtype | None = None) -> Path:
     cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
@@ -128,7 +117,7 @@ def save_medusa(heads: MedusaHeads, path: Path, base_model: str = "", meta: dict
     if heads.sequential:
         cfg["speculum_sequential"] = True
     if heads.prefixed:
-        cfg[PREFIX_KEY] = prefix_shape(heads)
+        cfg[PREFIX_KEY] = arch_fields(heads.prefix_arch)  # (its width is the heads')
     if meta:
         cfg["speculum"] = meta
     return write_checkpoint(path, cfg, medusa_state(heads), filename=WEIGHT_FILES[0], dtype=dtype)
