@@ -18,6 +18,7 @@ import torch
 from speculum.backends.torch.native.attention import (causal_mask, paged_decode_attention, sdpa_attention,
                                                       use_decode_kernel)
 from speculum.backends.torch.native.kernels import rope_write_kv
+from speculum.backends.torch.graphs import bucket
 from speculum.kv import PagedKVAllocator, blocks_for
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,13 @@ class HeadKVCache:
     def remove(self, seq_id: int) -> None:
         if self.allocator is not None:
             self.allocator.free(seq_id)
+
+    def graph_key(self, seq_ids: Sequence[int]) -> tuple[int, int]:
+        """(batch bucket, power-of-two block bucket) of a static function over ``seq_ids``, whose
+        positions in this cache are allocated already: the shape of its CUDA graph."""
+        alloc = self.allocator
+        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
+        return bucket(len(seq_ids)), 1 << max(0, need - 1).bit_length()
 
     # -- one forward ----------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[int], num_tokens: Sequence[int], q: int) -> tuple[torch.Tensor, PagedContext]:

@@ -40,10 +40,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from speculum.backends.torch.graphs import GraphPool, StaticGraph, bucket
+from speculum.backends.torch.graphs import GraphPool, StaticGraph
 from speculum.backends.torch.heads.cache import HeadKVCache, PagedContext
 from speculum.interfaces import KVCacheFull
-from speculum.kv import blocks_for
 from speculum.backends.torch.native.kernels import topk, topk_logprobs
 from speculum.proposers.tree import StaticPlan, draft_tree, packed_tree, region_size
 from speculum.tree import TreeMask, TreeSpec
@@ -174,7 +173,7 @@ class HeadDraftGraphs:
         R = len(seq_ids)
         for sid, n in zip(seq_ids, counts):
             alloc.allocate(sid, int(n) + self.extra)
-        Bb, nb = self._buckets(seq_ids)
+        Bb, nb = self.cache.graph_key(seq_ids)
         meta_np = self._meta(seq_ids, tokens, counts, Bb, nb)
         H = feats[0].shape[-1]
         with torch.inference_mode():
@@ -216,7 +215,7 @@ class HeadDraftGraphs:
             for sid, base in zip(seq_ids, bases):
                 alloc.truncate(sid, min(base, alloc.length(sid)))
             raise
-        Bb, nb = self._buckets(seq_ids)
+        Bb, nb = self.cache.graph_key(seq_ids)
         meta_np = self._meta_device(seq_ids, Bb, nb)
         H = feats.shape[-1]
         with torch.inference_mode():
@@ -265,13 +264,6 @@ class HeadDraftGraphs:
             lambda: self._after(*self._catch_up_device(x, r, meta, Bb, nb, max(self.extra, 1))), meta), (x, r))
         self._graphs[key] = entry
         return entry
-
-    def _buckets(self, seq_ids) -> tuple[int, int]:
-        """(batch bucket, power-of-two block bucket) of a propose over ``seq_ids``, whose
-        head-cache positions are allocated already: the key of its graph."""
-        alloc = self.cache.allocator
-        need = max(blocks_for(alloc.length(s), alloc.block_size) for s in seq_ids)
-        return bucket(len(seq_ids)), 1 << max(0, need - 1).bit_length()
 
     def _capture(self, Bb: int, nb: int, H: int, meta_size: int) -> tuple[StaticGraph, torch.Tensor]:
         x = torch.zeros(Bb, self.Q, H, dtype=self.dtype, device=self.device)

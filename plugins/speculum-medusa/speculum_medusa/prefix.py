@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from speculum.backends.torch.heads import GraphPool, HeadKVCache, StaticGraph, bucket
+from speculum.backends.torch.heads import GraphPool, HeadKVCache, StaticGraph
 from speculum.interfaces import KVCacheFull, SequenceView, Verdict
 from speculum.tree import gather_path
 
@@ -37,8 +37,9 @@ from speculum.tree import gather_path
 class PrefixFeed:
     """The prefix layer fed a verify step's columns with the verdict's tokens, and its output
     gathered at each row's accepted count, as one static function of buffers: target states
-    ``s`` [Bb, W, H], tokens ``t`` [Bb, W], accepted counts ``a`` [Bb] and the metadata (each
-    row's positions and write slots [Bb, W], its block table [Bb, nb]) -> outputs [Bb, H].
+    ``s`` [Bb, W, H], the verdict's rows ``r`` [Bb, R] (accepted count, then tokens: one device
+    copy) and the metadata (each row's positions and write slots [Bb, W], its block table
+    [Bb, nb]) -> outputs [Bb, H].
 
     Eagerly the layer's forward is some fifteen kernels launched from Python each step, which
     made the heads with a prefix layer cost 2.00 plain decoding steps a step against 1.34
@@ -51,53 +52,52 @@ class PrefixFeed:
         p = next(heads.parameters())
         self.device = p.device
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        #: (batch bucket, width, block bucket) -> (graph, its input buffers s, t, a)
+        #: (batch bucket, width, rows' width, block bucket) -> (graph, its input buffers s and r)
         self._graphs: dict[tuple[int, int, int], tuple[StaticGraph, tuple[torch.Tensor, ...]]] = {}
         self._pool = GraphPool()
 
-    def __call__(self, seq_ids: Sequence[int], states: torch.Tensor, tokens: torch.Tensor,
-                 accepted: torch.Tensor) -> torch.Tensor:
+    def __call__(self, seq_ids: Sequence[int], states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``seq_ids`` (each with its last ``W`` positions allocated in the cache for
-        ``states`` [B, W, H] and ``tokens`` [B, W]): the layer's outputs at column
-        ``accepted[b]`` [B, H] (being computed)."""
-        alloc = self.cache.allocator
+        ``states`` [B, W, H]) and the verdict's rows ``rows`` [B, 1 + >= W] (its ``as_rows()``:
+        accepted count ``a``, then the tokens the step emitted): the layer's outputs at column
+        ``a`` [B, H] (being computed)."""
         B, W, H = states.shape
-        need = max(len(alloc.block_table(s)) for s in seq_ids)
-        Bb, nb = bucket(B), 1 << max(0, need - 1).bit_length()
-        pos, wsl, blk = alloc.step_slots(list(seq_ids), [W] * B, W, Bb, nb)
+        Bb, nb = self.cache.graph_key(seq_ids)
+        pos, wsl, blk = self.cache.allocator.step_slots(list(seq_ids), [W] * B, W, Bb, nb)
         meta_np = np.concatenate([pos.reshape(-1), wsl.reshape(-1), blk.reshape(-1)])
         with torch.inference_mode():
             if self.use_graphs:
-                key = (Bb, W, nb)
-                graph, (s, t, a) = self._graphs.get(key) or self._capture(key, H, states.dtype, meta_np.size)
+                key = (Bb, W, rows.shape[1], nb)
+                graph, (s, r) = self._graphs.get(key) or self._capture(key, H, states.dtype, meta_np.size)
                 graph.host()[:] = meta_np
                 graph.upload()
             else:
-                s, t, a, meta = self._buffers(Bb, W, H, states.dtype, meta_np.size)
+                s, r, meta = self._buffers(Bb, W, rows.shape[1], H, states.dtype, meta_np.size)
                 meta.copy_(torch.from_numpy(meta_np))
             s[:B].copy_(states)
-            t[:B].copy_(tokens)
-            a[:B].copy_(accepted)
+            r[:B].copy_(rows)  # (padding rows keep earlier values: they read and write the scratch block)
             # a copy of the graph's output: each row keeps its output past the next replay (PrefixStates.settle)
-            return graph.replay()[:B].clone() if self.use_graphs else self._feed(s, t, a, meta, Bb, W, nb)[:B]
+            return graph.replay()[:B].clone() if self.use_graphs else self._feed(s, r, meta, Bb, W, nb)[:B]
 
-    def _buffers(self, Bb: int, W: int, H: int, dtype: torch.dtype, meta_size: int):
+    def _buffers(self, Bb: int, W: int, R: int, H: int, dtype: torch.dtype, meta_size: int):
         dev = self.device
-        return (torch.zeros(Bb, W, H, dtype=dtype, device=dev), torch.zeros(Bb, W, dtype=torch.int64, device=dev),
-                torch.zeros(Bb, dtype=torch.int64, device=dev), torch.zeros(meta_size, dtype=torch.int64, device=dev))
+        return (torch.zeros(Bb, W, H, dtype=dtype, device=dev), torch.zeros(Bb, R, dtype=torch.int64, device=dev),
+                torch.zeros(meta_size, dtype=torch.int64, device=dev))
 
-    def _feed(self, s, t, a, meta, Bb: int, W: int, nb: int) -> torch.Tensor:
+    def _feed(self, s, r, meta, Bb: int, W: int, nb: int) -> torch.Tensor:
         """The static function (see the class doc)."""
         pos, wsl, blk = meta.split([Bb * W, Bb * W, Bb * nb])
         pos = pos.view(Bb, W)
         ctx = self.cache.context(pos, wsl.view(Bb, W), blk.view(Bb, nb))
-        out = self.heads.prefix_forward(self.heads.features(s, t), pos, ctx)
+        tokens = r[:, 1:1 + W].clamp_min(0)  # (past a row's count: -1, unused)
+        out = self.heads.prefix_forward(self.heads.features(s, tokens), pos, ctx)
+        a = r[:, 0].clamp(0, W - 1)
         return out.gather(1, a.view(Bb, 1, 1).expand(-1, 1, out.shape[-1])).squeeze(1)
 
     def _capture(self, key, H: int, dtype: torch.dtype, meta_size: int):
-        Bb, W, nb = key
-        s, t, a, meta = self._buffers(Bb, W, H, dtype, meta_size)
-        entry = (self._pool.capture(lambda: self._feed(s, t, a, meta, Bb, W, nb), meta), (s, t, a))
+        Bb, W, R, nb = key
+        s, r, meta = self._buffers(Bb, W, R, H, dtype, meta_size)
+        entry = (self._pool.capture(lambda: self._feed(s, r, meta, Bb, W, nb), meta), (s, r))
         self._graphs[key] = entry
         return entry
 
@@ -177,7 +177,6 @@ class PrefixStates:
         with torch.inference_mode():
             states = h if verdict.path is None else gather_path({-1: h}, verdict.path)[-1]
             W = min(states.shape[1], verdict.token_ids.shape[1])
-            toks = verdict.token_ids[:, :W].to(states.device, torch.int64).clamp_min(0)  # past the count: unused
             try:
                 for sid in seq_ids:
                     self.cache.allocator.allocate(sid, W)
@@ -185,7 +184,7 @@ class PrefixStates:
                 for sid, n in zip(seq_ids, lengths):  # rows allocated before the one without room
                     self.take_back(sid, n)
                 return None
-            return self.feed(seq_ids, states[:, :W], toks, verdict.num_accepted.to(states.device, torch.int64))
+            return self.feed(seq_ids, states[:, :W], verdict.as_rows().to(states.device))
 
     def settle(self, seq_id: int, length: int, num_accepted: int, z: torch.Tensor) -> None:
         """A row fed by :meth:`from_verdict` (its sequence ``length`` tokens long before the step)
