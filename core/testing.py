@@ -189,6 +189,27 @@ class PrefillHidden:
         return out
 
 
+def assert_drafts_equal_fresh_prefills(llm, target: Path, fresh, prompts, params, k: int, layers=(-1,)) -> None:
+    """Every greedy draft ``llm`` makes for ``prompts`` equals what the proposer ``fresh`` (the
+    same head, nothing fed yet) drafts for those rows from a fresh prefill of their whole
+    sequences (the target's ``layers`` states): the state the live proposer carries across steps
+    (caches cut back to the accepted tokens, rows joining) is the state of starting over."""
+    from speculum.interfaces import ProposeBatch, SequenceView
+    from speculum.sampling import SamplingBatch, SamplingParams
+    drafts = record_drafts(llm)
+    llm.generate(prompts, params)
+    assert drafts
+    prefill = PrefillHidden(target, layers)
+    for n, (rows, live) in enumerate(drafts):
+        views = [SequenceView(10_000 + 10 * n + i, toks, 1) for i, toks in enumerate(rows)]
+        for v in views:
+            fresh.add_request(v, hidden_states=prefill(v.token_ids[:-1]))
+        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
+        assert fresh.propose(ProposeBatch(views, k, sampling)).token_ids.tolist() == live.tolist()
+        for v in views:
+            fresh.remove_request(v.seq_id)
+
+
 def mt_bench_chat_prompts(n: int) -> list[list[dict]]:
     """The first turn of one MT-bench question per category (first ``n`` categories), as chat."""
     rows, seen = [], set()

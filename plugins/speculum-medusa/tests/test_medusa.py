@@ -10,11 +10,10 @@ import torch
 from speculum import LLM, SamplingParams
 from speculum.backends.torch.heads import TargetParts
 from speculum.errors import ConfigError
-from speculum.interfaces import ProposeBatch, SequenceView, StepFeedback
+from speculum.interfaces import StepFeedback
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.sampling import SamplingBatch
 from speculum.backends.torch.heads import topk_logprobs
-from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
+from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_drafts_equal_fresh_prefills, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
                               assert_overlap_changes_nothing, record_drafts, record_trees, tiny_model_dir,
                               train_tiny, assert_training_starts_from)
 from speculum_medusa import MedusaHeads, MedusaProposer
@@ -25,16 +24,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def parts(target):
-    return TargetParts.from_checkpoint(target)
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +112,7 @@ def test_drafts_come_from_the_state_of_the_last_accepted_position(target, traine
     """The heads read the target state that produced the last token: after any number of
     steps the drafts equal those made from a fresh prefill of the whole sequence."""
     llm = make_llm(target, {"method": "medusa", "model": str(trained), "num_speculative_tokens": 3}, max_num_seqs=4)
-    drafts = record_drafts(llm)
-    llm.generate(PROMPTS, GREEDY)
-    prefill = PrefillHidden(target, (-1,))
-    fresh = MedusaProposer(llm.proposer.heads)
-    for n, (rows, live) in enumerate(drafts):
-        views = [SequenceView(10_000 + 10 * n + i, toks, 1) for i, toks in enumerate(rows)]
-        for v in views:
-            fresh.add_request(v, hidden_states=prefill(v.token_ids[:-1]))
-        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
-        assert fresh.propose(ProposeBatch(views, 3, sampling)).token_ids.tolist() == live.tolist()
+    assert_drafts_equal_fresh_prefills(llm, target, MedusaProposer(llm.proposer.heads), PROMPTS, GREEDY, 3)
 
 
 def test_observe_keeps_the_state_at_the_last_accepted_position(trained, parts):

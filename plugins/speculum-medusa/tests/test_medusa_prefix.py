@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from speculum import LLM, SamplingParams
-from speculum.backends.torch.heads import HeadKVCache, TargetParts, TrainContext, arch_from_config
+from speculum.backends.torch.heads import HeadKVCache, TrainContext, arch_from_config
 from speculum.errors import ConfigError
-from speculum.interfaces import ProposeBatch, SequenceView
+from speculum.interfaces import SequenceView
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.sampling import SamplingBatch
-from speculum.testing import (PrefillHidden, assert_overlap_changes_nothing,
-                              assert_tree_greedy_lossless_under_preemption, record_drafts, tiny_model_dir, train_tiny)
+from speculum.testing import (PrefillHidden, assert_drafts_equal_fresh_prefills, assert_overlap_changes_nothing,
+                              assert_tree_greedy_lossless_under_preemption, train_tiny)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import load_medusa, medusa_state, save_medusa
 
@@ -26,16 +25,6 @@ CHAIN = {"num_speculative_tokens": 3}
 TREE = {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def parts(target):
-    return TargetParts.from_checkpoint(target)
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +92,7 @@ def test_drafts_read_the_layer_over_the_whole_sequence(target, prefixed):
     states, rows joining mid-flight) the drafts equal those of a fresh proposer that feeds the
     layer the whole sequence at once."""
     llm = make_llm(target, {"method": "medusa", "model": str(prefixed), **CHAIN}, max_num_seqs=2)
-    drafts = record_drafts(llm)
-    llm.generate(PROMPTS, GREEDY)
-    prefill = PrefillHidden(target, (-1,))
-    fresh = fresh_proposer(llm.proposer.heads)
-    for n, (rows, live) in enumerate(drafts):
-        views = [SequenceView(10_000 + 10 * n + i, toks, 1) for i, toks in enumerate(rows)]
-        for v in views:
-            fresh.add_request(v, hidden_states=prefill(v.token_ids[:-1]))
-        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
-        assert fresh.propose(ProposeBatch(views, 3, sampling)).token_ids.tolist() == live.tolist()
+    assert_drafts_equal_fresh_prefills(llm, target, fresh_proposer(llm.proposer.heads), PROMPTS, GREEDY, 3)
 
 
 def test_the_layer_in_training_computes_what_drafting_reads(target, prefixed, parts):

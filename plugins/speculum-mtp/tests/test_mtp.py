@@ -12,11 +12,10 @@ from safetensors.torch import load_file, save_file
 from speculum import LLM, SamplingParams
 from speculum.backends.torch.heads import ChainHeadProposer, TargetParts, arch_from_config, init_layer
 from speculum.errors import ConfigError
-from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.sampling import SamplingBatch
-from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
-                              assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_drafts, record_trees,
+from speculum.testing import (TREE_CONFIGS, HeadPathReference, assert_drafts_equal_fresh_prefills,
+                              assert_static_draft_matches_eager, assert_tree_greedy_lossless,
+                              assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_trees,
                               tiny_model_dir, train_tiny, assert_training_starts_from)
 from speculum_mtp import MTPHead
 from speculum_mtp.formats import detect, load_mtp, mtp_state, save_mtp
@@ -155,20 +154,10 @@ def test_greedy_output_is_identical_to_no_speculation(target, trained, runner):
 
 def test_rolled_back_cache_drafts_like_a_fresh_prefill(target, trained):
     llm = make_llm(target, {"method": "mtp", "model": str(trained), "num_speculative_tokens": 3}, max_num_seqs=4)
-    drafts = record_drafts(llm)
-    llm.generate(PROMPTS, GREEDY)
     p = llm.proposer
-    prefill = PrefillHidden(target, p.hidden_layers)
     fresh = ChainHeadProposer(p.head, p.hidden_layers, type(p.cache)("fresh", 1, p.head.num_kv_heads,
                                                                      p.head.head_dim, torch.float32, "cpu", 256))
-    for n, (rows, live) in enumerate(drafts):
-        views = [SequenceView(10_000 + 10 * n + i, toks, 1) for i, toks in enumerate(rows)]
-        for v in views:
-            fresh.add_request(v, hidden_states=prefill(v.token_ids[:-1]))
-        sampling = SamplingBatch.from_params([SamplingParams(temperature=0)] * len(rows), [None] * len(rows))
-        assert fresh.propose(ProposeBatch(views, 3, sampling)).token_ids.tolist() == live.tolist()
-        for v in views:
-            fresh.remove_request(v.seq_id)
+    assert_drafts_equal_fresh_prefills(llm, target, fresh, PROMPTS, GREEDY, 3, p.hidden_layers)
 
 
 def test_static_draft_function_drafts_like_the_eager_loop(target, trained):
