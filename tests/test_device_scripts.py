@@ -70,7 +70,7 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     or token-aware Medusa heads as shipped. (The trainers refuse a mismatch, e.g. a two-layer head
     continued with --num-layers 1, but only after a device call has started.)"""
     import json
-    runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok mtp2 medusapre",
+    runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok mtp2 mtp6 medusapre",
                        INIT_FROM_SHIPPED=1)
     eagle = json.loads((ROOT / EAGLE_HEAD / "config.json").read_text())
     assert init_of(runs["eagle"]) == EAGLE_HEAD
@@ -86,6 +86,7 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     mtp = json.loads((ROOT / MTP_HEAD / "config.json").read_text())
     assert option(runs["mtp"], "--num-layers", "1") == str(mtp.get("speculum_mtp_num_layers", 1))
     assert init_of(runs["mtp2"]) == MTP_HEAD and option(runs["mtp2"], "--num-layers") == "2"  # grown
+    assert init_of(runs["mtp6"]) == MTP_HEAD and option(runs["mtp6"], "--num-positions") == "6"  # continued
     assert init_of(runs["medusapre"]) == MEDUSA_HEAD and "--prefix-layer" in runs["medusapre"]  # grown
     assert ("--prefix-layer" in runs["medusa"]) == bool(medusa.get("speculum_prefix_layer"))
     # variants the shipped heads cannot be grown into start from scratch (or INIT_DIR)

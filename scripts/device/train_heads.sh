@@ -110,6 +110,8 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # mtp2: an MTP module of two decoder layers (--num-layers 2, a speculum extension of DeepSeek-V3's format), grown
 #   from the shipped one-layer module (its layer, then one whose output projections start at zero: it drafts as the
 #   shipped module until trained), as eagle grew to two layers in the thirtieth session
+# mtp6: the shipped MTP module trained on six unrolled positions with a flatter weighing (--num-positions 6
+#   --step-decay 0.9: the later chain steps, where its acceptance falls, weigh more); the same module format
 # draft3: the draft grown to three layers (--num-layers 3: its layers, then a copy of its last whose output projections
 #   start at zero, so it drafts as the draft it grew from until trained); from the shipped draft with INIT_FROM_SHIPPED=1
 for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle2=eagle --loss-vocab 0 --num-layers 2" \
@@ -120,6 +122,7 @@ for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0
          "medusaseq=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3" "mtp2=mtp --loss-vocab 0 --num-layers 2" \
          "medusapre=medusa --num-heads 4 --num-layers 2 --sequential --prefix-layer --loss-vocab 0" \
+         "mtp6=mtp --loss-vocab 0 --num-positions 6 --step-decay 0.9" \
          "draft3=draft $SHAPE --loss-vocab 0 $EMB --num-layers 3 ${DRAFT_ARGS:-}"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
