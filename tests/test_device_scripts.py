@@ -7,6 +7,7 @@ without the shipped heads, so it is checked where it is cheap."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -69,7 +70,6 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     options their kind needs, read from the shipped configs: as many EAGLE-1 or MTP layers, sequential
     or token-aware Medusa heads as shipped. (The trainers refuse a mismatch, e.g. a two-layer head
     continued with --num-layers 1, but only after a device call has started.)"""
-    import json
     runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok mtp2 mtp6 medusapre",
                        INIT_FROM_SHIPPED=1)
     eagle = json.loads((ROOT / EAGLE_HEAD / "config.json").read_text())
@@ -79,6 +79,7 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     medusa = json.loads((ROOT / MEDUSA_HEAD / "config.json").read_text())
     for m in ("medusa", "medusa4"):
         assert init_of(runs[m]) == MEDUSA_HEAD
+        assert ("--prefix-layer" in runs[m]) == bool(medusa.get("speculum_prefix_layer"))
         assert ("--sequential" in runs[m]) == bool(medusa.get("speculum_sequential"))
         assert ("--sequential" in runs[m] or "--token-input" in runs[m]) == bool(medusa.get("speculum_token_input"))
     assert int(option(runs["medusa"], "--num-layers")) == medusa["medusa_num_layers"]
@@ -107,7 +108,10 @@ def test_each_method_starts_where_asked(tmp_path):
     trainer's own options."""
     runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusaseq draft", INIT_FROM_SHIPPED=1)
     assert set(runs) == {"eagle", "eagle2", "mtp", "medusaseq", "draft"}
-    assert init_of(runs["medusaseq"]) == MEDUSA_HEAD and "--sequential" in runs["medusaseq"]
+    medusa = json.loads((ROOT / MEDUSA_HEAD / "config.json").read_text())
+    # the sequential heads alone: grown from the shipped ones unless those have a prefix layer (no part is dropped)
+    assert init_of(runs["medusaseq"]) == (None if medusa.get("speculum_prefix_layer") else MEDUSA_HEAD)
+    assert "--sequential" in runs["medusaseq"]
     assert init_of(runs["eagle"]) == init_of(runs["eagle2"]) == EAGLE_HEAD
     assert runs["eagle2"][:2] == ["train", "eagle"] and option(runs["eagle2"], "--num-layers") == "2"
     assert init_of(runs["mtp"]) == MTP_HEAD

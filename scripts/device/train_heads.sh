@@ -91,7 +91,9 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 #   twenty-fourth session; eagle3tail: the same (its earlier name); eagle3own: the draft vocabulary only (from
 #   scratch: a head with the tail cannot be continued without it)
 # medusa: sequentially dependent heads (--sequential, after Hydra: each head also reads the token its state produced
-#   and the tokens drafted before it), shipped since the thirty-first session; medusaseq: the same (its earlier name)
+#   and the tokens drafted before it) under a prefix layer (--prefix-layer), shipped since the thirty-fourth session;
+#   medusapre: the same (its earlier name); medusaseq: the sequential heads alone (shipped from the thirty-first to
+#   the thirty-third session)
 # eagle, mtp, medusa and the draft: the loss over the whole vocabulary (--loss-vocab 0; the CLI's 8,192 most frequent
 #   tokens are for the CPU; in row chunks recomputed in backward, so the trainers fit side by side); the draft saved
 #   without the target's embedding (--embeddings-from-target: 14 MB for two layers, so it comes back from the call)
@@ -101,12 +103,13 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 #   continues a one-layer head, e.g. the twenty-eighth session's: git show f510b2f:<the eagle head's files>)
 # eagle2: two layers on the paper's loss (the thirtieth session's, grown from a one-layer head: its layer, then one
 #   whose output projections start at zero)
-# medusa4: MEDUSA4_LAYERS (4) blocks per sequential head, grown from the shipped heads (their blocks, then identity ones)
+# medusa4: MEDUSA4_LAYERS (4) blocks per sequential head under the prefix layer, grown from the shipped heads (their
+#   blocks, then identity ones)
 # medusatok: token-aware Medusa heads (--token-input: each head also reads the token its state produced), the kind
 #   shipped from the twenty-second to the thirtieth session (never from the shipped sequential heads)
-# medusapre: the shipped sequential heads with a prefix layer (--prefix-layer, after Hydra++'s prefix attention: one
-#   decoder layer over the heads' features of every position, so head 0 attends over the sequence as an EAGLE layer
-#   does; it starts as the identity, so the grown heads draft as the shipped ones until trained)
+# the prefix layer (after Hydra++'s prefix attention): one decoder layer over the heads' features of every position, so
+#   head 0 attends over the sequence as an EAGLE layer does; grown onto heads without one, it starts as the identity,
+#   so they draft as before until trained
 # mtp2: an MTP module of two decoder layers (--num-layers 2, a speculum extension of DeepSeek-V3's format), grown
 #   from the shipped one-layer module (its layer, then one whose output projections start at zero: it drafts as the
 #   shipped module until trained), as eagle grew to two layers in the thirtieth session
@@ -116,8 +119,8 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 #   start at zero, so it drafts as the draft it grew from until trained); from the shipped draft with INIT_FROM_SHIPPED=1
 for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle2=eagle --loss-vocab 0 --num-layers 2" \
          "eagle2ce=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eaglece=eagle --loss-vocab 0 --ce-weight 1 --reg-weight 0.1" \
-         "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "mtp=mtp --loss-vocab 0" \
-         "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4} --sequential --loss-vocab 0" \
+         "eagle3=eagle3 --draft-tail" "medusa=medusa --num-heads 4 --num-layers 2 --sequential --prefix-layer --loss-vocab 0" "mtp=mtp --loss-vocab 0" \
+         "draft=draft $SHAPE --loss-vocab 0 $EMB ${DRAFT_ARGS:-}" "medusa4=medusa --num-heads 4 --num-layers ${MEDUSA4_LAYERS:-4} --sequential --prefix-layer --loss-vocab 0" \
          "medusatok=medusa --num-heads 4 --num-layers 2 --token-input --loss-vocab 0" \
          "medusaseq=medusa --num-heads 4 --num-layers 2 --sequential --loss-vocab 0" "eagle3tail=eagle3 --draft-tail" \
          "eagle3own=eagle3" "mtp2=mtp --loss-vocab 0 --num-layers 2" \
@@ -130,7 +133,8 @@ for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0
   if [ "${INIT_FROM_SHIPPED:-0}" = 1 ]; then
     base=${m#*=}; base=${base%% *}  # the method (medusa4's heads start from medusa's)
     for d in plugins/speculum-*/speculum_*/{heads,drafts}/$base-smollm2-135m-instruct; do [ -f $d/config.json ] && INIT="--init-from $d"; done
-    case $n in eagle3own|eaglece|medusatok) INIT="" ;; esac  # kinds the shipped head cannot be grown into
+    # kinds the shipped head cannot be grown into (a head loses no part: medusaseq and medusatok have no prefix layer)
+    case $n in eagle3own|eaglece|medusatok|medusaseq) INIT="" ;; esac
   fi
   # INIT_DIR=<folder>: continue each method from what an earlier call of this script left there (TR of
   # that call, e.g. /tmp/tr on a machine still warm), where it left one: a second call goes on without copying

@@ -7,6 +7,8 @@ token-identical to output without speculation.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from speculum.testing import assert_shipped_head_lossless, check_shipped_heads, default_model_baseline
@@ -47,7 +49,8 @@ def test_sequential_heads_grown_from_token_aware_ones_on_the_default_model(basel
     default model (same acceptance, step for step); the shipped heads, sequential since the
     thirty-first session, are those heads with trained maps, which are read (their acceptance
     differs), and every output is the model's own. The token-aware heads are the shipped ones
-    with their maps of the drafted tokens left out."""
+    with their maps of the drafted tokens left out (and the prefix layer, shipped since the
+    thirty-fourth session, kept: the growth keeps it as it is)."""
     import argparse
 
     import torch
@@ -68,7 +71,8 @@ def test_sequential_heads_grown_from_token_aware_ones_on_the_default_model(basel
         return llm
 
     shipped = run()
-    assert shipped.proposer.heads.sequential
+    assert shipped.proposer.heads.sequential and shipped.proposer.heads.prefixed == bool(
+        json.loads(next(HEADS.glob("*/config.json")).read_text()).get("speculum_prefix_layer"))
     parts = TargetParts.from_runner(shipped.target)
     heads = load_medusa(next(HEADS.glob("*/config.json")).parent, parts)
     assert heads.sequential and all(lin.weight.any() for lin in heads.seq_proj)
@@ -77,7 +81,7 @@ def test_sequential_heads_grown_from_token_aware_ones_on_the_default_model(basel
     aware = run(tmp_path / "aware")
     assert not aware.proposer.heads.sequential and aware.proposer.heads.token_input
     assert aware.metrics.accepted_per_position != shipped.metrics.accepted_per_position  # the maps are read
-    args = argparse.Namespace(num_layers=2, token_input=False, sequential=True)
+    args = argparse.Namespace(num_layers=2, token_input=False, sequential=True, prefix_layer=heads.prefixed)
     grown = MedusaTrainer().load(tmp_path / "aware", parts, args)
     assert grown.sequential and not any(lin.weight.any() for lin in grown.seq_proj)
     save_medusa(grown, tmp_path / "seq", base_model="SmolLM2-135M-Instruct", dtype=torch.float32)
