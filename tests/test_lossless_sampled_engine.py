@@ -186,28 +186,27 @@ def test_a_proposer_reporting_wrong_probabilities_is_caught(tiny_llama, tiny_lla
 
 
 # ------------------------------------------------------------------ sequential Medusa heads
-SEQ_SCALE = 30.0  # the heads' maps of the drafted tokens, scaled up (see seq_case)
+SEQ_SCALE = 30.0  # the heads' maps of the drafted tokens, scaled up (see trained_medusa)
+SECOND = 0.12  # the least probability that the first step accepts both drafts, for the prompt chosen
 
 
-@pytest.fixture(scope="module")
-def seq_case(tiny_llama, tmp_path_factory):
-    """Sequential Medusa heads (3) trained on the tiny target, their maps of the drafted tokens
-    scaled by SEQ_SCALE (a few hundred tiny steps move them little from zero; any heads are
-    valid drafts), and a prompt chosen among 400 seeded random ones where the first draft is
-    often accepted and the second head's distribution depends on it. Returns (spec, prompt,
-    exact law of (x1, x2), the law a proposer reporting its second head without the first
-    draft produces (computed: x1 exact; given the first draft accepted, x2 by
-    :func:`accept_law` with the unfed head reported), their total variation)."""
-    if importlib.util.find_spec("speculum_medusa") is None:
-        pytest.skip("speculum-medusa is not installed")
-    from safetensors.torch import load_file, save_file
+def unfed(heads, h, prompt, x1=None):
+    """Head 0's features at the first propose without a prefix layer, for head 1 not advanced
+    by the first draft ``x1``: what Medusa-1 heads would read."""
+    return heads.features(h[-1], torch.tensor(prompt[-1]))
+
+
+def medusa_case(tiny_llama, out, drafting, reported):
+    """A Medusa case for the joint test. ``out``: trained heads (3); ``drafting(heads, h,
+    prompt)``: head 0's features at the first propose, from the final normed target states
+    ``h`` [len - 1, H] of the prompt without its last token; ``reported(heads, h, prompt, x1)``:
+    head 1's features as a wrong variant reports them when ``x1`` was drafted first (it samples
+    as drafting does). The prompt is chosen among 400 seeded random ones for the largest total
+    variation between the two laws. Returns (spec, prompt, exact law of (x1, x2), the wrong
+    variant's law (computed: x1 exact; given the first draft accepted, x2 by
+    :func:`accept_law` with head 1 as reported), their total variation, ``reported``)."""
     from transformers import AutoModelForCausalLM
     from speculum.testing import PrefillHidden
-    out = train_tiny("medusa", tiny_llama, tmp_path_factory.mktemp("seq_medusa"), steps=600,
-                     extra=("--num-heads", "3", "--sequential", "--save-dtype", "float32"))
-    f = out / "medusa_lm_head.safetensors"
-    sd = load_file(str(f))
-    save_file({k: v * SEQ_SCALE if k.startswith("seq_proj.") else v for k, v in sd.items()}, str(f))
     spec = {"method": "medusa", "model": str(out), "num_speculative_tokens": 3}
     heads = LLM(str(tiny_llama), spec, device="cpu", dtype="float32").proposer.heads
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
@@ -216,62 +215,133 @@ def seq_case(tiny_llama, tmp_path_factory):
     def laws(prompt):
         with torch.inference_mode():
             p1 = topk_probs(model(torch.tensor([prompt])).logits[0, -1])
-            z0 = heads.features(prefill(prompt[:-1])[-1][-1], torch.tensor(prompt[-1]))  # drafts x1, x2, ...
-            q0, q1_unfed = topk_probs(heads.logits(0, z0)), topk_probs(heads.logits(1, z0))
-            exact, wrong = {}, {}
+            h = prefill(prompt[:-1])[-1]
+            z0 = drafting(heads, h, prompt)  # drafts x1, x2, ...
+            q0 = topk_probs(heads.logits(0, z0))
+            exact, wrong, second = {}, {}, 0.0
             for x1 in p1.nonzero().flatten().tolist():
                 p2 = topk_probs(model(torch.tensor([prompt + [x1]])).logits[0, -1])
                 q1 = topk_probs(heads.logits(1, heads.advance(0, z0, torch.tensor(x1))))
+                q1_reported = topk_probs(heads.logits(1, reported(heads, h, prompt, x1)))
                 both = float(min(q0[x1], p1[x1]))  # x1 emitted as the accepted first draft
-                w = accept_law(p2, q1, q1_unfed)
+                second += both * float(torch.minimum(q1, p2).sum())
+                w = accept_law(p2, q1, q1_reported)
                 for x2 in p2.nonzero().flatten().tolist():
                     exact[(x1, x2)] = float(p1[x1] * p2[x2])
                     wrong[(x1, x2)] = both * float(w[x2]) + (float(p1[x1]) - both) * float(p2[x2])
         tv = 0.5 * sum(abs(exact[c] - wrong.get(c, 0.0)) for c in exact)
-        return exact, wrong, tv
+        return exact, wrong, tv, second
 
     g = torch.Generator().manual_seed(0)
-    cands = [torch.randint(3, 500, (6,), generator=g).tolist() for _ in range(400)]
-    prompt = max(cands, key=lambda pr: laws(pr)[2])
-    return spec, prompt, *laws(prompt)
+    cands = {tuple(torch.randint(3, 500, (6,), generator=g).tolist()): None for _ in range(400)}
+    for pr in cands:
+        cands[pr] = laws(list(pr))
+    # the largest TV among prompts whose first step accepts both drafts often (the second
+    # drafts' verification is what the wrong variants get wrong)
+    prompt = max(cands, key=lambda pr: cands[pr][2] * (cands[pr][3] >= SECOND))
+    return spec, list(prompt), *cands[prompt][:3], reported
 
 
-def test_sampled_sequential_medusa_follows_the_target(tiny_llama, seq_case):
-    """Sequential Medusa heads report each draft's distribution given the drafts before it:
-    the output follows the target's law (the joint test above: TV >= 0.06 detected with
-    probability > 0.99)."""
-    spec, prompt, exact, _, _ = seq_case
-    assert all(v * N >= 5 for v in exact.values()) and power_at_tv(0.06, len(exact)) > 0.99
-    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
-    pairs = sample_pairs(llm, prompt)
-    m = llm.metrics
-    assert m.accepted_per_position[1] > 0.1 * N  # second drafts are verified and accepted
-    assert joint_pvalue(pairs, exact) > ALPHA
+def trained_medusa(tiny_llama, tmp_path_factory, name: str, extra: tuple[str, ...], scale: dict):
+    """Sequential Medusa heads (3) trained on the tiny target, each weight whose name starts
+    with a key of ``scale`` multiplied by its value (a few hundred tiny steps move the parts
+    that start at zero little from it; any heads are valid drafts)."""
+    if importlib.util.find_spec("speculum_medusa") is None:
+        pytest.skip("speculum-medusa is not installed")
+    from safetensors.torch import load_file, save_file
+    out = train_tiny("medusa", tiny_llama, tmp_path_factory.mktemp(name), steps=600,
+                     extra=("--num-heads", "3", "--sequential", "--save-dtype", "float32", *extra))
+    f = out / "medusa_lm_head.safetensors"
+    factor = lambda k: next((x for pre, x in scale.items() if k.startswith(pre)), 1.0)  # noqa: E731
+    save_file({k: v * factor(k) for k, v in load_file(str(f)).items()}, str(f))
+    return out
 
 
-def test_sequential_medusa_reporting_its_heads_unfed_is_caught(tiny_llama, seq_case):
-    """The wrong variant: drafts sampled given the drafts before them, but each head's
-    distribution reported without them (as if the heads were Medusa-1's). Its law of
-    (x1, x2), computed, is at TV >= 0.06 from the target's; the joint test rejects it."""
-    spec, prompt, exact, wrong_law, tv = seq_case
-    assert tv >= 0.06, f"pick a case where the unfed heads differ enough (TV {tv:.3f})"
-    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
+@pytest.fixture(scope="module")
+def seq_case(tiny_llama, tmp_path_factory):
+    """Sequential heads, their maps of the drafted tokens scaled by SEQ_SCALE; the wrong variant
+    reports head 1 unfed (without the first draft, as if the heads were Medusa-1's)."""
+    out = trained_medusa(tiny_llama, tmp_path_factory, "seq_medusa", (), {"seq_proj.": SEQ_SCALE})
+    return medusa_case(tiny_llama, out, unfed, unfed)
+
+
+@pytest.fixture(scope="module")
+def pre_case(tiny_llama, tmp_path_factory):
+    """Sequential heads under a prefix layer (the kind shipped since the thirty-fourth session),
+    the maps scaled by SEQ_SCALE (the layer as trained: it moves the heads' features enough);
+    the wrong variant reports head 1 from the features without the layer (advanced by the
+    first draft)."""
+    from speculum.backends.torch.heads import TrainContext
+    out = trained_medusa(tiny_llama, tmp_path_factory, "pre_medusa", ("--prefix-layer",), {"seq_proj.": SEQ_SCALE})
+
+    def through_the_layer(heads, h, prompt):
+        """The layer over every position's features, causal (as training runs it)."""
+        t = len(prompt) - 1
+        ctx = TrainContext()
+        ctx.next_step()
+        f = heads.features(h.view(1, t, -1), torch.tensor(prompt[1:]).view(1, t))
+        return heads.prefix_forward(f, torch.arange(t).view(1, t), ctx)[0, -1]
+
+    def without_the_layer(heads, h, prompt, x1):
+        return heads.advance(0, unfed(heads, h, prompt), torch.tensor(x1))
+
+    return medusa_case(tiny_llama, out, through_the_layer, without_the_layer)
+
+
+def report_head1_wrong(llm: LLM, reported) -> None:
+    """Make ``llm``'s Medusa proposer report head 1's distribution at each request's first
+    propose from the features ``reported(heads, h, prompt, x1)`` gives (see
+    :func:`medusa_case`), its drafts unchanged. Only the first propose's head 1 decides the law
+    of (x1, x2): a later step drafts x2 only after x1 was rejected, with head 0."""
     proposer = llm.proposer
-    heads, inner = proposer.heads, proposer.propose
+    heads, add, inner = proposer.heads, proposer.add_request, proposer.propose
+    states: dict[int, torch.Tensor] = {}
+
+    def keep_states(seq, hidden_states=None):
+        states[seq.seq_id] = hidden_states[-1].clone()
+        return add(seq, hidden_states)
 
     def wrong(batch):
-        last = {s.seq_id: proposer.last.get(s.seq_id) for s in batch.seqs}
         d = inner(batch)
         if d.probs is not None:
             with torch.inference_mode():
                 for b, s in enumerate(batch.seqs):
-                    if d.lengths[b]:
-                        z0 = heads.features(last[s.seq_id], torch.tensor(s.token_ids[-1]))
-                        for i in range(1, d.probs.shape[1]):
-                            d.probs[b, i] = topk_probs(heads.logits(i, z0)).to(d.probs.dtype)
+                    h = states.pop(s.seq_id, None)  # the first propose only
+                    if h is not None and d.lengths[b] > 1:
+                        x = reported(heads, h, list(s.token_ids), int(d.token_ids[b, 0]))
+                        d.probs[b, 1] = topk_probs(heads.logits(1, x)).to(d.probs.dtype)
         return d
 
-    proposer.propose = wrong
+    proposer.add_request, proposer.propose = keep_states, wrong
+
+
+MEDUSA_CASES = pytest.mark.parametrize("case", ["seq_case", "pre_case"], ids=["sequential", "prefix-layer"])
+
+
+@MEDUSA_CASES
+def test_sampled_medusa_follows_the_target(tiny_llama, case, request):
+    """Sequential Medusa heads, with and without a prefix layer, report each draft's
+    distribution given the drafts before it (and the layer): the output follows the target's
+    law (the joint test above: TV >= 0.06 detected with probability > 0.99)."""
+    spec, prompt, exact, *_ = request.getfixturevalue(case)
+    assert all(v * N >= 5 for v in exact.values()) and power_at_tv(0.06, len(exact)) > 0.99
+    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
+    assert llm.proposer.heads.prefixed == (case == "pre_case")
+    pairs = sample_pairs(llm, prompt)
+    assert llm.metrics.accepted_per_position[1] > 0.1 * N  # second drafts are verified and accepted
+    assert joint_pvalue(pairs, exact) > ALPHA
+
+
+@MEDUSA_CASES
+def test_medusa_reporting_head1_wrong_is_caught(tiny_llama, case, request):
+    """The wrong variants: drafts sampled as drafting does, head 1's distribution reported
+    unfed (without the first draft) or without the prefix layer. Each one's law of (x1, x2),
+    computed, is at TV >= 0.06 from the target's; the joint test rejects it, and does not
+    reject the law computed for it."""
+    spec, prompt, exact, wrong_law, tv, reported = request.getfixturevalue(case)
+    assert tv >= 0.06, f"pick a case where the reported head differs enough (TV {tv:.3f})"
+    llm = LLM(str(tiny_llama), spec, device="cpu", dtype="float32", max_num_seqs=512, kv_cache_memory=64 << 20)
+    report_head1_wrong(llm, reported)
     pairs = sample_pairs(llm, prompt)
     assert joint_pvalue(pairs, exact) < ALPHA
     assert joint_pvalue(pairs, wrong_law) > ALPHA  # and it is the law computed for it
