@@ -252,8 +252,8 @@ def trained_medusa(tiny_llama, tmp_path_factory, name: str, extra: tuple[str, ..
     out = train_tiny("medusa", tiny_llama, tmp_path_factory.mktemp(name), steps=600,
                      extra=("--num-heads", "3", "--sequential", "--save-dtype", "float32", *extra))
     f = out / "medusa_lm_head.safetensors"
-    factor = lambda k: next((x for pre, x in scale.items() if k.startswith(pre)), 1.0)  # noqa: E731
-    save_file({k: v * factor(k) for k, v in load_file(str(f)).items()}, str(f))
+    save_file({k: v * next((x for pre, x in scale.items() if k.startswith(pre)), 1.0)
+               for k, v in load_file(str(f)).items()}, str(f))
     return out
 
 
