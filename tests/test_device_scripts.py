@@ -187,3 +187,38 @@ def test_tree_round_trip_leaves_every_head_tracked(tmp_path):
     assert tracked == set(files) | {"scripts/device/tree.sh"}
     assert status == {""}  # nothing staged, nothing untracked
     assert (exclude.read_text() if exclude.exists() else "") == exclude_before
+
+
+def trainers_guard(tmp_path: Path, gpu_mib: int | None, **env) -> subprocess.CompletedProcess:
+    """Run train_heads.sh's check of how many trainers fit the GPU, with a stub ``nvidia-smi``
+    reporting ``gpu_mib`` MiB (None: one that fails, as on a machine without a GPU)."""
+    text = TRAIN_HEADS.read_text()
+    start, end = text.index("# METHODS: which trainers"), text.index("# answers generated in an earlier call")
+    (tmp_path / "guard.sh").write_text(text[start:end])
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "nvidia-smi").write_text("#!/usr/bin/env bash\n" + ("exit 1\n" if gpu_mib is None else f"echo {gpu_mib}\n"))
+    (bin_ / "nvidia-smi").chmod(0o755)
+    full = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", **{k: str(v) for k, v in env.items()}}
+    for k in ("METHODS", "MAX_TRAINERS", "PREP_ONLY", "DATA_ONLY"):
+        if k not in env:
+            full.pop(k, None)
+    return subprocess.run(["bash", str(tmp_path / "guard.sh")], cwd=ROOT, env=full, capture_output=True, text=True)
+
+
+def test_more_trainers_than_the_gpu_holds_are_refused_before_any_work(tmp_path):
+    """Four trainers on an 80 GB H100 (the fourth ran out of memory at its first step,
+    2026-12-05) are refused at once with what to do; three run; an H200 (141 GB) takes the
+    default five; MAX_TRAINERS overrides; calls that train nothing (PREP_ONLY, DATA_ONLY) and
+    machines without nvidia-smi are not checked."""
+    h100, h200 = 81559, 143771
+    four = "draft draft3 medusapre mtp6"
+    refused = trainers_guard(tmp_path, h100, METHODS=four)
+    assert refused.returncode == 2 and "holds about 3" in refused.stdout and "MAX_TRAINERS=4" in refused.stdout
+    assert trainers_guard(tmp_path, h100, METHODS="draft draft3 medusa").returncode == 0
+    assert trainers_guard(tmp_path, h100).returncode == 2  # the default five
+    assert trainers_guard(tmp_path, h200).returncode == 0
+    assert trainers_guard(tmp_path, h100, METHODS=four, MAX_TRAINERS=4).returncode == 0
+    assert trainers_guard(tmp_path, h100, PREP_ONLY=1).returncode == 0
+    assert trainers_guard(tmp_path, h100, DATA_ONLY=1).returncode == 0
+    assert trainers_guard(tmp_path, None, METHODS=four).returncode == 0

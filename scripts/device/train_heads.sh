@@ -20,6 +20,19 @@ GEN_TL=${GEN_TL:-150}    # generation stops here
 RESERVE=${RESERVE:-75}   # trainer start-up, final validation, export and packing
 TR=${TR:-/tmp/tr}
 mkdir -p $TR
+# METHODS: which trainers share the GPU (default all five; e.g. METHODS=eagle3 gives one head the whole GPU)
+METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
+# how many trainers fit side by side: each holds 15-25 GB of the GPU (four on an 80 GB H100, 2026-12-05: the fourth ran
+# out of memory at its first step), so a card holds one per 22 GB; more are refused here, before the data step spends
+# the call (MAX_TRAINERS=N to try anyway)
+if [ "${PREP_ONLY:-0}" != 1 ] && [ "${DATA_ONLY:-0}" != 1 ]; then
+  GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | awk '{print int($1 / 1024)}')
+  MAX_TRAINERS=${MAX_TRAINERS:-$(( ${GPU_GB:-0} > 0 ? GPU_GB / 22 : 99 ))}
+  if [ $(echo $METHODS | wc -w) -gt $MAX_TRAINERS ]; then
+    echo "METHODS ($METHODS) is $(echo $METHODS | wc -w) trainers; this GPU's ${GPU_GB} GB holds about $MAX_TRAINERS side by side"
+    echo "(15-25 GB each): give METHODS fewer, or MAX_TRAINERS=$(echo $METHODS | wc -w) to try anyway"; exit 2
+  fi
+fi
 if [ -n "${INIT_DIR:-}" ] && [ "$(realpath -m $INIT_DIR)" = "$(realpath -m $TR)" ]; then
   echo "INIT_DIR ($INIT_DIR) is where this call writes (TR): give the call another TR (e.g. TR=/tmp/tr2)"; exit 2
 fi
@@ -80,8 +93,6 @@ EMB="--embeddings-from-target"
 [ -f /tmp/draft_shapes.json ] && ! python3 -c "import json, sys; d = json.load(open('/tmp/draft_shapes.json'))
 sys.exit(0 if d.get('recommended', d).get('hidden_size', 576) == 576 else 1)" && EMB=""
 PIDS=()
-# METHODS: which trainers share the GPU (default all five; e.g. METHODS=eagle3 gives one head the whole GPU)
-METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 # The default entries (eagle eagle3 medusa mtp draft) train the kinds shipped now, so INIT_FROM_SHIPPED=1 continues
 # each shipped head (tests/test_device_scripts.py checks their options against the shipped configs):
 # eagle: two layers, the token loss weighing most (--ce-weight 1 --reg-weight 0.1, where EAGLE-1's paper has 0.1 and
