@@ -271,16 +271,10 @@ def pre_case(tiny_llama, tmp_path_factory):
     the maps scaled by SEQ_SCALE (the layer as trained: it moves the heads' features enough);
     the wrong variant reports head 1 from the features without the layer (advanced by the
     first draft)."""
-    from speculum.backends.torch.heads import TrainContext
     out = trained_medusa(tiny_llama, tmp_path_factory, "pre_medusa", ("--prefix-layer",), {"seq_proj.": SEQ_SCALE})
 
-    def through_the_layer(heads, h, prompt):
-        """The layer over every position's features, causal (as training runs it)."""
-        t = len(prompt) - 1
-        ctx = TrainContext()
-        ctx.next_step()
-        f = heads.features(h.view(1, t, -1), torch.tensor(prompt[1:]).view(1, t))
-        return heads.prefix_forward(f, torch.arange(t).view(1, t), ctx)[0, -1]
+    def through_the_layer(heads, h, prompt):  # the layer over every position's features, causal
+        return heads.sequence_features(h[None], torch.tensor(prompt[1:])[None])[0, -1]
 
     def without_the_layer(heads, h, prompt, x1):
         return heads.advance(0, unfed(heads, h, prompt), torch.tensor(x1))

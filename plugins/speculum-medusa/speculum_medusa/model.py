@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculum.backends.torch.heads import HeadDecoderLayer, LlamaArch, Rope, grow_layers
+from speculum.backends.torch.heads import HeadDecoderLayer, LlamaArch, Rope, TrainContext, grow_layers
 
 
 class ResBlock(nn.Module):
@@ -114,6 +114,19 @@ class MedusaHeads(nn.Module):
         x = f.to(layer.mlp_norm.weight.dtype)
         cos, sin = self.rope(positions, x.dtype)
         return layer(x, cos, sin, ctx)
+
+    def sequence_features(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """What head 0 reads [B, T, H] at every position of whole sequences: :meth:`features` of
+        the final normed target states ``h`` [B, T, H] and the tokens they produced ``tokens``
+        [B, T], through the prefix layer if there is one (causal over each sequence: what its
+        cache gives when drafting). Training and ``scripts/medusa_tree.py`` read the heads so."""
+        x = self.features(h, tokens)
+        if self.prefix is None:
+            return x
+        ctx = TrainContext()
+        ctx.next_step()
+        T = x.shape[1]
+        return self.prefix_forward(x, torch.arange(T, device=x.device).expand(x.shape[0], T), ctx)
 
     @property
     def draft_reads_token(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from speculum.backends.torch.heads import TrainContext, arch_from_config
+from speculum.backends.torch.heads import arch_from_config
 from speculum.errors import ConfigError
 from speculum.train.base import TargetDist, Trainer, chain_score, loss_vocab, scatter_rows, scored_ce
 from speculum.train.data import shifted
@@ -72,12 +72,8 @@ class MedusaTrainer(Trainer):
         vocab = loss_vocab(heads, target, args)
         td = TargetDist(batch, target.lm_head, args.loss_on, vocab=vocab, full=not heads.training)
         nxt = shifted(batch.tokens, 1)
-        x = heads.features(batch.hidden[-1], nxt)  # h_t and x_{t+1}
+        x = heads.sequence_features(batch.hidden[-1], nxt)  # h_t and x_{t+1} (through the prefix layer)
         T = x.shape[1]
-        if heads.prefixed:  # the layer over every position, causal, as its cache sees them when drafting
-            ctx = TrainContext()
-            ctx.next_step()
-            x = heads.prefix_forward(x, torch.arange(T, device=x.device).expand(x.shape[0], T), ctx)
         total = torch.zeros((), device=x.device)
         ok, scored = [], []
         for i, z in enumerate(heads.teacher_forced(x, nxt, K)):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from speculum import LLM, SamplingParams
-from speculum.backends.torch.heads import HeadKVCache, TrainContext, arch_from_config
+from speculum.backends.torch.heads import HeadKVCache, arch_from_config
 from speculum.errors import ConfigError
 from speculum.interfaces import SequenceView
 from speculum.proposers.head_checkpoint import read_weights
@@ -96,17 +96,16 @@ def test_drafts_read_the_layer_over_the_whole_sequence(target, prefixed):
 
 
 def test_the_layer_in_training_computes_what_drafting_reads(target, prefixed, parts):
-    """The trainer's pass (causal attention over the whole sequence, TrainContext) gives, at
-    every position, the output the drafting cache gives when the sequence arrives in pieces."""
+    """The trainer's pass (``MedusaHeads.sequence_features``: causal attention over the whole
+    sequence) gives, at every position, the output the drafting cache gives when the sequence
+    arrives in pieces."""
     heads = load_medusa(prefixed, parts)
     tokens = [30, 31, 32, 30, 31, 32, 30, 11, 12, 13, 40, 41]
     h = PrefillHidden(target, (-1,))(tokens)[-1]  # [T, H]
     T = len(tokens) - 1
     nxt = torch.tensor(tokens[1:]).view(1, T)
-    with torch.no_grad():
-        ctx = TrainContext()
-        ctx.next_step()
-        want = heads.prefix_forward(heads.features(h[:T].view(1, T, -1), nxt), torch.arange(T).view(1, T), ctx)[0]
+    with torch.no_grad():  # what training and scripts/medusa_tree.py read
+        want = heads.sequence_features(h[:T].view(1, T, -1), nxt)[0]
 
     def in_pieces(forget: bool) -> torch.Tensor:
         """``forget``: the wrong variant, a fresh cache for every piece (the context dropped)."""
