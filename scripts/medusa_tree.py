@@ -68,8 +68,9 @@ def head_ranks(llm, heads, chats, max_tokens: int, depth: int, width: int):
             # (token-aware heads also read the token each state produced, toks[t + 1]; none after the last;
             # sequential heads the true tokens after it: a tree node is accepted only where its path holds those;
             # a prefix layer attends over the whole sequence's features, the prompt's included)
-            nxt = torch.tensor(toks[P:] + [0], device=h.device)
-            x = heads.sequence_features(h[None], torch.tensor(toks[1:] + [0], device=h.device)[None])[0, P - 1:]
+            produced = torch.tensor(toks[1:] + [0], device=h.device)  # the token each state produced
+            x = heads.sequence_features(h[None], produced[None])[0, P - 1:]
+            nxt = produced[P - 1:]
             logits = torch.stack([heads.logits(i, z) for i, z in enumerate(heads.teacher_forced(x, nxt, depth))]).float()
             top.append(logits.log_softmax(-1).topk(width, dim=-1).values[:, : max(T - P - 1, 0)].transpose(0, 1).cpu())
             # states inside the answer with a token 2 ahead (t = P - 1 + u): head i's rank of

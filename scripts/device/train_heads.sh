@@ -28,9 +28,10 @@ METHODS=${METHODS:-eagle eagle3 medusa mtp draft}
 if [ "${PREP_ONLY:-0}" != 1 ] && [ "${DATA_ONLY:-0}" != 1 ]; then
   GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | awk '{print int($1 / 1024)}')
   MAX_TRAINERS=${MAX_TRAINERS:-$(( ${GPU_GB:-0} > 0 ? GPU_GB / 22 : 99 ))}
-  if [ $(echo $METHODS | wc -w) -gt $MAX_TRAINERS ]; then
-    echo "METHODS ($METHODS) is $(echo $METHODS | wc -w) trainers; this GPU's ${GPU_GB} GB holds about $MAX_TRAINERS side by side"
-    echo "(15-25 GB each): give METHODS fewer, or MAX_TRAINERS=$(echo $METHODS | wc -w) to try anyway"; exit 2
+  N_TRAINERS=$(echo $METHODS | wc -w)
+  if [ $N_TRAINERS -gt $MAX_TRAINERS ]; then
+    echo "METHODS ($METHODS) is $N_TRAINERS trainers; this GPU's ${GPU_GB} GB holds about $MAX_TRAINERS side by side"
+    echo "(15-25 GB each): give METHODS fewer, or MAX_TRAINERS=$N_TRAINERS to try anyway"; exit 2
   fi
 fi
 if [ -n "${INIT_DIR:-}" ] && [ "$(realpath -m $INIT_DIR)" = "$(realpath -m $TR)" ]; then
