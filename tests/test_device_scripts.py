@@ -26,30 +26,43 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("gi
                                 reason="needs bash and git")
 
 
+def run_excerpt(tmp_path: Path, start: str, end: str, stubs: dict[str, str], env: dict, unset=(), tail: str = ""):
+    """Run train_heads.sh's lines from the one beginning ``start`` up to ``end`` (plus ``tail``)
+    in bash from the checkout, with stub commands (name -> bash body) first on PATH and ``env``
+    over this process's environment, less the ``unset`` names."""
+    text = TRAIN_HEADS.read_text()
+    (tmp_path / "excerpt.sh").write_text(text[text.index(start):text.index(end)] + tail)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    for name, body in stubs.items():
+        (bin_ / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_ / name).chmod(0o755)
+    full = {k: v for k, v in os.environ.items() if k not in unset}
+    full.update({"PATH": f"{bin_}:{os.environ['PATH']}", **{k: str(v) for k, v in env.items()}})
+    return subprocess.run(["bash", str(tmp_path / "excerpt.sh")], cwd=ROOT, env=full, capture_output=True, text=True)
+
+
 def launch_loop(tmp_path: Path, **env) -> dict[str, list[str]]:
     """Run train_heads.sh's trainer launches (the lines from ``PIDS=()`` to the wait) with a
     stub ``speculum`` that records its arguments; returns each method's arguments by its output
     folder's name."""
-    text = TRAIN_HEADS.read_text()
-    start, end = text.index("PIDS=()"), text.index("for p in \"${PIDS[@]}\"")
-    (tmp_path / "loop.sh").write_text(text[start:end] + "wait\n")
-    bin_ = tmp_path / "bin"
-    bin_.mkdir(exist_ok=True)
     calls = tmp_path / "calls"
     calls.write_text("")
-    (bin_ / "speculum").write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
-    (bin_ / "speculum").chmod(0o755)
     tr = tmp_path / "tr"
     tr.mkdir(exist_ok=True)
-    full = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "TR": str(tr), "T": "", "SHAPE": "", "EMB": "",
-            **{k: str(v) for k, v in env.items()}}
-    out = subprocess.run(["bash", str(tmp_path / "loop.sh")], cwd=ROOT, env=full, capture_output=True, text=True)
+    out = run_excerpt(tmp_path, "PIDS=()", 'for p in "${PIDS[@]}"', {"speculum": f'echo "$*" >> {calls}\n'},
+                      {"TR": tr, "T": "", "SHAPE": "", "EMB": "", **env}, tail="wait\n")
     assert out.returncode == 0, out.stderr
     found = {}
     for line in calls.read_text().splitlines():
         args = line.split()
         found[Path(args[args.index("--out") + 1]).name] = args
     return found
+
+
+def shipped_config(head: str) -> dict:
+    """config.json of a head (or draft) shipped in this checkout."""
+    return json.loads((ROOT / head / "config.json").read_text())
 
 
 def init_of(args: list[str]) -> str | None:
@@ -72,11 +85,11 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     continued with --num-layers 1, but only after a device call has started.)"""
     runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok mtp2 mtp6 medusapre",
                        INIT_FROM_SHIPPED=1)
-    eagle = json.loads((ROOT / EAGLE_HEAD / "config.json").read_text())
+    eagle = shipped_config(EAGLE_HEAD)
     assert init_of(runs["eagle"]) == EAGLE_HEAD
     assert option(runs["eagle"], "--num-layers", "1") == str(eagle["num_hidden_layers"])
     assert (option(runs["eagle"], "--ce-weight"), option(runs["eagle"], "--reg-weight")) == ("1", "0.1")
-    medusa = json.loads((ROOT / MEDUSA_HEAD / "config.json").read_text())
+    medusa = shipped_config(MEDUSA_HEAD)
     for m in ("medusa", "medusa4"):
         assert init_of(runs[m]) == MEDUSA_HEAD
         assert ("--prefix-layer" in runs[m]) == bool(medusa.get("speculum_prefix_layer"))
@@ -84,7 +97,7 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
         assert ("--sequential" in runs[m] or "--token-input" in runs[m]) == bool(medusa.get("speculum_token_input"))
     assert int(option(runs["medusa"], "--num-layers")) == medusa["medusa_num_layers"]
     assert init_of(runs["mtp"]) == MTP_HEAD
-    mtp = json.loads((ROOT / MTP_HEAD / "config.json").read_text())
+    mtp = shipped_config(MTP_HEAD)
     assert option(runs["mtp"], "--num-layers", "1") == str(mtp.get("speculum_mtp_num_layers", 1))
     assert init_of(runs["mtp2"]) == MTP_HEAD and option(runs["mtp2"], "--num-layers") == "2"  # grown
     assert init_of(runs["mtp6"]) == MTP_HEAD and option(runs["mtp6"], "--num-positions") == "6"  # continued
@@ -108,7 +121,7 @@ def test_each_method_starts_where_asked(tmp_path):
     trainer's own options."""
     runs = launch_loop(tmp_path, METHODS="eagle eagle2 mtp medusaseq draft", INIT_FROM_SHIPPED=1)
     assert set(runs) == {"eagle", "eagle2", "mtp", "medusaseq", "draft"}
-    medusa = json.loads((ROOT / MEDUSA_HEAD / "config.json").read_text())
+    medusa = shipped_config(MEDUSA_HEAD)
     # the sequential heads alone: grown from the shipped ones unless those have a prefix layer (no part is dropped)
     assert init_of(runs["medusaseq"]) == (None if medusa.get("speculum_prefix_layer") else MEDUSA_HEAD)
     assert "--sequential" in runs["medusaseq"]
@@ -192,18 +205,9 @@ def test_tree_round_trip_leaves_every_head_tracked(tmp_path):
 def trainers_guard(tmp_path: Path, gpu_mib: int | None, **env) -> subprocess.CompletedProcess:
     """Run train_heads.sh's check of how many trainers fit the GPU, with a stub ``nvidia-smi``
     reporting ``gpu_mib`` MiB (None: one that fails, as on a machine without a GPU)."""
-    text = TRAIN_HEADS.read_text()
-    start, end = text.index("# METHODS: which trainers"), text.index("# answers generated in an earlier call")
-    (tmp_path / "guard.sh").write_text(text[start:end])
-    bin_ = tmp_path / "bin"
-    bin_.mkdir(exist_ok=True)
-    (bin_ / "nvidia-smi").write_text("#!/usr/bin/env bash\n" + ("exit 1\n" if gpu_mib is None else f"echo {gpu_mib}\n"))
-    (bin_ / "nvidia-smi").chmod(0o755)
-    full = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", **{k: str(v) for k, v in env.items()}}
-    for k in ("METHODS", "MAX_TRAINERS", "PREP_ONLY", "DATA_ONLY"):
-        if k not in env:
-            full.pop(k, None)
-    return subprocess.run(["bash", str(tmp_path / "guard.sh")], cwd=ROOT, env=full, capture_output=True, text=True)
+    return run_excerpt(tmp_path, "# METHODS: which trainers", "# answers generated in an earlier call",
+                       {"nvidia-smi": "exit 1\n" if gpu_mib is None else f"echo {gpu_mib}\n"}, env,
+                       unset=("METHODS", "MAX_TRAINERS", "PREP_ONLY", "DATA_ONLY"))
 
 
 def test_more_trainers_than_the_gpu_holds_are_refused_before_any_work(tmp_path):

@@ -233,9 +233,8 @@ def medusa_case(tiny_llama, out, drafting, reported):
         return exact, wrong, tv, second
 
     g = torch.Generator().manual_seed(0)
-    cands = {tuple(torch.randint(3, 500, (6,), generator=g).tolist()): None for _ in range(400)}
-    for pr in cands:
-        cands[pr] = laws(list(pr))
+    prompts = [tuple(torch.randint(3, 500, (6,), generator=g).tolist()) for _ in range(400)]
+    cands = {pr: laws(list(pr)) for pr in prompts}
     # the largest TV among prompts whose first step accepts both drafts often (the second
     # drafts' verification is what the wrong variants get wrong)
     prompt = max(cands, key=lambda pr: cands[pr][2] * (cands[pr][3] >= SECOND))

@@ -71,10 +71,11 @@ def test_sequential_heads_grown_from_token_aware_ones_on_the_default_model(basel
         return llm
 
     shipped = run()
+    config = next(HEADS.glob("*/config.json"))
     assert shipped.proposer.heads.sequential and shipped.proposer.heads.prefixed == bool(
-        json.loads(next(HEADS.glob("*/config.json")).read_text()).get("speculum_prefix_layer"))
+        json.loads(config.read_text()).get("speculum_prefix_layer"))
     parts = TargetParts.from_runner(shipped.target)
-    heads = load_medusa(next(HEADS.glob("*/config.json")).parent, parts)
+    heads = load_medusa(config.parent, parts)
     assert heads.sequential and all(lin.weight.any() for lin in heads.seq_proj)
     heads.seq_proj = None  # token-aware: the same blocks and token map
     save_medusa(heads, tmp_path / "aware", base_model="SmolLM2-135M-Instruct", dtype=torch.float32)
