@@ -240,3 +240,42 @@ def test_curves_are_collected_and_plotted(tmp_path):
     c = json.loads(out.read_text())["eagle3"]
     assert c["seconds"] == [5.0, 10.0] and c["val_accuracy_1"] == [0.5, 0.6]
     assert c["eval_acceptance_length"] == [1.5, None] and png.stat().st_size > 1000
+
+
+def test_mtp_feature_regression_adds_eagle_ones_term(tiny_llama):
+    """``speculum train mtp --reg-weight w`` adds, to the token loss, w x (per step, weighted
+    decay**j) SmoothL1 of the module's normed output (its shared head's norm) onto the target's
+    next final normed state, the state the module reads at the next position."""
+    import argparse
+
+    import torch.nn.functional as F
+    model = pytest.importorskip("speculum_mtp.model")
+    from speculum.backends.torch.heads import TargetParts, arch_from_config, init_layer
+    from speculum.train.base import chain_unroll
+    from speculum.train.cli import common_arguments, trainers
+    from speculum.train.data import Batch
+    parts = TargetParts.from_checkpoint(tiny_llama)
+    torch.manual_seed(0)
+    head = model.MTPHead(arch_from_config(parts.config, num_layers=1), parts.embed, parts.lm_head)
+    torch.nn.init.normal_(head.eh_proj.weight, std=0.2)
+    init_layer(head.layers[0], 0.2)
+    head.train()
+    trainer = trainers()["mtp"].create()
+    p = argparse.ArgumentParser()
+    common_arguments(p)
+    trainer.add_arguments(p)
+    T, H = 10, parts.hidden_size
+    g = torch.Generator().manual_seed(2)
+    batch = Batch(torch.randint(3, 500, (2, T), generator=g), {-1: torch.randn(2, T, H, generator=g)},
+                  torch.ones(2, T, dtype=torch.bool), torch.ones(2, T, dtype=torch.bool))
+    loss = {w: trainer.loss(head, batch, parts, p.parse_args(["--num-positions", "3", "--reg-weight", str(w),
+                                                              "--loss-vocab", "0"]))[0] for w in (0.0, 0.5)}
+    args = p.parse_args(["--num-positions", "3"])
+    assert args.reg_weight == 0.0  # DeepSeek-V3's loss by default
+    want = 0.0
+    for j, out in chain_unroll(head, batch, 3):
+        m = batch.target_mask(j + 1, args.loss_on)
+        o = out[:, : T - j - 1][m]
+        want += args.step_decay ** j * F.smooth_l1_loss(head.head_norm(o), batch.hidden[-1][:, j + 1:][m])
+    assert float(want) > 0.01
+    torch.testing.assert_close(loss[0.5] - loss[0.0], 0.5 * want, rtol=1e-4, atol=1e-6)

@@ -343,6 +343,16 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
     return total, chain_score(ok, scored, batch.greedy, None if head.training else batch.valid)
 
 
+def feature_regression(batch: Batch, ce_weight: float, reg_weight: float, feature=lambda o: o):
+    """``chain_loss``'s ``extra`` for EAGLE-1's loss: ``ce_weight`` x the step's cross-entropy plus
+    ``reg_weight`` x SmoothL1 of ``feature(o)`` (the head's predicted normed state) onto the target's
+    next final normed state, the feature the head reads at the next position."""
+    def extra(ce, j, o, m):
+        want = batch.hidden[-1][:, j + 1:][m]
+        return ce_weight * ce + reg_weight * F.smooth_l1_loss(feature(o).float(), want.float())
+    return extra
+
+
 def layers_to_add(path, noun: str, have: int, want: int) -> int:
     """How many decoder layers ``--num-layers want`` adds to the checkpoint at ``path`` (``noun``:
     "the head", "the module"), which has ``have``; fewer than it has is a ConfigError (a trained

@@ -21,11 +21,11 @@ import logging
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from speculum.backends.torch.heads import arch_from_config, grow_layers
 from speculum.errors import ConfigError
-from speculum.train.base import Trainer, chain_loss, frequent_tokens, layer_from_target, layers_to_add, loss_vocab
+from speculum.train.base import (Trainer, chain_loss, feature_regression, frequent_tokens, layer_from_target,
+                                 layers_to_add, loss_vocab)
 from speculum_eagle.formats import aux_ids_to_layers, default_aux_ids, load_eagle1, load_eagle3, save_eagle1, save_eagle3
 from speculum_eagle.model import Eagle1Head, Eagle3Head
 
@@ -77,12 +77,8 @@ class EagleTrainer(Trainer):
 
     def loss(self, head, batch, target, args):
         vocab = loss_vocab(head, target, args)
-
-        def with_regression(ce, j, o, m):  # the paper's loss: feature regression + weighted CE
-            want = batch.hidden[-1][:, j + 1:][m]  # the target's next feature
-            return args.ce_weight * ce + args.reg_weight * F.smooth_l1_loss(o.float(), want.float())
-
-        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab), with_regression)
+        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab),
+                          feature_regression(batch, args.ce_weight, args.reg_weight))  # the paper's loss
 
     def export(self, head, out, target, args, meta):
         save_eagle1(head, out, meta=meta, dtype=DTYPES[args.save_dtype])

@@ -2,7 +2,9 @@
 
 The module is unrolled over ``--num-positions`` steps (from step 2 on it reads its own
 output hidden state, as when reused autoregressively) and learns the target's
-next-token distributions (soft cross-entropy), step ``j`` weighted ``--step-decay ** j``.
+next-token distributions (soft cross-entropy), step ``j`` weighted ``--step-decay ** j``;
+``--reg-weight`` adds EAGLE-1's feature regression (the module's normed output onto the
+target's next final normed state).
 Its decoder layer starts as a copy of a target layer (``--init-layer``, default the
 last; with ``--num-layers L`` the module's layers copy the L target layers ending there),
 ``eh_proj`` as a pass-through of the hidden state, the head norm as the target's final norm.
@@ -19,7 +21,7 @@ import torch
 
 from speculum.backends.torch.heads import arch_from_config, grow_layers, init_layer
 from speculum.errors import ConfigError
-from speculum.train.base import Trainer, chain_loss, layer_from_target, layers_to_add, loss_vocab
+from speculum.train.base import Trainer, chain_loss, feature_regression, layer_from_target, layers_to_add, loss_vocab
 from speculum_mtp.formats import load_mtp, save_mtp
 from speculum_mtp.model import ORDERS, MTPHead
 
@@ -42,6 +44,10 @@ class MTPTrainer(Trainer):
         g.add_argument("--num-layers", type=int, default=1,
                        help="decoder layers in the module (DeepSeek-V3: 1; more is a speculum extension of its "
                             "format, speculum_mtp_num_layers)")
+        g.add_argument("--reg-weight", type=float, default=0.0,
+                       help="weight of a feature regression beside the token loss: SmoothL1 of the module's normed "
+                            "output (its shared head's norm) onto the target's next final normed state, EAGLE-1's "
+                            "auxiliary loss (0: none, DeepSeek-V3's loss)")
         g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
 
@@ -70,7 +76,8 @@ class MTPTrainer(Trainer):
 
     def loss(self, head, batch, target, args):
         vocab = loss_vocab(head, target, args)
-        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab))
+        extra = feature_regression(batch, 1.0, args.reg_weight, head.head_norm) if args.reg_weight else None
+        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab), extra)
 
     def export(self, head, out, target, args, meta):
         save_mtp(head, out, target.config, meta=meta, dtype=DTYPES[args.save_dtype])
