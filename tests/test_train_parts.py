@@ -245,7 +245,8 @@ def test_curves_are_collected_and_plotted(tmp_path):
 def test_mtp_feature_regression_adds_eagle_ones_term(tiny_llama):
     """``speculum train mtp --reg-weight w`` adds, to the token loss, w x (per step, weighted
     decay**j) SmoothL1 of the module's normed output (its shared head's norm) onto the target's
-    next final normed state, the state the module reads at the next position."""
+    next final normed state, the state the module reads at the next position; ``--ce-weight``
+    scales the token loss (a regression-led phase); a token loss weighed 0 is refused."""
     import argparse
 
     import torch.nn.functional as F
@@ -268,8 +269,10 @@ def test_mtp_feature_regression_adds_eagle_ones_term(tiny_llama):
     g = torch.Generator().manual_seed(2)
     batch = Batch(torch.randint(3, 500, (2, T), generator=g), {-1: torch.randn(2, T, H, generator=g)},
                   torch.ones(2, T, dtype=torch.bool), torch.ones(2, T, dtype=torch.bool))
-    loss = {w: trainer.loss(head, batch, parts, p.parse_args(["--num-positions", "3", "--reg-weight", str(w),
-                                                              "--loss-vocab", "0"]))[0] for w in (0.0, 0.5)}
+    def loss_at(reg, ce=1.0):
+        return trainer.loss(head, batch, parts, p.parse_args(["--num-positions", "3", "--reg-weight", str(reg),
+                                                              "--ce-weight", str(ce), "--loss-vocab", "0"]))[0]
+    loss = {w: loss_at(w) for w in (0.0, 0.5)}
     args = p.parse_args(["--num-positions", "3"])
     assert args.reg_weight == 0.0  # DeepSeek-V3's loss by default
     want = 0.0
@@ -279,3 +282,7 @@ def test_mtp_feature_regression_adds_eagle_ones_term(tiny_llama):
         want += args.step_decay ** j * F.smooth_l1_loss(head.head_norm(o), batch.hidden[-1][:, j + 1:][m])
     assert float(want) > 0.01
     torch.testing.assert_close(loss[0.5] - loss[0.0], 0.5 * want, rtol=1e-4, atol=1e-6)
+    # a regression-led loss (EAGLE-1's paper: 0.1 x tokens + 1 x regression)
+    torch.testing.assert_close(loss_at(1.0, 0.1), 0.1 * loss[0.0] + want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError, match="positive weight"):
+        trainer.build(p.parse_args(["--ce-weight", "0"]), parts, {}, None, [])

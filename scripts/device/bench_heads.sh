@@ -13,9 +13,9 @@ m() { if [ -n "$HEADS" ] && [ -f "$HEADS/$1/config.json" ]; then echo "{\"method
 METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$(m eagle)" --method "$(m mtp)"
          --method "$(m medusa)")
 # variants trained beside the heads (train_heads.sh's eagle2, eagle2ce, eaglece, medusa4, medusatok, medusaseq, mtp2,
-# mtp6, mtpreg, mtp2reg, medusapre):
+# mtp6, mtpreg, mtp2reg, mtp2regled, medusapre):
 # benched as their method
-for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa mtp2:mtp mtp6:mtp mtpreg:mtp mtp2reg:mtp \
+for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa mtp2:mtp mtp6:mtp mtpreg:mtp mtp2reg:mtp mtp2regled:mtp \
          medusapre:medusa; do
   [ -n "$HEADS" ] && [ -f "$HEADS/${v%%:*}/config.json" ] && METHODS+=(--method "{\"method\":\"${v#*:}\",\"model\":\"$HEADS/${v%%:*}\",$E}")
 done

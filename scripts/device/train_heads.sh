@@ -130,7 +130,10 @@ PIDS=()
 # mtpreg, mtp2reg: the shipped MTP module (one layer; mtp2reg grown to two) trained with EAGLE-1's feature regression
 #   beside the token loss (--reg-weight 0.1, as the shipped eagle head: its normed output onto the target's next
 #   final normed state); the eagle head, the same chain on the same data, accepts more from its first step on
-#   (validation 0.750 against 0.710 at position 1)
+#   (validation 0.750 against 0.710 at position 1); both moved as plain continuation does (H100, 2026-12-06: MAL 2.24)
+# mtp2regled: the shipped module grown to two layers and trained regression-led (--reg-weight 1 --ce-weight 0.1, EAGLE-1's
+#   paper, as the eagle head was for most of its steps before its token-led run moved it); continue it token-led with
+#   INIT_DIR=<its TR> ARGS_mtp2regled="--ce-weight 1 --reg-weight 0.1"
 # draft3: the draft grown to three layers (--num-layers 3: its layers, then a copy of its last whose output projections
 #   start at zero, so it drafts as the draft it grew from until trained); from the shipped draft with INIT_FROM_SHIPPED=1
 for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle2=eagle --loss-vocab 0 --num-layers 2" \
@@ -143,6 +146,7 @@ for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0
          "medusapre=medusa --num-heads 4 --num-layers 2 --sequential --prefix-layer --loss-vocab 0" \
          "mtp6=mtp --loss-vocab 0 --num-positions 6 --step-decay 0.9" \
          "mtpreg=mtp --loss-vocab 0 --reg-weight 0.1" "mtp2reg=mtp --loss-vocab 0 --num-layers 2 --reg-weight 0.1" \
+         "mtp2regled=mtp --loss-vocab 0 --num-layers 2 --reg-weight 1 --ce-weight 0.1" \
          "draft3=draft $SHAPE --loss-vocab 0 $EMB --num-layers 3 ${DRAFT_ARGS:-}"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac

@@ -29,6 +29,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 log = logging.getLogger(__name__)
 
 
+def _check_weights(args) -> None:
+    if args.ce_weight <= 0 or args.reg_weight < 0:
+        raise ConfigError(f"--ce-weight {args.ce_weight} --reg-weight {args.reg_weight}: give the token loss a "
+                          "positive weight and the regression 0 or more")
+
+
 class MTPTrainer(Trainer):
     name = "mtp"
     description = "DeepSeek-V3-style MTP module (enorm/hnorm, eh_proj, decoder layer(s), shared head)"
@@ -48,10 +54,14 @@ class MTPTrainer(Trainer):
                        help="weight of a feature regression beside the token loss: SmoothL1 of the module's normed "
                             "output (its shared head's norm) onto the target's next final normed state, EAGLE-1's "
                             "auxiliary loss (0: none, DeepSeek-V3's loss)")
+        g.add_argument("--ce-weight", type=float, default=1.0,
+                       help="weight of the token loss beside --reg-weight (EAGLE-1's paper: 0.1 with a regression "
+                            "weight of 1, a regression-led phase)")
         g.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the exported weights")
         p.set_defaults(lr=1e-3)
 
     def build(self, args, target, state, data, train_ids):
+        _check_weights(args)
         if args.num_layers < 1:
             raise ConfigError(f"--num-layers {args.num_layers}: a module needs at least one decoder layer")
         arch = arch_from_config(target.config, num_layers=args.num_layers)
@@ -76,7 +86,8 @@ class MTPTrainer(Trainer):
 
     def loss(self, head, batch, target, args):
         vocab = loss_vocab(head, target, args)
-        extra = feature_regression(batch, 1.0, args.reg_weight, head.head_norm) if args.reg_weight else None
+        extra = (feature_regression(batch, args.ce_weight, args.reg_weight, head.head_norm)
+                 if args.reg_weight or args.ce_weight != 1.0 else None)
         return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab), extra)
 
     def export(self, head, out, target, args, meta):
@@ -85,6 +96,7 @@ class MTPTrainer(Trainer):
     def load(self, path, target, args):
         """The module at ``path``; with ``--num-layers`` above its own, grown to that many
         decoder layers (its layers, then ones that start as identity maps)."""
+        _check_weights(args)
         head = load_mtp(path, target, None, 0)
         if head.concat_order != args.concat_order:
             raise ConfigError(f"--init-from {path}: its concat order is {head.concat_order!r}; pass "
