@@ -269,6 +269,7 @@ def test_mtp_feature_regression_adds_eagle_ones_term(tiny_llama):
     g = torch.Generator().manual_seed(2)
     batch = Batch(torch.randint(3, 500, (2, T), generator=g), {-1: torch.randn(2, T, H, generator=g)},
                   torch.ones(2, T, dtype=torch.bool), torch.ones(2, T, dtype=torch.bool))
+
     def loss_at(reg, ce=1.0):
         return trainer.loss(head, batch, parts, p.parse_args(["--num-positions", "3", "--reg-weight", str(reg),
                                                               "--ce-weight", str(ce), "--loss-vocab", "0"]))[0]

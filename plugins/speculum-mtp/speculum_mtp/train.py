@@ -4,7 +4,7 @@ The module is unrolled over ``--num-positions`` steps (from step 2 on it reads i
 output hidden state, as when reused autoregressively) and learns the target's
 next-token distributions (soft cross-entropy), step ``j`` weighted ``--step-decay ** j``;
 ``--reg-weight`` adds EAGLE-1's feature regression (the module's normed output onto the
-target's next final normed state).
+target's next final normed state), ``--ce-weight`` weighs the token loss beside it.
 Its decoder layer starts as a copy of a target layer (``--init-layer``, default the
 last; with ``--num-layers L`` the module's layers copy the L target layers ending there),
 ``eh_proj`` as a pass-through of the hidden state, the head norm as the target's final norm.
