@@ -242,7 +242,7 @@ def test_curves_are_collected_and_plotted(tmp_path):
     assert c["eval_acceptance_length"] == [1.5, None] and png.stat().st_size > 1000
 
 
-def test_mtp_feature_regression_adds_eagle_ones_term(tiny_llama):
+def test_mtp_feature_regression_adds_eagle1_term(tiny_llama):
     """``speculum train mtp --reg-weight w`` adds, to the token loss, w x (per step, weighted
     decay**j) SmoothL1 of the module's normed output (its shared head's norm) onto the target's
     next final normed state, the state the module reads at the next position; ``--ce-weight``
