@@ -9,7 +9,7 @@ from speculum import LLM, SamplingParams
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft, ProposeBatch, SequenceView
 from speculum.sampling import SamplingBatch
-from speculum.testing import tiny_model_dir
+from speculum.testing import make_llm, tiny_model_dir
 from speculum_draft_model import DraftModelOptions, DraftModelProposer
 
 PROMPTS = [{"prompt_token_ids": p} for p in ([5], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
@@ -26,11 +26,6 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("small_vocab"), "llama", seed=2, num_layers=1, vocab_size=256)
-
-
-def make_llm(target, spec=None, **kw) -> LLM:
-    # a small KV budget: the paged runner allocates all of it up front
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def kv_tokens_in_use(allocator) -> int:

@@ -12,20 +12,22 @@ import json
 import pytest
 import torch
 
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.backends.torch.heads import ChainHeadProposer, TargetParts, arch_from_config, init_layer
 from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.proposers.head_checkpoint import read_weights
 from speculum.sampling import SamplingBatch
-from speculum.testing import (TREE_CONFIGS, HeadPathReference, PrefillHidden, assert_static_draft_matches_eager,
-                              assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_drafts, record_trees,
-                              assert_drafting_ahead_changes_nothing, run_with_an_abort_and_a_join, static_output_buffers, tiny_model_dir, train_tiny, assert_training_starts_from)
+from speculum.testing import (make_llm, TOKEN_PROMPTS as PROMPTS, TREE_CONFIGS, HeadPathReference, PrefillHidden,
+                              assert_static_draft_matches_eager, assert_tree_greedy_lossless,
+                              assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
+                              record_drafts, record_trees, assert_drafting_ahead_changes_nothing,
+                              run_with_an_abort_and_a_join, static_output_buffers, tiny_model_dir, train_tiny,
+                              assert_training_starts_from)
 from speculum_eagle.formats import (default_aux_ids, detect, eagle1_state, eagle3_state, load_eagle1, load_eagle3,
                                     save_eagle1, save_eagle3)
 from speculum_eagle.model import Eagle1Head, Eagle3Head
 
-PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 RUNNERS = ["native", "hf"]
 
@@ -38,10 +40,6 @@ def trained(target, tmp_path_factory):
     work = tmp_path_factory.mktemp("train")
     return {"eagle": train_tiny("eagle", target, work), "eagle3": train_tiny("eagle3", target, work,
                                                                            extra=("--draft-vocab", "384"))}
-
-
-def make_llm(target, spec=None, **kw) -> LLM:
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def random_eagle1(parts, seed=0) -> Eagle1Head:

@@ -16,12 +16,11 @@ from speculum import LLM, SamplingParams
 from speculum.backends.torch.heads import TargetParts, arch_from_config, init_layer
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.testing import (TREE_CONFIGS, assert_static_draft_matches_eager, assert_tree_greedy_lossless,
-                              record_drafts, train_tiny)
+from speculum.testing import (make_llm, TOKEN_PROMPTS as PROMPTS, TREE_CONFIGS, assert_static_draft_matches_eager,
+                              assert_tree_greedy_lossless, record_drafts, train_tiny)
 from speculum_eagle.formats import eagle3_state, load_eagle3, save_eagle3
 from speculum_eagle.model import Eagle3Head
 
-PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,10 +36,6 @@ def heads(target, tmp_path_factory):
     work = tmp_path_factory.mktemp("train")
     return {"tail": train_tiny("eagle3", target, work / "tail", extra=("--draft-vocab", "64", "--draft-tail")),
             "plain": train_tiny("eagle3", target, work / "plain", extra=("--draft-vocab", "64"))}
-
-
-def make_llm(target, spec=None, **kw) -> LLM:
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def test_logits_cover_every_token_and_the_checkpoint_stays_eagle3(parts, tmp_path):

@@ -7,19 +7,20 @@ import json
 import pytest
 import torch
 
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.backends.torch.heads import TargetParts
 from speculum.errors import ConfigError
 from speculum.interfaces import StepFeedback
 from speculum.proposers.head_checkpoint import read_weights
 from speculum.backends.torch.heads import topk_logprobs
-from speculum.testing import (TREE_CONFIGS, PrefillHidden, assert_drafts_equal_fresh_prefills, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
-                              assert_overlap_changes_nothing, record_drafts, record_trees, tiny_model_dir,
-                              train_tiny, assert_training_starts_from)
+from speculum.testing import (make_llm, TOKEN_PROMPTS as PROMPTS, TREE_CONFIGS, PrefillHidden,
+                              assert_drafts_equal_fresh_prefills, assert_tree_greedy_lossless,
+                              assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference,
+                              assert_overlap_changes_nothing, record_drafts, record_trees, tiny_model_dir, train_tiny,
+                              assert_training_starts_from)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import detect, load_medusa, medusa_state, save_medusa
 
-PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -29,10 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
     return train_tiny("medusa", target, tmp_path_factory.mktemp("train"), extra=("--num-heads", "3"))
-
-
-def make_llm(target, spec=None, **kw) -> LLM:
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def random_heads(parts, own: bool, seed=0, num_heads=3, num_layers=2) -> MedusaHeads:

@@ -9,17 +9,17 @@ import json
 import pytest
 import torch
 
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.backends.torch.heads import HeadKVCache, arch_from_config
 from speculum.errors import ConfigError
 from speculum.interfaces import SequenceView
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.testing import (PrefillHidden, assert_drafts_equal_fresh_prefills, assert_overlap_changes_nothing,
-                              assert_tree_greedy_lossless_under_preemption, train_tiny)
+from speculum.testing import (make_llm, TOKEN_PROMPTS as PROMPTS, PrefillHidden, assert_drafts_equal_fresh_prefills,
+                              assert_overlap_changes_nothing, assert_tree_greedy_lossless_under_preemption,
+                              train_tiny)
 from speculum_medusa import MedusaHeads, MedusaProposer
 from speculum_medusa.formats import load_medusa, medusa_state, save_medusa
 
-PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 CHAIN = {"num_speculative_tokens": 3}
 TREE = {"tree_topk": 3, "tree_depth": 3, "num_draft_tokens": 8}
@@ -37,10 +37,6 @@ def prefixed(target, tmp_path_factory):
     """Sequential heads with a prefix layer, trained from scratch."""
     return train_tiny("medusa", target, tmp_path_factory.mktemp("prefix"),
                       extra=("--num-heads", "3", "--sequential", "--prefix-layer"))
-
-
-def make_llm(target, spec=None, **kw) -> LLM:
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def plain(target, prompts=PROMPTS, params=GREEDY):

@@ -9,18 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.backends.torch.heads import ChainHeadProposer, TargetParts, arch_from_config, init_layer
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_weights
-from speculum.testing import (TREE_CONFIGS, HeadPathReference, assert_drafts_equal_fresh_prefills,
-                              assert_static_draft_matches_eager, assert_tree_greedy_lossless,
-                              assert_tree_greedy_lossless_under_preemption, assert_trees_follow_reference, record_trees,
-                              tiny_model_dir, train_tiny, assert_training_starts_from)
+from speculum.testing import (make_llm, TOKEN_PROMPTS as PROMPTS, TREE_CONFIGS, HeadPathReference,
+                              assert_drafts_equal_fresh_prefills, assert_static_draft_matches_eager,
+                              assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption,
+                              assert_trees_follow_reference, record_trees, tiny_model_dir, train_tiny,
+                              assert_training_starts_from)
 from speculum_mtp import MTPHead
 from speculum_mtp.formats import detect, load_mtp, mtp_state, save_mtp
 
-PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30, 31, 32, 30], [10, 11, 12, 13, 14] * 4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -42,10 +42,6 @@ def parts(target):
 @pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
     return train_tiny("mtp", target, tmp_path_factory.mktemp("train"))
-
-
-def make_llm(target, spec=None, **kw) -> LLM:
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def random_mtp(parts, order="embed_hidden", own_head=False, seed=0) -> MTPHead:

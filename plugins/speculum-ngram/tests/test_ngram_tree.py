@@ -17,7 +17,7 @@ from speculum.engine import LLM
 from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.sampling import SamplingBatch, SamplingParams
-from speculum.testing import (assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption,
+from speculum.testing import (make_llm, assert_tree_greedy_lossless, assert_tree_greedy_lossless_under_preemption,
                               assert_drafting_ahead_changes_nothing, record_trees, tiny_model_dir, tree_token_paths)
 from speculum_ngram import NgramProposer, SuffixIndex, TreeSuffixIndex, continuation_trie
 
@@ -44,10 +44,6 @@ def _prompts(seed: int = 0) -> list[dict]:
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0)
-
-
-def make_llm(target, spec=None, **kw) -> LLM:
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def _propose(p: NgramProposer, seqs: list[list[int]], k: int):
