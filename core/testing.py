@@ -20,12 +20,12 @@ TOKEN_PROMPTS = [{"prompt_token_ids": p} for p in ([5], [7, 9], [30, 31, 32, 30,
 heads draft well) and a longer repeat."""
 
 
-def make_llm(target, spec=None, **kw):
-    """An fp32 CPU engine of the tiny model at ``target`` with ``speculative_config`` ``spec`` and a
-    small KV budget (16 MiB: the paged runner allocates all of it up front); ``kw`` goes to
-    :class:`speculum.LLM`."""
+def make_llm(target, spec=None, device: str = "cpu", **kw):
+    """An fp32 engine (on the CPU unless ``device`` says otherwise) of the tiny model at ``target``
+    with ``speculative_config`` ``spec`` and a small KV budget (16 MiB: the paged runner allocates
+    all of it up front); ``kw`` goes to :class:`speculum.LLM`."""
     from speculum import LLM
-    return LLM(str(target), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
+    return LLM(str(target), spec, device=device, dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
 def tiny_config(arch: str = "llama", num_layers: int = 2, vocab_size: int = TINY_VOCAB, hidden: int = 64):

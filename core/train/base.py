@@ -346,8 +346,11 @@ def chain_loss(head, batch: Batch, target: TargetParts, args, vocab: torch.Tenso
 def feature_regression(batch: Batch, ce_weight: float, reg_weight: float, feature=lambda o: o):
     """``chain_loss``'s ``extra`` for EAGLE-1's loss: ``ce_weight`` x the step's cross-entropy plus
     ``reg_weight`` x SmoothL1 of ``feature(o)`` (the head's predicted normed state) onto the target's
-    next final normed state, the feature the head reads at the next position."""
+    next final normed state, the feature the head reads at the next position (not computed at
+    ``reg_weight`` 0)."""
     def extra(ce, j, o, m):
+        if not reg_weight:
+            return ce_weight * ce
         want = batch.hidden[-1][:, j + 1:][m]
         return ce_weight * ce + reg_weight * F.smooth_l1_loss(feature(o).float(), want.float())
     return extra

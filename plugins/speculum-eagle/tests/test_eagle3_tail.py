@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.backends.torch.heads import TargetParts, arch_from_config, init_layer
 from speculum.errors import ConfigError
 from speculum.proposers.head_checkpoint import read_weights
@@ -213,7 +213,7 @@ def test_without_the_tail_it_drafts_from_the_own_vocabulary_only(target, heads, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the default is a GPU only)")
 def test_on_a_gpu_the_tail_is_on_by_default_and_folded(target, heads):
     spec = {"method": "eagle3", "model": str(heads["tail"]), "num_speculative_tokens": 3}
-    base = LLM(str(target), device="cuda", dtype="float32", kv_cache_memory=16 << 20).generate(PROMPTS, GREEDY)
-    llm = LLM(str(target), spec, device="cuda", dtype="float32", kv_cache_memory=16 << 20)
+    base = make_llm(target, device="cuda").generate(PROMPTS, GREEDY)
+    llm = make_llm(target, spec, device="cuda")
     assert llm.proposer.head.tail is not None and llm.proposer.head.folded is not None
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [b.token_ids for b in base]

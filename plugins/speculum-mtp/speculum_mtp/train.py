@@ -86,9 +86,8 @@ class MTPTrainer(Trainer):
 
     def loss(self, head, batch, target, args):
         vocab = loss_vocab(head, target, args)
-        extra = (feature_regression(batch, args.ce_weight, args.reg_weight, head.head_norm)
-                 if args.reg_weight or args.ce_weight != 1.0 else None)
-        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab), extra)
+        return chain_loss(head, batch, target, args, vocab, lambda o: head.logits(o, vocab),
+                          feature_regression(batch, args.ce_weight, args.reg_weight, head.head_norm))
 
     def export(self, head, out, target, args, meta):
         save_mtp(head, out, target.config, meta=meta, dtype=DTYPES[args.save_dtype])

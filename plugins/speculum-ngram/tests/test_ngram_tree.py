@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from speculum.config import SpeculativeConfig
-from speculum.engine import LLM
 from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.sampling import SamplingBatch, SamplingParams
@@ -274,7 +273,7 @@ def test_tree_greedy_lossless_on_cuda(target, max_num_seqs):
     by default): the host-made trees are shipped to the device; output equals plain decoding
     (fp32) and the engine's steps equal the replay."""
     def make(spec, **kw):
-        return LLM(str(target), spec, device="cuda", dtype="float32", kv_cache_memory=16 << 20, **kw)
+        return make_llm(target, spec, device="cuda", **kw)
 
     llm = assert_tree_greedy_lossless(make, SPEC, _prompts(), GREEDY, max_num_seqs=max_num_seqs)
     mod, cfg = _script(), llm.speculative_config.tree
