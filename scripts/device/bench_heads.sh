@@ -12,17 +12,19 @@ E="\"num_speculative_tokens\":$K"
 m() { if [ -n "$HEADS" ] && [ -f "$HEADS/$1/config.json" ]; then echo "{\"method\":\"$1\",\"model\":\"$HEADS/$1\",$E}"; else echo "{\"method\":\"$1\",$E}"; fi; }
 METHODS=(--method "{\"method\":\"ngram\",$E}" --method "$(m eagle3)" --method "$(m eagle)" --method "$(m mtp)"
          --method "$(m medusa)")
-# variants trained beside the heads (train_heads.sh's eagle2, eagle2ce, eaglece, medusa4, medusatok, medusaseq, mtp2,
-# mtp6, mtpreg, mtp2reg, mtp2regled, medusapre):
-# benched as their method
-for v in eagle2:eagle eagle2ce:eagle eaglece:eagle medusa4:medusa medusatok:medusa medusaseq:medusa mtp2:mtp mtp6:mtp mtpreg:mtp mtp2reg:mtp mtp2regled:mtp \
-         medusapre:medusa; do
-  [ -n "$HEADS" ] && [ -f "$HEADS/${v%%:*}/config.json" ] && METHODS+=(--method "{\"method\":\"${v#*:}\",\"model\":\"$HEADS/${v%%:*}\",$E}")
+# every other folder train_heads.sh left in $HEADS (eagle2ce, medusaseq, mtp2regled, draft3, ...), benched as the
+# method its config.json records (speculum.method; a trained draft's "draft" is the draft_model method)
+spec_method() { python3 -c 'import json, sys
+m = json.load(open(sys.argv[1])).get("speculum", {}).get("method", "")
+print({"draft": "draft_model"}.get(m, m))' "$1"; }
+variant() { [ -f "$1" ] || return 0; local sm; sm=$(spec_method "$1")
+            [ -z "$sm" ] || METHODS+=(--method "{\"method\":\"$sm\",\"model\":\"${1%/config.json}\",$E}"); }
+for c in ${HEADS:+$HEADS/*/config.json}; do
+  case "$(basename "$(dirname "$c")")" in eagle3|eagle|mtp|medusa|draft) ;; *) variant "$c" ;; esac
 done
-# a draft trained beside it with more layers (train_heads.sh's draft3)
-[ -n "$HEADS" ] && [ -f "$HEADS/draft3/model.safetensors" ] && \
-  METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$HEADS/draft3\",$E}")
-D=${DRAFT:-/tmp/tr/draft}
+# ALSO="/tmp/tr": every folder of these too, the default names included (an earlier phase's heads beside HEADS=/tmp/tr2)
+for a in ${ALSO:-}; do for c in "$a"/*/config.json; do variant "$c"; done; done
+D=${DRAFT:-${HEADS:-/tmp/tr}/draft}
 [ -f $D/model.safetensors ] && METHODS+=(--method "{\"method\":\"draft_model\",\"model\":\"$D\",$E}")
 # DRAFT_KS="2 3": the draft at those k too (its acceptance falls fast along a chain: 0.45, 0.24, 0.15, 0.12 per
 # position on the H100, 2026-12-05, so a shorter chain may pay more)
