@@ -14,7 +14,7 @@ import torch
 from speculum import LLM, SamplingParams
 from speculum.cli import main
 from speculum.errors import ConfigError, ModelLoadError
-from speculum.testing import PrefillHidden, token_prompts_file
+from speculum.testing import PrefillHidden, make_llm, token_prompts_file
 from speculum.train.data import DistillData
 from speculum.train.distill import DistillSpec, ensure_distill
 
@@ -227,9 +227,8 @@ def test_trained_draft_model_is_a_lossless_draft(tiny_llama, prompts, tmp_path):
     assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == 512
     p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
-    base = LLM(str(tiny_llama), **kw).generate(p, greedy)
-    llm = LLM(str(tiny_llama), {"model": str(out), "num_speculative_tokens": 3}, **kw)
+    base = make_llm(tiny_llama).generate(p, greedy)
+    llm = make_llm(tiny_llama, {"model": str(out), "num_speculative_tokens": 3})
     assert llm.speculative_config.method == "draft_model"
     assert [o.token_ids for o in llm.generate(p, greedy)] == [b.token_ids for b in base]
     assert llm.metrics.num_accepted_tokens > 0
@@ -264,11 +263,10 @@ def test_a_draft_with_a_wider_mlp_starts_as_the_target_shaped_one(tiny_llama, pr
     assert torch.allclose(logits["narrow"], logits["wide"], atol=1e-5)
     p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
-    base = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(p, greedy)]
+    base = [o.token_ids for o in make_llm(tiny_llama).generate(p, greedy)]
     runs = {}
     for d in (narrow, wide):
-        llm = LLM(str(tiny_llama), {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3}, **kw)
+        llm = make_llm(tiny_llama, {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3})
         runs[d.name] = ([o.token_ids for o in llm.generate(p, greedy)], llm.metrics.num_accepted_tokens)
     assert runs["wide"] == runs["narrow"] and runs["wide"][0] == base
     # a trained narrow draft grows the same way (--init-from with a wider --intermediate-size), and a
@@ -316,11 +314,10 @@ def test_a_trained_draft_grows_deeper_and_drafts_as_before(tiny_llama, prompts, 
     assert json.loads((three / "config.json").read_text())["num_hidden_layers"] == 3
     p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
-    plain = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(p, greedy)]
+    plain = [o.token_ids for o in make_llm(tiny_llama).generate(p, greedy)]
     spec = {"method": "draft_model", "num_speculative_tokens": 3}
     llms = assert_grown_head_drafts_as_before(
-        lambda sp: LLM(str(tiny_llama), sp, **kw), spec, two, three,
+        lambda sp: make_llm(tiny_llama, sp), spec, two, three,
         ["model.layers.2.self_attn.o_proj.weight", "model.layers.2.mlp.down_proj.weight"], p, greedy, plain, tmp_path)
     assert llms[1].metrics.num_accepted_tokens == llms[0].metrics.num_accepted_tokens > 0
     assert train(["draft", *common, "--steps", "1", "--init-from", str(three), "--out", str(again)]) == 0
@@ -344,14 +341,13 @@ def test_a_shipped_draft_is_used_when_model_is_unset_and_only_for_its_target(tin
     monkeypatch.setattr(proposer, "SHIPPED", shipped)
     p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
-    base = LLM(str(tiny_llama), **kw).generate(p, greedy)
-    llm = LLM(str(tiny_llama), {"method": "draft_model", "num_speculative_tokens": 3}, **kw)
+    base = make_llm(tiny_llama).generate(p, greedy)
+    llm = make_llm(tiny_llama, {"method": "draft_model", "num_speculative_tokens": 3})
     assert [o.token_ids for o in llm.generate(p, greedy)] == [b.token_ids for b in base]
     assert llm.metrics.num_accepted_tokens > 0
     other = tiny_model_dir(tmp_path / "other", "llama", seed=5)
     with pytest.raises(ConfigError, match="ships drafts for tiny"):
-        LLM(str(other), {"method": "draft_model", "num_speculative_tokens": 3}, **kw)
+        make_llm(other, {"method": "draft_model", "num_speculative_tokens": 3})
 
 
 def test_a_slim_draft_is_completed_for_the_target_whose_fingerprint_it_recorded(tmp_path, monkeypatch):
@@ -742,11 +738,10 @@ def test_a_draft_saved_without_the_targets_embedding_loads_continues_and_is_loss
     assert complete_draft(whole, tiny_llama) == whole  # a whole checkpoint as it is
     p = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [30, 31, 30, 31, 30]}]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
-    base = LLM(str(tiny_llama), **kw).generate(p, greedy)
+    base = make_llm(tiny_llama).generate(p, greedy)
     runs = {}
     for name, d in (("whole", whole), ("slim", slim)):
-        llm = LLM(str(tiny_llama), {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3}, **kw)
+        llm = make_llm(tiny_llama, {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3})
         runs[name] = ([o.token_ids for o in llm.generate(p, greedy)], llm.metrics.num_accepted_tokens)
     assert runs["slim"] == runs["whole"] and runs["slim"][0] == [b.token_ids for b in base]
     # continued from the slim checkpoint (--init-from): its weights are the start

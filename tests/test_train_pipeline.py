@@ -14,7 +14,7 @@ import pytest
 from speculum import LLM, SamplingParams
 from speculum.cli import main
 from speculum.datasets import mt_bench as mt_bench_prompts
-from speculum.testing import tiny_model_dir
+from speculum.testing import make_llm, tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -112,11 +112,10 @@ def test_pipeline_data_mix_ttt_and_draft_shape(chat_target, tmp_path):
     # both are lossless drafts (greedy, fp32)
     p = [{"prompt_token_ids": [5, 6, 7, 8]}, [{"role": "user", "content": "Say something."}]]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
-    base = [o.token_ids for o in LLM(str(chat_target), **kw).generate(p, greedy)]
+    base = [o.token_ids for o in make_llm(chat_target).generate(p, greedy)]
     for spec in ({"model": str(tmp_path / "eagle3"), "num_speculative_tokens": 3},
                  {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3}):
-        llm = LLM(str(chat_target), spec, **kw)
+        llm = make_llm(chat_target, spec)
         assert [o.token_ids for o in llm.generate(p, greedy)] == base
 
 
