@@ -19,6 +19,7 @@ import torch
 
 from speculum import LLM, SamplingParams
 from speculum.errors import RequestError
+from speculum.testing import make_llm
 from speculum.tokenizer import Tokenizer
 
 K = 4
@@ -29,7 +30,6 @@ PROMPTS = [
 ]
 N = 40
 ENGINES = ["baseline", "speculative"]
-ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
 
 
 class FakeHFTokenizer:
@@ -69,11 +69,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama) -> dict[str, LLM]:
-    kw = dict(ENGINE_KW, max_num_seqs=len(PROMPTS))
+    kw = dict(max_num_seqs=len(PROMPTS))
     return {
-        "baseline": LLM(str(tiny_llama), **kw),
-        "speculative": LLM(str(tiny_llama), {"method": "draft_model", "model": str(tiny_llama),
-                                             "num_speculative_tokens": K}, **kw),
+        "baseline": make_llm(tiny_llama, **kw),
+        "speculative": make_llm(tiny_llama, {"method": "draft_model", "model": str(tiny_llama),
+                                              "num_speculative_tokens": K}, **kw),
     }
 
 
@@ -128,7 +128,7 @@ def test_max_tokens(engines, reference, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_max_model_len(tiny_llama, reference, engine, runner):
     spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": K} if engine == "speculative" else None
-    llm = LLM(str(tiny_llama), spec, max_model_len=27, runner=runner, **ENGINE_KW)
+    llm = make_llm(tiny_llama, spec, max_model_len=27, runner=runner)
     prompt = PROMPTS[2]  # 20 tokens: 7 fit
     out = llm.generate(prompt, greedy(ignore_eos=True))[0]
     assert out.token_ids == reference[2][:7]

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from speculum.config import SpeculativeConfig
-from speculum.engine import LLM
 from speculum.errors import ConfigError
 from speculum.interfaces import ProposeBatch, SequenceView
 from speculum.sampling import SamplingBatch, SamplingParams
-from speculum.testing import tiny_model_dir
+from speculum.testing import make_llm, tiny_model_dir
 from speculum_ngram import NgramOptions, NgramProposer
 from speculum_ngram.corpus import Corpus, build, load_corpus
 
@@ -97,14 +96,14 @@ def test_greedy_output_with_a_corpus_is_identical_to_no_speculation(target, tmp_
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (4, 9, 5, 12, 7, 6)]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=3)
-    base = [o.token_ids for o in LLM(str(target), **kw).generate(prompts, greedy)]
-    seen = [o.token_ids for o in LLM(str(target), **kw).generate(
+    kw = dict(max_num_seqs=3)
+    base = [o.token_ids for o in make_llm(target, **kw).generate(prompts, greedy)]
+    seen = [o.token_ids for o in make_llm(target, **kw).generate(
         [{"prompt_token_ids": p["prompt_token_ids"][:2]} for p in prompts], greedy)]
     np.save(tmp_path / "c.npy", np.array([t for s in seen for t in (*s, SEP)], dtype=np.int32))
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    plain = LLM(str(target), spec, **kw)
-    with_corpus = LLM(str(target), {**spec, "options": {"corpus": str(tmp_path / "c.npy")}}, **kw)
+    plain = make_llm(target, spec, **kw)
+    with_corpus = make_llm(target, {**spec, "options": {"corpus": str(tmp_path / "c.npy")}}, **kw)
     outs = with_corpus.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == base
     assert [o.token_ids for o in plain.generate(prompts, greedy)] == base

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from speculum.engine import LLM
 from speculum.sampling import SamplingParams
-from speculum.testing import run_with_an_abort_and_a_join, tiny_model_dir, verified_drafts
+from speculum.testing import make_llm, run_with_an_abort_and_a_join, tiny_model_dir, verified_drafts
 from speculum_ngram import device, kernels
 from speculum_ngram.corpus import Corpus
 from speculum_ngram.device import DeviceHistory, suffix_match
@@ -94,11 +93,11 @@ def test_an_engine_drafting_from_the_verdict_verifies_the_host_drafts(target, tm
     verdict ("forward": the next verify forward launched from it too). The wrong variant,
     a device lookup that misses the verdict's last token (an off-by-one in the accepted
     count), verifies other drafts and accepts fewer."""
-    kw = dict(device=dev, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    kw = dict(device=dev, max_num_seqs=4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     base = [torch.randint(3, 400, (5,), generator=g).tolist() for _ in range(4)]
-    first = [o.token_ids for o in LLM(str(target), **kw).generate([{"prompt_token_ids": b} for b in base], params)]
+    first = [o.token_ids for o in make_llm(target, **kw).generate([{"prompt_token_ids": b} for b in base], params)]
     # each prompt holds the target's own answer to its start, then the start again: lookup pays
     prompts = [{"prompt_token_ids": b + f + b} for b, f in zip(base, first)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -106,10 +105,10 @@ def test_an_engine_drafting_from_the_verdict_verifies_the_host_drafts(target, tm
         np.save(tmp_path / "c.npy", np.array([t for s in zip(base, first) for t in (*s[0], *s[1], -1)], dtype=np.int32))
         spec["options"] = {"corpus": str(tmp_path / "c.npy")}
         prompts = [{"prompt_token_ids": b} for b in base]
-    plain = [o.token_ids for o in LLM(str(target), **kw).generate(prompts, params)]
+    plain = [o.token_ids for o in make_llm(target, **kw).generate(prompts, params)]
 
     def run(from_verdict: bool, broken: bool = False):
-        llm = LLM(str(target), spec, **kw)
+        llm = make_llm(target, spec, **kw)
         llm.loop.overlap = from_verdict
         llm.loop.forward_from_verdict = from_verdict and mode == "forward"
         if broken:  # both ways of looking up: torch ops (CPU) and the kernel (CUDA)
@@ -177,10 +176,9 @@ def test_the_kernel_drafts_what_the_torch_lookup_drafts(with_corpus):
 
 def test_ngram_launches_the_next_forward_from_the_verdict_unless_told_otherwise(target):
     """from_verdict left out: the method's choice, "forward" for n-gram; a value given wins."""
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    default = LLM(str(target), spec, **kw).loop
+    default = make_llm(target, spec).loop
     assert default.from_verdict and default.forward_from_verdict
-    draft = LLM(str(target), {**spec, "from_verdict": "draft"}, **kw).loop
+    draft = make_llm(target, {**spec, "from_verdict": "draft"}).loop
     assert draft.from_verdict and not draft.forward_from_verdict
-    assert not LLM(str(target), {**spec, "from_verdict": "off"}, **kw).loop.from_verdict
+    assert not make_llm(target, {**spec, "from_verdict": "off"}).loop.from_verdict

@@ -18,12 +18,12 @@ import torch
 from scipy import stats
 
 import speculum
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.errors import ConfigError
 from speculum.interfaces import Draft
 from speculum.plugins import build_registry
 from speculum.sampling import SamplingBatch, make_generator, processed_probs
-from speculum.testing import tiny_model_dir
+from speculum.testing import make_llm as fp32_llm, tiny_model_dir
 from speculum.verifiers import greedy_verify
 from speculum_typical_acceptance import TypicalAcceptanceOptions, TypicalAcceptanceVerifier, typical_accept
 
@@ -158,7 +158,7 @@ def target(tmp_path_factory):
 def make_llm(target, **spec):
     cfg = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3,
            "options": {"num_layers": 1}, "acceptance_method": "typical_acceptance", **spec}
-    return LLM(str(target), cfg, device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    return fp32_llm(target, cfg, max_num_seqs=4)
 
 
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 6, 7], [30, 31, 32, 30, 31], [10, 11, 12, 13] * 3)]
@@ -166,8 +166,7 @@ PROMPTS = [{"prompt_token_ids": p} for p in ([5, 6, 7], [30, 31, 32, 30, 31], [1
 
 def test_engine_greedy_is_identical_to_plain_decoding(target):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    base = [o.token_ids for o in LLM(str(target), None, device="cpu", dtype="float32",
-                                     kv_cache_memory=16 << 20).generate(PROMPTS, greedy)]
+    base = [o.token_ids for o in fp32_llm(target).generate(PROMPTS, greedy)]
     llm = make_llm(target)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == base
     assert llm.metrics.num_accepted_tokens > 0
@@ -276,11 +275,10 @@ def test_engine_tree_greedy_is_identical_and_sampled_runs(target, tmp_path):
         pytest.skip("trees need a tree-drafting method: speculum-eagle is not installed")
     head = train_tiny("eagle", target, tmp_path)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    base = [o.token_ids for o in LLM(str(target), None, device="cpu", dtype="float32",
-                                     kv_cache_memory=16 << 20).generate(PROMPTS, greedy)]
+    base = [o.token_ids for o in fp32_llm(target).generate(PROMPTS, greedy)]
     tree = {"method": "eagle", "model": str(head), "tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 6,
             "acceptance_method": "typical_acceptance"}
-    llm = LLM(str(target), tree, device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    llm = fp32_llm(target, tree, max_num_seqs=4)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == base
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.7, max_tokens=16, seed=1, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outs) and llm.metrics.num_accepted_tokens > 0
