@@ -287,3 +287,18 @@ def test_mtp_feature_regression_adds_eagle1_term(tiny_llama):
     torch.testing.assert_close(loss_at(1.0, 0.1), 0.1 * loss[0.0] + want, rtol=1e-4, atol=1e-6)
     with pytest.raises(ConfigError, match="positive weight"):
         trainer.build(p.parse_args(["--ce-weight", "0"]), parts, {}, None, [])
+
+
+def test_no_keep_best_after_keep_best_turns_it_off():
+    """`train_heads.sh` passes --keep-best to every trainer; a phase that lowers the token
+    acceptance on purpose (regression-led) gives --no-keep-best after it, and the last wins,
+    so that phase exports its last step rather than its start."""
+    import argparse
+
+    from speculum.train.cli import common_arguments
+    p = argparse.ArgumentParser()
+    common_arguments(p)
+    assert p.parse_args([]).keep_best is False
+    assert p.parse_args(["--keep-best"]).keep_best is True
+    assert p.parse_args(["--keep-best", "--no-keep-best"]).keep_best is False
+    assert p.parse_args(["--no-keep-best", "--keep-best"]).keep_best is True

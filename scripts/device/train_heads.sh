@@ -132,8 +132,9 @@ PIDS=()
 #   final normed state); the eagle head, the same chain on the same data, accepts more from its first step on
 #   (validation 0.750 against 0.710 at position 1); both moved as plain continuation does (H100, 2026-12-06: MAL 2.24)
 # mtp2regled: the shipped module grown to two layers and trained regression-led (--reg-weight 1 --ce-weight 0.1, EAGLE-1's
-#   paper, as the eagle head was for most of its steps before its token-led run moved it); continue it token-led with
-#   INIT_DIR=<its TR> ARGS_mtp2regled="--ce-weight 1 --reg-weight 0.1"
+#   paper, as the eagle head was for most of its steps before its token-led run moved it) with ARGS_mtp2regled="--no-keep-best"
+#   (that phase lowers the token acceptance on purpose, 2.908 -> 2.77 in 205 s on the H100: --keep-best exported its
+#   start, the thirty-sixth session); continue it token-led with INIT_DIR=<its TR> ARGS_mtp2regled="--ce-weight 1 --reg-weight 0.1"
 # draft3: the draft grown to three layers (--num-layers 3: its layers, then a copy of its last whose output projections
 #   start at zero, so it drafts as the draft it grew from until trained); from the shipped draft with INIT_FROM_SHIPPED=1
 for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle2=eagle --loss-vocab 0 --num-layers 2" \
