@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
@@ -272,12 +273,13 @@ def shipped_corpus(tokenizer, vocab_size: int) -> str:
                       "--out corpus.npy` (the caches of `speculum train`), then give its path as options.corpus")
 
 
-def table_cache(path: Path, n_min: int, n_max: int, depth: int, max_votes: int = 512) -> Path:
+def table_cache(path: Path, n_min: int, n_max: int, depth: int, max_votes: int = 512,
+                data: bytes | None = None) -> Path:
     """Where the tables of corpus file ``path`` are cached (``$SPECULUM_CACHE/ngram/``), keyed
-    by the file's contents, the n-gram range, the continuation depth, the vote and
-    :data:`TABLE_VERSION`."""
+    by the file's contents (``data`` when the caller has read them already), the n-gram range,
+    the continuation depth, the vote and :data:`TABLE_VERSION`."""
     from speculum import cache_root
-    h = hashlib.sha1(path.read_bytes())
+    h = hashlib.sha1(path.read_bytes() if data is None else data)
     h.update(json.dumps([TABLE_VERSION, n_min, n_max, depth, max_votes]).encode())
     return cache_root() / "ngram" / f"{path.stem}-{h.hexdigest()[:16]}.npz"
 
@@ -295,7 +297,8 @@ def load_corpus(path: str, n_min: int, n_max: int, depth: int = 8) -> Corpus:
                           "--answers <answers cache> --out corpus.npy` (the caches of `speculum train`), or use "
                           '"shipped" for the default model\'s')
     t0 = time.perf_counter()
-    cache = table_cache(p, n_min, n_max, depth)
+    raw = p.read_bytes()  # read once: hashed for the cache's key, and parsed on a miss
+    cache = table_cache(p, n_min, n_max, depth, data=raw)
     if cache.is_file():
         try:
             corpus = Corpus.load(cache)
@@ -305,7 +308,7 @@ def load_corpus(path: str, n_min: int, n_max: int, depth: int = 8) -> Corpus:
             log.info("n-gram corpus %s: %d tokens, tables read from %s in %.1f s", p.name, len(corpus), cache,
                      time.perf_counter() - t0)
             return corpus
-    tokens = read_tokens(p)
+    tokens = read_tokens(io.BytesIO(raw))
     log.info("n-gram corpus %s: %d tokens; voting every %d- to %d-gram's continuation (once: ~20-30 s and 1.7 GB "
              "for the shipped corpus on one CPU core, then cached)", p.name, int((tokens >= 0).sum()), n_min, n_max)
     corpus = Corpus(tokens, n_min, n_max, depth=depth)

@@ -134,6 +134,7 @@ def test_a_large_corpus_tables_are_cached_on_disk_and_read_back(tmp_path, monkey
     first = load_corpus(str(path), 2, 4, depth=3)
     cached = cmod.table_cache(path, 2, 4, 3)
     assert cached.is_file() and cached.parent == tmp_path / "cache" / "ngram"
+    assert cmod.table_cache(path, 2, 4, 3, data=path.read_bytes()) == cached  # load_corpus reads the file once
     load_corpus.cache_clear()  # a new process: reads the file, votes nothing
     monkeypatch.setattr(cmod, "_voted_table", lambda *a: pytest.fail("voted again"))
     again = load_corpus(str(path), 2, 4, depth=3)
