@@ -281,7 +281,7 @@ def test_mtp_feature_regression_adds_eagle1_term(tiny_llama):
         m = batch.target_mask(j + 1, args.loss_on)
         o = out[:, : T - j - 1][m]
         want += args.step_decay ** j * F.smooth_l1_loss(head.head_norm(o), batch.hidden[-1][:, j + 1:][m])
-    assert float(want) > 0.01
+    assert float(want.detach()) > 0.01
     torch.testing.assert_close(loss[0.5] - loss[0.0], 0.5 * want, rtol=1e-4, atol=1e-6)
     # a regression-led loss (EAGLE-1's paper: 0.1 x tokens + 1 x regression)
     torch.testing.assert_close(loss_at(1.0, 0.1), 0.1 * loss[0.0] + want, rtol=1e-4, atol=1e-6)
