@@ -78,3 +78,73 @@ def test_prompt_sets_by_name_or_path(tmp_path):
                                                                    [{"role": "user", "content": "b"}]]
     with pytest.raises(RequestError, match="not found"):
         mod.read_chats(str(tmp_path / "missing.jsonl"), 1, None)
+
+
+def test_head_ranks_agree_with_the_live_proposer_under_a_prefix_layer(tiny_llama, tmp_path):
+    """head_ranks reads heads with a prefix layer teacher-forced over whole sequences
+    (`MedusaHeads.sequence_features`); the live proposer feeds the layer position by position
+    through its cache. At every step the engine drafted, head i's draft is the true token
+    exactly when head_ranks gives the true token rank 0 (for the heads whose earlier drafts
+    were true, as head_ranks assumes; near-ties left out). The wrong variant, ranks read
+    without the prefix layer, disagrees with the drafts somewhere."""
+    import pytest
+    pytest.importorskip("speculum_medusa")
+    from speculum import SamplingParams
+    from speculum.testing import make_llm, train_tiny
+
+    mod = _module()
+    heads_dir = train_tiny("medusa", tiny_llama, tmp_path, extra=("--num-heads", "3", "--sequential", "--prefix-layer"))
+    llm = make_llm(tiny_llama, {"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": 3}, max_num_seqs=1)
+    heads = llm.proposer.heads
+    torch.manual_seed(0)
+    with torch.no_grad():  # the layer must matter for the wrong variant to show: any weights draft losslessly
+        for p in heads.prefix.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    seen = []
+    inner = llm.proposer.propose
+
+    def propose(batch):
+        d = inner(batch)
+        seen.append((list(batch.seqs[0].token_ids), d.token_ids[0].tolist()))
+        return d
+
+    llm.proposer.propose = propose
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 400, (n,), generator=g).tolist()} for n in (6, 9)]
+    depth, width = 3, 8
+    ranks, top = mod.head_ranks(llm, heads, prompts, 40, depth, width)
+    llm.proposer.propose = inner
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))  # the answers head_ranks read
+    rows, start = {}, 0
+    for o in outs:  # head_ranks' rows per answer: its states with a token two ahead
+        P, T = len(o.prompt_token_ids), len(o.prompt_token_ids) + len(o.token_ids)
+        rows[tuple(o.prompt_token_ids)] = (start, P, list(o.prompt_token_ids) + list(o.token_ids), max(T - P - 1, 0))
+        start += max(T - P - 1, 0)
+
+    def compared(r):
+        both, agree = 0, 0
+        for seq, drafts in seen:
+            key = next(k for k in rows if tuple(seq[: len(k)]) == k)
+            s, P, toks, U = rows[key]
+            u = len(seq) - 1 - P  # the state that produced the sequence's last token
+            # (the first step's drafts come from the prompt's state before its last token, u = -1: the prefill
+            # leaves the last prompt token to the first verify; head_ranks starts at the answer)
+            for i, d in enumerate(drafts):
+                if u < 0 or u >= U - i or (i and drafts[i - 1] != toks[len(seq) + i - 1]):
+                    break
+                if top[s + u, i, 0] - top[s + u, i, 1] < 1e-4:
+                    continue  # a near-tie: either order is right
+                both += 1
+                agree += int((d == toks[len(seq) + i]) == bool(r[s + u, i] == 0))
+        return both, agree
+
+    both, agree = compared(ranks)
+    assert both > 20 and agree == both
+    assert sum(int(x) == 0 for x in ranks[:, 0]) > 3  # drafts that were right are among those compared
+    prefix, heads.prefix = heads.prefix, None
+    try:
+        wrong, _ = mod.head_ranks(llm, heads, prompts, 40, depth, width)
+    finally:
+        heads.prefix = prefix
+    both_w, agree_w = compared(wrong)
+    assert agree_w < both_w
