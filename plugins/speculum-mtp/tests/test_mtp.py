@@ -30,16 +30,6 @@ KV_TIGHT = 20 * 16 * (512 + 256)
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def parts(target):
-    return TargetParts.from_checkpoint(target)
-
-
-@pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
     return train_tiny("mtp", target, tmp_path_factory.mktemp("train"))
 
