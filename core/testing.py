@@ -28,6 +28,24 @@ def make_llm(target, spec=None, device: str = "cpu", **kw):
     return LLM(str(target), spec, device=device, dtype="float32", kv_cache_memory=16 << 20, **kw)
 
 
+def target_fixtures(num_layers: int = 2):
+    """Module-scoped pytest fixtures ``(target, parts)`` for a plugin's ``conftest.py``: a tiny
+    random Llama (:func:`tiny_model_dir`, seed 0, ``num_layers`` layers) and its
+    :class:`~speculum.backends.torch.heads.TargetParts`. Use: ``target, parts = target_fixtures()``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def target(tmp_path_factory):
+        return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0, num_layers=num_layers)
+
+    @pytest.fixture(scope="module")
+    def parts(target):
+        from speculum.backends.torch.heads import TargetParts
+        return TargetParts.from_checkpoint(target)
+
+    return target, parts
+
+
 def tiny_config(arch: str = "llama", num_layers: int = 2, vocab_size: int = TINY_VOCAB, hidden: int = 64):
     """A small transformers config of the Llama family (``llama``, ``qwen2``, ``qwen3``, ``mistral``)."""
     from transformers import AutoConfig

@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
+from speculum.testing import target_fixtures
 
-from speculum.backends.torch.heads import TargetParts
-from speculum.testing import tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    # 4 layers: EAGLE-3's default aux layers (2, L//2, L-3) exist and avoid the last one
-    return tiny_model_dir(tmp_path_factory.mktemp("target"), "llama", seed=0, num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def parts(target):
-    return TargetParts.from_checkpoint(target)
+# 4 layers: EAGLE-3's default aux layers (2, L//2, L-3) exist and avoid the last one
+target, parts = target_fixtures(num_layers=4)
