@@ -90,7 +90,7 @@ def test_head_ranks_agree_with_the_live_proposer_under_a_prefix_layer(tiny_llama
     import pytest
     pytest.importorskip("speculum_medusa")
     from speculum import SamplingParams
-    from speculum.testing import make_llm, train_tiny
+    from speculum.testing import make_llm, record_drafts, train_tiny
 
     mod = _module()
     heads_dir = train_tiny("medusa", tiny_llama, tmp_path, extra=("--num-heads", "3", "--sequential", "--prefix-layer"))
@@ -100,20 +100,12 @@ def test_head_ranks_agree_with_the_live_proposer_under_a_prefix_layer(tiny_llama
     with torch.no_grad():  # the layer must matter for the wrong variant to show: any weights draft losslessly
         for p in heads.prefix.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    seen = []
-    inner = llm.proposer.propose
-
-    def propose(batch):
-        d = inner(batch)
-        seen.append((list(batch.seqs[0].token_ids), d.token_ids[0].tolist()))
-        return d
-
-    llm.proposer.propose = propose
+    recorded = record_drafts(llm)
     g = torch.Generator().manual_seed(5)
     prompts = [{"prompt_token_ids": torch.randint(3, 400, (n,), generator=g).tolist()} for n in (6, 9)]
     depth, width = 3, 8
     ranks, top = mod.head_ranks(llm, heads, prompts, 40, depth, width)
-    llm.proposer.propose = inner
+    seen = [(seqs[0], drafts[0].tolist()) for seqs, drafts in recorded]  # one sequence a step (max_num_seqs=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))  # the answers head_ranks read
     rows, start = {}, 0
     for o in outs:  # head_ranks' rows per answer: its states with a token two ahead
