@@ -83,7 +83,7 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     options their kind needs, read from the shipped configs: as many EAGLE-1 or MTP layers, sequential
     or token-aware Medusa heads as shipped. (The trainers refuse a mismatch, e.g. a two-layer head
     continued with --num-layers 1, but only after a device call has started.)"""
-    runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok mtp2 mtp6 medusapre",
+    runs = launch_loop(tmp_path, METHODS="eagle medusa mtp eagle2 eaglece medusa4 medusatok mtp2 mtp6 medusapre mtpregled",
                        INIT_FROM_SHIPPED=1)
     eagle = shipped_config(EAGLE_HEAD)
     assert init_of(runs["eagle"]) == EAGLE_HEAD
@@ -101,6 +101,9 @@ def test_the_default_entries_train_the_kinds_shipped(tmp_path):
     assert option(runs["mtp"], "--num-layers", "1") == str(mtp.get("speculum_mtp_num_layers", 1))
     assert init_of(runs["mtp2"]) == MTP_HEAD and option(runs["mtp2"], "--num-layers") == "2"  # grown
     assert init_of(runs["mtp6"]) == MTP_HEAD and option(runs["mtp6"], "--num-positions") == "6"  # continued
+    assert init_of(runs["mtpregled"]) == MTP_HEAD  # continued regression-led, as many layers as shipped
+    assert option(runs["mtpregled"], "--num-layers", "1") == str(mtp.get("speculum_mtp_num_layers", 1))
+    assert (option(runs["mtpregled"], "--reg-weight"), option(runs["mtpregled"], "--ce-weight")) == ("1", "0.1")
     assert init_of(runs["medusapre"]) == MEDUSA_HEAD and "--prefix-layer" in runs["medusapre"]  # grown
     assert ("--prefix-layer" in runs["medusa"]) == bool(medusa.get("speculum_prefix_layer"))
     # variants the shipped heads cannot be grown into start from scratch (or INIT_DIR)

@@ -135,6 +135,9 @@ PIDS=()
 #   paper, as the eagle head was for most of its steps before its token-led run moved it) with ARGS_mtp2regled="--no-keep-best"
 #   (that phase lowers the token acceptance on purpose, 2.908 -> 2.77 in 205 s on the H100: --keep-best exported its
 #   start, the thirty-sixth session); continue it token-led with INIT_DIR=<its TR> ARGS_mtp2regled="--ce-weight 1 --reg-weight 0.1"
+#   (thirty-seventh session: 423 s regression-led, then 244 s token-led: validation 2.963, MT-bench MAL 2.28 against the
+#   shipped module's 2.23, but 1.22x against 1.34x: the second layer costs more than it gains; not shipped)
+# mtpregled: the same two phases on the shipped one-layer module (its step stays as cheap as the shipped one's)
 # draft3: the draft grown to three layers (--num-layers 3: its layers, then a copy of its last whose output projections
 #   start at zero, so it drafts as the draft it grew from until trained); from the shipped draft with INIT_FROM_SHIPPED=1
 for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0.1" "eagle2=eagle --loss-vocab 0 --num-layers 2" \
@@ -148,6 +151,7 @@ for m in "eagle=eagle --loss-vocab 0 --num-layers 2 --ce-weight 1 --reg-weight 0
          "mtp6=mtp --loss-vocab 0 --num-positions 6 --step-decay 0.9" \
          "mtpreg=mtp --loss-vocab 0 --reg-weight 0.1" "mtp2reg=mtp --loss-vocab 0 --num-layers 2 --reg-weight 0.1" \
          "mtp2regled=mtp --loss-vocab 0 --num-layers 2 --reg-weight 1 --ce-weight 0.1" \
+         "mtpregled=mtp --loss-vocab 0 --reg-weight 1 --ce-weight 0.1" \
          "draft3=draft $SHAPE --loss-vocab 0 $EMB --num-layers 3 ${DRAFT_ARGS:-}"; do
   n=${m%%=*}
   case " $METHODS " in *" $n "*) ;; *) continue ;; esac
