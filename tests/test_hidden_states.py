@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 
 import speculum
 from speculum.backends.torch.backend import TorchBackend
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.interfaces import Draft
+from speculum.testing import make_llm
 
 RUNNERS = ["native", "hf"]
 LAYERS = (0, -1)
@@ -127,8 +128,8 @@ class RecorderPlugin:
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_loop_hands_prefill_and_accepted_states_to_the_proposer(tiny_llama, reference, runner):
-    llm = LLM(str(tiny_llama), {"method": "hidden_recorder", "num_speculative_tokens": 3}, device="cpu",
-              dtype="float32", kv_cache_memory=16 << 20, runner=runner, plugins=[RecorderPlugin])
+    llm = make_llm(tiny_llama, {"method": "hidden_recorder", "num_speculative_tokens": 3}, runner=runner,
+                   plugins=[RecorderPlugin])
     assert llm.loop.hidden_layers == LAYERS
     prompts = [[10, 11, 12, 13, 10, 11, 12, 13], [7], [30, 31, 30, 31, 30]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

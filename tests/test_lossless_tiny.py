@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from speculum import LLM, SamplingParams
+from speculum import LLM, SamplingParams, testing
 
 _rng = random.Random(1234)
 _base10 = [_rng.randrange(3, 512) for _ in range(10)]
@@ -41,14 +41,13 @@ BATCH_SIZES = [2, len(PROMPTS)]  # requests join mid-flight / all at once
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-#: fp32 on CPU; a small KV budget (the paged runner allocates all of it up front)
-ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory=16 << 20)
 RUNNERS = ["native", "hf"]  # the native Llama-family runner and the transformers fallback
 
 
 def make_llm(model, spec=None, **kw) -> LLM:
+    """fp32 on the CPU, a small KV budget (:func:`speculum.testing.make_llm`), room for every prompt."""
     kw.setdefault("max_num_seqs", len(PROMPTS))
-    return LLM(model=str(model), speculative_config=spec, **ENGINE_KW, **kw)
+    return testing.make_llm(model, spec, **kw)
 
 
 def check_metrics(m, num_output_tokens: int) -> None:

@@ -20,7 +20,7 @@ import torch
 
 import speculum
 import speculum.plugins
-from speculum import LLM, SamplingParams, hooks
+from speculum import LLM, SamplingParams, hooks, testing
 from speculum.backends.torch import TorchBackend
 from speculum.config import SpeculativeConfig
 from speculum.engine_build import resolve_method
@@ -171,7 +171,7 @@ TEST_PLUGINS = [EchoPlugin, MyHeadDetector, SilentDetector, VerifierPlugin, Back
 # ------------------------------------------------------------------------- fixtures
 def make_llm(model, spec=None, **kw) -> LLM:
     kw.setdefault("max_num_seqs", 2)
-    return LLM(str(model), spec, device="cpu", dtype="float32", kv_cache_memory=16 << 20, **kw)
+    return testing.make_llm(model, spec, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from speculum import LLM, SamplingParams
+from speculum import SamplingParams
 from speculum.server import async_engine
 from speculum.server.async_engine import AsyncEngine
+from speculum.testing import make_llm
 
 
 def test_one_wakeup_per_step_carries_every_request_s_update(tiny_llama, monkeypatch):
@@ -18,7 +19,7 @@ def test_one_wakeup_per_step_carries_every_request_s_update(tiny_llama, monkeypa
         calls.append(len(items))
         real(loop, items)
     monkeypatch.setattr(async_engine, "deliver", counting)
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_num_seqs=8, kv_cache_memory=16 << 20)
+    llm = make_llm(tiny_llama, max_num_seqs=8)
     engine = AsyncEngine(llm)
     engine.start()
     n, max_tokens = 8, 12
