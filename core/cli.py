@@ -285,6 +285,8 @@ def _compare(args, rows, params, common, specs) -> int:
     print()
     for r in results[1:]:
         print(cmp.diagnose(base, r))
+    for line in cmp.load_warnings(results):
+        print(line)
     if greedy:
         same = sum(r.identical(base)[0] for r in results[1:])
         total = sum(r.identical(base)[1] for r in results[1:])

@@ -63,18 +63,35 @@ def _own_jiffies() -> int | None:
         return None
 
 
+#: the machine's (busy, total) jiffies and this process's own, at one moment
+CpuSnapshot = tuple[tuple[int, int], int]
+
+
+def cpu_snapshot() -> CpuSnapshot | None:
+    """Where the machine's and this process's CPU time stand now (None off Linux)."""
+    machine, own = _cpu_jiffies(), _own_jiffies()
+    return None if machine is None or own is None else (machine, own)
+
+
+def others_busy(since: CpuSnapshot | None) -> float | None:
+    """Cores other processes kept busy, on average, from ``since`` (a :func:`cpu_snapshot`)
+    to now: the machine's busy time less this process's own (None if not measurable)."""
+    now = cpu_snapshot()
+    if since is None or now is None or now[0][1] == since[0][1]:
+        return None
+    (busy_a, total_a), own_a = since
+    (busy_b, total_b), own_b = now
+    busy = (busy_b - busy_a) - (own_b - own_a)
+    return max(0.0, busy / (total_b - total_a) * (os.cpu_count() or 1))
+
+
 def busy_cpus(sample_s: float = 0.25) -> float | None:
     """Cores kept busy by other processes over ``sample_s`` seconds (None off Linux)."""
-    a, own_a = _cpu_jiffies(), _own_jiffies()
-    if a is None or own_a is None:
+    since = cpu_snapshot()
+    if since is None:
         return None
     time.sleep(sample_s)
-    b, own_b = _cpu_jiffies(), _own_jiffies()
-    if b is None or own_b is None or b[1] == a[1]:
-        return None
-    ncpu = os.cpu_count() or 1
-    busy = (b[0] - a[0]) - (own_b - own_a)
-    return max(0.0, busy / (b[1] - a[1]) * ncpu)
+    return others_busy(since)
 
 
 def choose_threads(threads: int | None = None) -> ThreadChoice:

@@ -21,6 +21,12 @@ import attrs
 import torch
 
 from speculum.metrics import SpecDecodeMetrics
+from speculum.threads import cpu_snapshot, others_busy
+
+#: the name of the baseline measured once more after every config (``baseline_again``)
+AGAIN = "autoregressive (again)"
+#: cores other processes kept busy during a config's timed run from which its figures are flagged
+BUSY_WARN = 0.5
 
 
 @attrs.define
@@ -208,16 +214,55 @@ def run_method(llm, groups: dict[str, list], params, name: str, config: dict | N
     (``pooled``) all of them in one call, timed as a whole."""
     out: dict[str, GroupResult] = {}
     before = _counters(llm)
+    load = Load()
     if pooled:
         if progress:
             progress(f"{name}: {sum(map(len, groups.values()))} prompts of {len(groups)} groups at once")
-        out, seconds = run_pooled(llm, groups, params)
-        return _result(llm, name, config, out, before, seconds)
+        out, seconds = load.during(run_pooled, llm, groups, params)
+        return load.note(_result(llm, name, config, out, before, seconds))
     for cat, prompts in groups.items():
         if progress:
             progress(f"{name}: {cat} ({len(prompts)} prompts)")
-        out[cat] = run_group(llm, prompts, params)
-    return _result(llm, name, config, out, before)
+        out[cat] = load.during(run_group, llm, prompts, params)
+    return load.note(_result(llm, name, config, out, before))
+
+
+@attrs.define
+class Load:
+    """The cores other processes kept busy while a config's timed runs ran: averaged over
+    those runs (``during``), weighted by their time; None where not measurable (off Linux)."""
+
+    core_seconds: float = 0.0
+    seconds: float = 0.0
+    measurable: bool = True
+
+    def during(self, fn: Callable, *args):
+        """``fn(*args)``, its time and the other processes' load over it counted."""
+        since, t0 = cpu_snapshot(), time.perf_counter()
+        out = fn(*args)
+        busy, dt = others_busy(since), time.perf_counter() - t0
+        if busy is None:
+            self.measurable = False
+        else:
+            self.core_seconds += busy * dt
+            self.seconds += dt
+        return out
+
+    def average(self) -> float | None:
+        return round(self.core_seconds / self.seconds, 2) if self.measurable and self.seconds > 0 else None
+
+    def note(self, result: MethodResult) -> MethodResult:
+        """``result`` with ``other_busy_cpus`` (its JSON and :func:`load_warnings` read it)."""
+        result.extra["other_busy_cpus"] = self.average()
+        return result
+
+
+def load_warnings(results: list[MethodResult], at_least: float = BUSY_WARN) -> list[str]:
+    """A line for each config during whose timed run other processes kept ``at_least``
+    cores busy: its tokens/s, and every ratio against it, are not the machine's."""
+    return [f"warning: other processes kept {busy:.1f} cores busy during {r.name}'s timed run; its tokens/s "
+            "and every ratio against it may be low (measure with nothing else running)"
+            for r in results if (busy := r.extra.get("other_busy_cpus")) is not None and busy >= at_least]
 
 
 def compare(configs: list[dict | None], groups: dict[str, list], params, make_llm: Callable[[dict | None], Any],
@@ -315,8 +360,7 @@ def _skip(cfg: dict | None, exc: Exception, errors: list | None) -> None:
           file=__import__("sys").stderr, flush=True)
 
 
-#: the name of the baseline measured once more after every config (``baseline_again``)
-AGAIN = "autoregressive (again)"
+
 
 
 def _runs(configs, baseline_again: bool) -> list[tuple[dict | None, bool]]:
@@ -357,13 +401,14 @@ def _compare_interleaved(configs, groups, params, make_llm, warmup_tokens, progr
     engines = _start_all(configs, groups, params, make_llm, warmup_tokens, errors, baseline_again)
     befores = [_counters(llm) for _, llm, _ in engines]
     outs: list[dict[str, GroupResult]] = [{} for _ in engines]
+    loads = [Load() for _ in engines]
     for cat, prompts in groups.items():
-        for (cfg, llm, name), out in zip(engines, outs):
+        for (cfg, llm, name), out, load in zip(engines, outs, loads):
             if progress:
                 progress(f"{name}: {cat} ({len(prompts)} prompts)")
-            out[cat] = run_group(llm, prompts, params)
-    results = [_result(llm, name, cfg, out, before)
-               for (cfg, llm, name), out, before in zip(engines, outs, befores)]
+            out[cat] = load.during(run_group, llm, prompts, params)
+    results = [load.note(_result(llm, name, cfg, out, before))
+               for (cfg, llm, name), out, before, load in zip(engines, outs, befores, loads)]
     return _hand_over(engines, results, measured, after)
 
 
@@ -377,17 +422,18 @@ def _compare_pooled_in_turns(configs, groups, params, make_llm, warmup_tokens, p
     hits every config, and the median drops a round that met one."""
     engines = _start_all(configs, groups, params, make_llm, warmup_tokens, errors, baseline_again, pooled=True)
     runs: list[list[tuple]] = [[] for _ in engines]  # per engine, per round: (out, seconds, before, after)
+    loads = [Load() for _ in engines]  # over every round
     for r in range(rounds):
-        for (cfg, llm, name), mine in zip(engines, runs):
+        for (cfg, llm, name), mine, load in zip(engines, runs, loads):
             if progress:
                 progress(f"{name}: round {r + 1} of {rounds}, {sum(map(len, groups.values()))} prompts at once")
             before = _counters(llm)
-            out, seconds = run_pooled(llm, groups, params)
+            out, seconds = load.during(run_pooled, llm, groups, params)
             mine.append((out, seconds, before, _counters(llm)))
     results = []
-    for (cfg, llm, name), mine in zip(engines, runs):
+    for (cfg, llm, name), mine, load in zip(engines, runs, loads):
         out, seconds, before, now = sorted(mine, key=lambda x: x[1])[(len(mine) - 1) // 2]
-        res = _result(llm, name, cfg, out, before, seconds, now)
+        res = load.note(_result(llm, name, cfg, out, before, seconds, now))
         res.extra["round_seconds"] = [x[1] for x in mine]
         results.append(res)
     return _hand_over(engines, results, measured, after)

@@ -168,6 +168,8 @@ def run(args) -> int:
             print("\n".join(drift_lines(results, r)))
         else:
             print(methods.diagnose(base, r))
+    for line in methods.load_warnings(results):
+        print(line)
     broken = []
     if args.batch_invariant:  # identity is what this mode promises: a difference is a failure, not a caveat
         for r in results[1:]:
