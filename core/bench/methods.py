@@ -360,9 +360,6 @@ def _skip(cfg: dict | None, exc: Exception, errors: list | None) -> None:
           file=__import__("sys").stderr, flush=True)
 
 
-
-
-
 def _runs(configs, baseline_again: bool) -> list[tuple[dict | None, bool]]:
     """(config, is the repeated baseline) in run order: the baseline, the configs, maybe the baseline again."""
     return [(None, False)] + [(c, False) for c in configs if c is not None] + ([(None, True)] if baseline_again else [])
