@@ -5,9 +5,13 @@ Plugin authors can import these in their own test suites (like pytest's ``pytest
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import attrs
 import torch
@@ -26,6 +30,19 @@ def make_llm(target, spec=None, device: str = "cpu", **kw):
     all of it up front); ``kw`` goes to :class:`speculum.LLM`."""
     from speculum import LLM
     return LLM(str(target), spec, device=device, dtype="float32", kv_cache_memory=16 << 20, **kw)
+
+
+@contextlib.contextmanager
+def spinning_process(settle_s: float = 0.3) -> Iterator[None]:
+    """Another process keeping one core busy (a Python loop) for the ``with`` block, started
+    ``settle_s`` seconds before it: what a shared machine looks like to a load check."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(settle_s)
+        yield
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def target_fixtures(num_layers: int = 2):

@@ -6,8 +6,6 @@ threads and 3.6 s at 1 on a 2-core machine another process used)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 
 from speculum.bench import methods
 from speculum.sampling import SamplingParams
-from speculum.testing import make_llm
+from speculum.testing import make_llm, spinning_process
 
 
 def test_load_is_the_time_weighted_average_of_its_runs(monkeypatch):
@@ -61,13 +59,9 @@ def test_a_spinning_process_shows_in_every_config_it_ran_beside(tiny_llama):
     alone = methods.compare([cfg], groups, params, lambda c: make_llm(tiny_llama, c, threads=1), warmup_tokens=4)
     assert all(r.extra["other_busy_cpus"] < 0.5 for r in alone), [r.extra for r in alone]
     assert methods.load_warnings(alone) == []
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.3)
+    with spinning_process():
         beside = methods.compare([cfg], groups, params, lambda c: make_llm(tiny_llama, c, threads=1),
                                  warmup_tokens=4)
-    finally:
-        spin.kill()
     assert all(r.extra["other_busy_cpus"] >= 0.5 for r in beside), [r.extra for r in beside]
     assert len(methods.load_warnings(beside)) == 2
     assert "other_busy_cpus" in beside[1].as_dict(beside[0])  # in the JSON

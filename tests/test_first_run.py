@@ -21,7 +21,7 @@ from speculum import LLM, SamplingParams, hookimpl
 from speculum import threads as th
 from speculum.datasets import MT_BENCH, TRAIN_PROMPTS, data_path, mt_bench, train_prompts_path
 from speculum.errors import ConfigError, ModelLoadError
-from speculum.testing import train_tiny
+from speculum.testing import spinning_process, train_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 #: the import package as setuptools lays it out (pyproject's package-dir)
@@ -126,13 +126,8 @@ def test_busy_cpus_sees_a_spinning_process():
     quiet = th.busy_cpus(0.3)
     if quiet is None or quiet > (os.cpu_count() or 1) - 1.2:
         pytest.skip(f"the machine is busy ({quiet} cores): a spinning process cannot show")
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        import time
-        time.sleep(0.3)
+    with spinning_process():
         loaded = th.busy_cpus(0.5)
-    finally:
-        spin.kill()
     assert loaded is not None and loaded > quiet + 0.5, (quiet, loaded)
 
 
