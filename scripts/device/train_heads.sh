@@ -74,7 +74,12 @@ export_answers() {  # the answers alone (token ids, no hidden states: megabytes)
 }
 # PREP_ONLY=1: stop here with the answers' hidden states made (the join call can spend the prefill, so that the
 # training call that follows on the warm machine, with the same data options and no ANSWERS, trains for its whole budget)
-[ "${PREP_ONLY:-0}" = 1 ] && exit 0
+# (with GEN_TL above a few seconds such a call also answers rows not answered yet: EXPORT_ANSWERS=1 sends every answer
+# back into $OUT as answers.tar.part_*, for a later session to carry in as ANSWERS)
+if [ "${PREP_ONLY:-0}" = 1 ]; then
+  [ "${EXPORT_ANSWERS:-0}" = 1 ] && export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/
+  exit 0
+fi
 if [ "${DATA_ONLY:-0}" = 1 ]; then  # a data call: the answers come back, training is another call's
   export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/ && ls -la $OUT
   exit 0
