@@ -6,6 +6,7 @@ Everything runs on a tiny random target with token-id prompts (seconds on a CPU)
 from __future__ import annotations
 
 import json
+import random
 
 import attrs
 import pytest
@@ -197,7 +198,7 @@ def test_train_resumes_validates_and_writes_the_public_format(tiny_llama, prompt
     report = json.loads((tmp_path / "out" / "training.json").read_text())
     assert len(report["val_accuracy_per_position"]) == 3
     assert all(0 <= a <= 1 for a in report["val_accuracy_per_position"])
-    assert report["data"]["validation_sequences"] >= 1 and report["command"].startswith("speculum train mtp")
+    assert report["data"]["validation_sequences"] >= 1 and report["data"]["val_split"] == "prompt-hash" and report["command"].startswith("speculum train mtp")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["speculum"]["method"] == "mtp"
 
@@ -761,3 +762,119 @@ def test_a_draft_saved_without_the_targets_embedding_loads_continues_and_is_loss
     save_file(st, str(other / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="is another model"):
         complete_draft(slim, other)
+
+
+def _prompt_data(parts: list[list[tuple[int, list[int]]]]) -> DistillData:
+    """DistillData of hand-made sequences: ``parts[p]`` lists (row, prompt tokens) of one
+    cache directory; each sequence gets a two-token answer."""
+    seqs = [(p, row, prompt) for p, rows in enumerate(parts) for row, prompt in rows]
+    flat = [t for _, _, prompt in seqs for t in prompt + [1, 2]]
+    offsets = torch.tensor([0] + [len(prompt) + 2 for _, _, prompt in seqs]).cumsum(0)
+    return DistillData(tokens=torch.tensor(flat), offsets=offsets,
+                       prompt_lens=torch.tensor([len(prompt) for _, _, prompt in seqs]),
+                       prompt_index=torch.tensor([row for _, row, _ in seqs]), hidden={},
+                       part=torch.tensor([p for p, _, _ in seqs]))
+
+
+def _sides(data: DistillData, val_fraction: float, split=DistillData.split) -> dict[tuple, str]:
+    """Each prompt's side under ``split``, keyed by its part and content."""
+    train, val = split(data, val_fraction)
+    out = {}
+    for side, ids in (("train", train), ("val", val)):
+        for i in ids:
+            s, P = int(data.offsets[i]), int(data.prompt_lens[i])
+            out[(int(data.part[i]), tuple(data.tokens[s: s + P].tolist()))] = side
+    return out
+
+
+def test_split_keeps_every_prompt_on_its_side_when_the_data_grows():
+    """A prompt's side depends on its content only: answering more rows of a file, or adding
+    another file, moves no prompt between training and validation. Before (a shuffle of the
+    prompts in the order the shards listed them), the thirty-eighth session's 1,592 newly
+    answered rows moved most validation prompts to training: a continued head's validation
+    held answers it had trained on and --keep-best exported step 0. The shuffle (written out
+    below) moves prompts when the rows come in another order."""
+    rng = random.Random(0)
+    prompt = lambda: [rng.randrange(3, 50_000) for _ in range(rng.randrange(3, 9))]  # noqa: E731
+    file_a = [(r, prompt()) for r in range(400)]
+    file_b = [(r, prompt()) for r in range(300)]
+    before = _sides(_prompt_data([file_b[:120], file_a]), 0.1)
+    # more rows of file b answered; its shards list their rows in another order (by length)
+    grown = _prompt_data([sorted(file_b, key=lambda r: (len(r[1]), r[0])), file_a])
+    added = _prompt_data([file_b, file_a, [(r, prompt()) for r in range(200)]])  # another file
+    for data in (grown, added):
+        after = _sides(data, 0.1)
+        assert all(after[k] == side for k, side in before.items())
+        n_val = sum(side == "val" for side in after.values())
+        assert 0.05 * len(after) < n_val < 0.15 * len(after)  # about val_fraction of the prompts
+
+    def shuffled(data, val_fraction, seed=0):  # the split before 2026-12-06
+        groups = {}
+        for i, row in enumerate(data.prompt_index.tolist()):
+            groups.setdefault(row, []).append(i)
+        keys = list(groups)
+        random.Random(seed + 1).shuffle(keys)
+        n_val = round(len(keys) * val_fraction)
+        return [i for k in keys[n_val:] for i in groups[k]], [i for k in keys[:n_val] for i in groups[k]]
+
+    first = _sides(_prompt_data([file_b[:120], file_a]), 0.1, shuffled)
+    after = _sides(grown, 0.1, shuffled)
+    assert sum(after[k] != side for k, side in first.items()) > 20
+
+
+def test_split_groups_a_prompts_answers_and_separates_files():
+    """The answers of one row (greedy, sampled, long-form and second-turn prompts that extend
+    it) stay on one side, decided by the row's shortest prompt; the same row number in two
+    files is two prompts; the same request in two files lands on one side; at least one
+    prompt on each side; the seed moves the split."""
+    rng = random.Random(1)
+    rows = [[rng.randrange(3, 50_000) for _ in range(5)] for _ in range(200)]
+    # file 0: each row's plain prompt, a sampled answer to it, and a longer (second-turn) prompt
+    file0 = [(r, p) for r, p in enumerate(rows)] + [(r, p) for r, p in enumerate(rows)] + \
+            [(r, p + [7, 8, 9]) for r, p in enumerate(rows)]
+    # file 1: other requests at the same row numbers, then file 0's first 50 requests again
+    others = [[rng.randrange(3, 50_000) for _ in range(6)] for _ in range(200)]
+    file1 = [(r, p) for r, p in enumerate(others)] + [(200 + r, rows[r]) for r in range(50)]
+    data = _prompt_data([file0, file1])
+    train, val = data.split(0.2, seed=0)
+    assert sorted(train + val) == list(range(len(data))) and train and val
+    side = {i: "val" for i in val} | {i: "train" for i in train}
+    n0 = len(rows)
+    for r in range(n0):  # the three sequences of row r of file 0
+        assert side[r] == side[n0 + r] == side[2 * n0 + r]
+    f1 = 3 * n0
+    assert any(side[r] != side[f1 + r] for r in range(n0))  # row r of file 1 is another prompt
+    for r in range(50):  # the same request in both files
+        assert side[r] == side[f1 + n0 + r]
+    assert data.split(0.2, seed=1) != (train, val)
+    tiny = _prompt_data([[(0, [5, 6]), (1, [7, 8])]])
+    for frac in (1e-9, 0.999999):
+        t, v = tiny.split(frac)
+        assert len(t) == 1 and len(v) == 1
+    assert tiny.split(0.0) == ([0, 1], [])
+
+
+def test_continuing_a_head_of_another_split_warns(tmp_path, caplog):
+    """A head whose training report names no split (every head trained before 2026-12-06)
+    or another one gets a warning that validation flatters it (and what to do under
+    --keep-best); a head of this split, or a folder without a report, gets none."""
+    from speculum.train.data import VAL_SPLIT
+    from speculum.train.loop import warn_if_other_split
+    cases = {"old": {"speculum": {"training": {"data": {"prompts": "p.jsonl"}}}},
+             "other": {"speculum": {"training": {"data": {"val_split": "shuffled"}}}},
+             "same": {"speculum": {"training": {"data": {"val_split": VAL_SPLIT}}}},
+             "untrained": {"hidden_size": 8}}
+    for name, cfg in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "empty").mkdir()
+    with caplog.at_level("WARNING", logger="speculum.train.loop"):
+        assert warn_if_other_split(tmp_path / "old", keep_best=True)
+        assert "--keep-best may keep step 0" in caplog.text and VAL_SPLIT in caplog.text
+        caplog.clear()
+        assert warn_if_other_split(tmp_path / "other", keep_best=False)
+        assert "flatters" in caplog.text and "--keep-best" not in caplog.text
+        caplog.clear()
+        for name in ("same", "untrained", "empty"):
+            assert not warn_if_other_split(tmp_path / name, keep_best=True)
+        assert not caplog.text

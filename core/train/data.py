@@ -7,6 +7,7 @@ target's answer) and the target's hidden state ``h_t`` at every position but the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -53,6 +54,12 @@ def shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.cat([x[:, shift:], pad], dim=1)
 
 
+#: how :meth:`DistillData.split` places prompts, recorded in each head's training report
+#: (``data.val_split``): a head continued from one trained on another split may have
+#: trained on today's validation prompts
+VAL_SPLIT = "prompt-hash"
+
+
 @attrs.define(eq=False)
 class DistillData:
     tokens: torch.Tensor        # [N] int64
@@ -64,6 +71,9 @@ class DistillData:
     kind: torch.Tensor | None = None
     #: [S] sampling temperature of each answer (0: greedy; 0 for older caches)
     temperature: torch.Tensor | None = None
+    #: [S] which cache directory each sequence came from (the prompt file's answers, each --data
+    #: file's): ``prompt_index`` counts rows within one file, so groups are (part, prompt_index)
+    part: torch.Tensor | None = None
 
     @classmethod
     def load(cls, path: Path, layers: Sequence[int] | None = None, shards: Sequence[str] | None = None,
@@ -89,12 +99,14 @@ class DistillData:
         N = sum(sizes)
         tokens = torch.empty(N, dtype=torch.int64, device=device)
         hidden = {l: torch.empty(N, H, dtype=torch.bfloat16, device=device) for l, H in keep.items()}
-        offs, plens, pidx, kinds, temps, at = [0], [], [], [], [], 0
+        offs, plens, pidx, kinds, temps, parts, at = [0], [], [], [], [], [], 0
+        dirs = {}  # a shard's directory -> its part number
         for f, n in zip(files, sizes):
             if n == 0:  # every prompt of the shard was skipped
                 continue
             with safe_open(f, "pt") as h:
                 S = h.get_slice("prompt_lens").get_shape()[0]
+                parts.append(torch.full((S,), dirs.setdefault(str(Path(f).parent), len(dirs)), dtype=torch.int64))
                 tokens[at: at + n] = h.get_tensor("tokens").long()
                 offs += (h.get_tensor("offsets")[1:] + at).tolist()
                 plens.append(h.get_tensor("prompt_lens").long())
@@ -106,7 +118,7 @@ class DistillData:
                     t[at: at + n] = h.get_tensor(f"hidden.{l}")
             at += n
         return cls(tokens, torch.tensor(offs), torch.cat(plens), torch.cat(pidx), hidden, torch.cat(kinds),
-                   torch.cat(temps))
+                   torch.cat(temps), torch.cat(parts))
 
     @staticmethod
     def nbytes(path: Path, layers: Sequence[int] | None, shards: Sequence[str]) -> int:
@@ -131,15 +143,43 @@ class DistillData:
 
     def split(self, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """Disjoint train / validation sequence ids, split by prompt (the answers of one
-        prompt stay on one side); at least one prompt on each side."""
-        groups: dict[int, list[int]] = {}
+        prompt stay on one side); at least one prompt on each side.
+
+        A prompt's side is fixed by its content: a hash of ``seed`` and its shortest prompt
+        (the plain request; sampled answers share it, long-form and second-turn prompts
+        extend it), below ``val_fraction`` is validation. So the split stays put when the
+        data grows (more rows answered, another --data file): a prompt trained on once never
+        moves into validation, and the same request in two files lands on one side. (Until
+        2026-12-06 the prompts were shuffled by position, and answering 1,592 more rows
+        moved most validation prompts into training and back: a continued head's
+        validation then held answers it had trained on, and ``--keep-best`` kept step 0.)
+        """
+        if val_fraction <= 0:
+            return list(range(len(self))), []
+        parts = self.part.tolist() if self.part is not None else [0] * len(self)
+        offsets, plens = self.offsets.tolist(), self.prompt_lens.tolist()
+        groups: dict[tuple[int, int], list[int]] = {}
+        root: dict[tuple[int, int], int] = {}  # each group's sequence with the shortest prompt
         for i, row in enumerate(self.prompt_index.tolist()):
-            groups.setdefault(row, []).append(i)
-        keys = list(groups)
-        random.Random(seed + 1).shuffle(keys)
-        n_val = min(max(1, round(len(keys) * val_fraction)), len(keys) - 1) if val_fraction > 0 else 0
+            g = (parts[i], row)
+            groups.setdefault(g, []).append(i)
+            if g not in root or plens[i] < plens[root[g]]:
+                root[g] = i
+        tokens = self.tokens.cpu()
+        def place(g) -> float:  # in [0, 1): the group's prompt's hash
+            i = root[g]
+            ids = tokens[offsets[i]: offsets[i] + plens[i]].numpy().astype("<i8").tobytes()
+            digest = hashlib.sha256(seed.to_bytes(8, "little", signed=True) + ids).digest()
+            return int.from_bytes(digest[:8], "little") / 2 ** 64
+        at = {g: place(g) for g in groups}
+        val = [g for g in groups if at[g] < val_fraction]
+        if not val:
+            val = [min(groups, key=at.get)]
+        elif len(val) == len(groups):
+            val.remove(max(groups, key=at.get))
+        val_set = set(val)
         pick = lambda ks: sorted(i for k in ks for i in groups[k])  # noqa: E731
-        return pick(keys[n_val:]), pick(keys[:n_val])
+        return pick(g for g in groups if g not in val_set), pick(val)
 
     def answer_tokens(self, ids: Sequence[int]) -> torch.Tensor:
         """All answer tokens of the sequences ``ids`` (for vocabulary statistics), gathered in one op."""
