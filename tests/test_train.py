@@ -198,7 +198,8 @@ def test_train_resumes_validates_and_writes_the_public_format(tiny_llama, prompt
     report = json.loads((tmp_path / "out" / "training.json").read_text())
     assert len(report["val_accuracy_per_position"]) == 3
     assert all(0 <= a <= 1 for a in report["val_accuracy_per_position"])
-    assert report["data"]["validation_sequences"] >= 1 and report["data"]["val_split"] == "prompt-hash" and report["command"].startswith("speculum train mtp")
+    assert report["data"]["validation_sequences"] >= 1 and report["data"]["val_split"] == "prompt-hash"
+    assert report["command"].startswith("speculum train mtp")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["speculum"]["method"] == "mtp"
 
