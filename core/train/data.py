@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from pathlib import Path
 from typing import Sequence
 
@@ -150,9 +149,9 @@ class DistillData:
         extend it), below ``val_fraction`` is validation. So the split stays put when the
         data grows (more rows answered, another --data file): a prompt trained on once never
         moves into validation, and the same request in two files lands on one side. (Until
-        2026-12-06 the prompts were shuffled by position, and answering 1,592 more rows
-        moved most validation prompts into training and back: a continued head's
-        validation then held answers it had trained on, and ``--keep-best`` kept step 0.)
+        2026-12-06 the prompts were shuffled in the order the shards listed them; answering
+        1,592 more rows reordered them, and a continued head's validation then held answers
+        it had trained on: ``--keep-best`` kept step 0.)
         """
         if val_fraction <= 0:
             return list(range(len(self))), []
@@ -166,6 +165,7 @@ class DistillData:
             if g not in root or plens[i] < plens[root[g]]:
                 root[g] = i
         tokens = self.tokens.cpu()
+
         def place(g) -> float:  # in [0, 1): the group's prompt's hash
             i = root[g]
             ids = tokens[offsets[i]: offsets[i] + plens[i]].numpy().astype("<i8").tobytes()

@@ -230,7 +230,8 @@ def warn_if_other_split(init_from: Path, keep_best: bool) -> bool:
     """Warn (and say so) when the head continued from was trained on another validation split:
     its runs then trained on some of this run's validation prompts, so validation
     flatters its starting weights and ``--keep-best`` may keep step 0 (the thirty-eighth
-    session: step 0 kept while MT-bench acceptance rose 1.86 -> 1.95)."""
+    session: step 0 kept while the replay on MT-bench's answers rose; the last step of the
+    same training, exported in another run, benched MAL 1.95 against 1.86)."""
     try:
         cfg = json.loads((init_from / "config.json").read_text())
     except (OSError, ValueError):
