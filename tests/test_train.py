@@ -871,7 +871,7 @@ def test_continuing_a_head_of_another_split_warns(tmp_path, caplog):
     (tmp_path / "empty").mkdir()
     with caplog.at_level("WARNING", logger="speculum.train.loop"):
         assert warn_if_other_split(tmp_path / "old", keep_best=True)
-        assert "--keep-best may keep step 0" in caplog.text and VAL_SPLIT in caplog.text
+        assert "--keep-best chooses among the steps after it" in caplog.text and VAL_SPLIT in caplog.text
         caplog.clear()
         assert warn_if_other_split(tmp_path / "other", keep_best=False)
         assert "flatters" in caplog.text and "--keep-best" not in caplog.text
@@ -879,3 +879,30 @@ def test_continuing_a_head_of_another_split_warns(tmp_path, caplog):
         for name in ("same", "untrained", "empty"):
             assert not warn_if_other_split(tmp_path / name, keep_best=True)
         assert not caplog.text
+
+
+def test_keep_best_leaves_out_a_start_trained_on_another_split(tiny_llama, prompts, tmp_path):
+    """--keep-best lets step 0 compete only when the head continued from was trained on this
+    split (its report says so): otherwise its validation is flattered and the best later step
+    is kept, even where step 0 scores highest."""
+    from speculum.train.loop import BestWeights
+    module = torch.nn.Linear(2, 2)
+    for competes, kept in ((True, 0), (False, 5)):
+        best = BestWeights(True, start_competes=competes)
+        for step, score in ((0, 3.0), (5, 2.5), (10, 2.0)):
+            best.offer(step, score, module)
+        assert best.restore(module, 10) == {"step": kept, "val_acceptance_length": {0: 3.0, 5: 2.5}[kept]}
+    common = ["mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "24", "--max-tokens", "24",
+              "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--batch-size", "4", "--eval-every", "3",
+              "--num-positions", "2", "--warmup", "1", "--steps", "6"]
+    assert train(common + ["--out", str(tmp_path / "a")]) == 0
+    assert train(common + ["--out", str(tmp_path / "b"), "--init-from", str(tmp_path / "a"), "--keep-best"]) == 0
+    assert json.loads((tmp_path / "b" / "training.json").read_text())["kept"]["start_competed"] is True
+    cfg_path = tmp_path / "a" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["speculum"]["training"]["data"]["val_split"]  # as every head trained before 2026-12-06
+    cfg_path.write_text(json.dumps(cfg))
+    assert train(common + ["--out", str(tmp_path / "d"), "--init-from", str(tmp_path / "a"), "--keep-best"]) == 0
+    report = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert report["kept"]["start_competed"] is False and report["kept"]["step"] > 0
+    assert report["history"][0]["step"] == 0  # step 0 is still validated, for the curve

@@ -170,13 +170,17 @@ def lineage(init_from: str | Path | None) -> list[dict]:
 class BestWeights:
     """``--keep-best``: a host copy of the module's weights at its best validated step (by
     expected acceptance length on the validation split; a tie goes to the later, more
-    trained step)."""
+    trained step). ``start_competes=False`` leaves step 0 out: a head continued from one
+    trained on another validation split has trained on this split's validation prompts, so
+    its start scores high on them however well training goes (:func:`warn_if_other_split`)."""
 
-    def __init__(self, on: bool):
-        self.on, self.step, self.score, self.state = on, None, None, None
+    def __init__(self, on: bool, start_competes: bool = True):
+        self.on, self.start_competes, self.step, self.score, self.state = on, start_competes, None, None, None
 
     def offer(self, step: int, score: float | None, module) -> None:
         if not self.on or score is None or (self.score is not None and score < self.score):
+            return
+        if step == 0 and not self.start_competes:
             return
         self.step, self.score = step, score
         self.state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
@@ -229,9 +233,9 @@ def normalize_modes(folder: Path) -> None:
 def warn_if_other_split(init_from: Path, keep_best: bool) -> bool:
     """Warn (and say so) when the head continued from was trained on another validation split:
     its runs then trained on some of this run's validation prompts, so validation
-    flatters its starting weights and ``--keep-best`` may keep step 0 (the thirty-eighth
-    session: step 0 kept while the replay on MT-bench's answers rose; the last step of the
-    same training, exported in another run, benched MAL 1.95 against 1.86)."""
+    flatters its starting weights, and ``--keep-best`` leaves step 0 out of its choice (the
+    thirty-eighth session: it kept step 0 while the replay on MT-bench's answers rose; the last
+    step of the same training, exported in another run, benched MAL 1.95 against 1.86)."""
     try:
         cfg = json.loads((init_from / "config.json").read_text())
     except (OSError, ValueError):
@@ -241,8 +245,7 @@ def warn_if_other_split(init_from: Path, keep_best: bool) -> bool:
         return False
     log.warning("%s was trained on another validation split than this run's (%s): it has trained on some "
                 "of this run's validation prompts, so validation flatters its starting weights%s",
-                init_from, VAL_SPLIT, "; --keep-best may keep step 0 (KEEP_BEST=0 / leave --keep-best out "
-                "to export the last step)" if keep_best else "")
+                init_from, VAL_SPLIT, "; --keep-best chooses among the steps after it" if keep_best else "")
     return True
 
 
@@ -305,9 +308,10 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
 
     # 2. the module
     module = trainer.build(args, target, read_state_dict(model_path), data, train_ids).to(device)
+    flattered = False  # the start was trained on this run's validation prompts (another split)
     if getattr(args, "init_from", None):
         start_from(module, trainer.load(Path(args.init_from), target, args), args.init_from)
-        warn_if_other_split(Path(args.init_from), getattr(args, "keep_best", False))
+        flattered = warn_if_other_split(Path(args.init_from), getattr(args, "keep_best", False))
     if getattr(args, "loss_vocab", 0):  # not a parameter: rebuilt identically on --resume
         module.loss_vocab = frequent_tokens(data, train_ids, args.loss_vocab, target.vocab_size).to(device)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -360,7 +364,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         history.append(entry)
         eval_s += time.perf_counter() - te
 
-    best = BestWeights(getattr(args, "keep_best", False))
+    best = BestWeights(getattr(args, "keep_best", False), start_competes=not flattered)
     if best.on and resumed_best is not None and resumed_best[2] is not None:
         best.step, best.score, best.state = resumed_best
     if best.on and start == 0:  # where training starts (a --init-from checkpoint) competes too
@@ -454,7 +458,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         "positions": trainer.positions(args), "history": history,
     }
     if best.on:
-        report["kept"] = kept or {"step": steps_done, "val_acceptance_length": best.score}
+        report["kept"] = {**(kept or {"step": steps_done, "val_acceptance_length": best.score}),
+                          "start_competed": best.start_competes}
     if ev is not None:
         report.update({"eval_prompts": str(args.eval_prompts), "eval_sequences": len(eval_data),
                        "eval_accuracy_per_position": ev.accuracy(), "eval_acceptance_per_position": ev.acceptance(),
@@ -473,7 +478,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
                                                                  "long_form", "template_long_form", "second_turns",
                                                                  "max_turns",
                                                                  "sequences", "tokens", "sequences_per_kind",
-                                                                 "answer_tokens_per_kind", "dropped_overlaps")
+                                                                 "answer_tokens_per_kind", "dropped_overlaps", "val_split")
                                   if k in report["data"]}}}
     if grown := lineage(getattr(args, "init_from", None)):
         meta["training"]["grown_from"] = grown
