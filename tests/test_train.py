@@ -857,13 +857,19 @@ def test_split_groups_a_prompts_answers_and_separates_files():
 
 def test_continuing_a_head_of_another_split_warns(tmp_path, caplog):
     """A head whose training report names no split (every head trained before 2026-12-06)
-    or another one gets a warning that validation flatters it (and what to do under
-    --keep-best); a head of this split, or a folder without a report, gets none."""
+    or another one, or whose lineage (``grown_from``) holds such a run, gets a warning that
+    validation flatters it (and what --keep-best does about it); a head of this split
+    throughout, or a folder without a report, gets none."""
     from speculum.train.data import VAL_SPLIT
     from speculum.train.loop import warn_if_other_split
     cases = {"old": {"speculum": {"training": {"data": {"prompts": "p.jsonl"}}}},
              "other": {"speculum": {"training": {"data": {"val_split": "shuffled"}}}},
              "same": {"speculum": {"training": {"data": {"val_split": VAL_SPLIT}}}},
+             "grown": {"speculum": {"training": {"data": {"val_split": VAL_SPLIT},
+                                                 "grown_from": [{"command": "train b", "val_split": VAL_SPLIT},
+                                                                {"command": "train a"}]}}},
+             "grown_here": {"speculum": {"training": {"data": {"val_split": VAL_SPLIT},
+                                                      "grown_from": [{"command": "train a", "val_split": VAL_SPLIT}]}}},
              "untrained": {"hidden_size": 8}}
     for name, cfg in cases.items():
         (tmp_path / name).mkdir()
@@ -876,7 +882,9 @@ def test_continuing_a_head_of_another_split_warns(tmp_path, caplog):
         assert warn_if_other_split(tmp_path / "other", keep_best=False)
         assert "flatters" in caplog.text and "--keep-best" not in caplog.text
         caplog.clear()
-        for name in ("same", "untrained", "empty"):
+        assert warn_if_other_split(tmp_path / "grown", keep_best=True)  # its lineage holds an older split
+        caplog.clear()
+        for name in ("same", "grown_here", "untrained", "empty"):
             assert not warn_if_other_split(tmp_path / name, keep_best=True)
         assert not caplog.text
 
@@ -898,6 +906,8 @@ def test_keep_best_leaves_out_a_start_trained_on_another_split(tiny_llama, promp
     assert train(common + ["--out", str(tmp_path / "a")]) == 0
     assert train(common + ["--out", str(tmp_path / "b"), "--init-from", str(tmp_path / "a"), "--keep-best"]) == 0
     assert json.loads((tmp_path / "b" / "training.json").read_text())["kept"]["start_competed"] is True
+    grown_from = json.loads((tmp_path / "b" / "config.json").read_text())["speculum"]["training"]["grown_from"]
+    assert grown_from[0]["val_split"] == "prompt-hash"  # the lineage records each run's split
     cfg_path = tmp_path / "a" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     del cfg["speculum"]["training"]["data"]["val_split"]  # as every head trained before 2026-12-06

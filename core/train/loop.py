@@ -164,7 +164,8 @@ def lineage(init_from: str | Path | None) -> list[dict]:
         # --keep-best exported its start: the same weights as its own parent's, nothing to add
         return list(t["grown_from"])
     keep = ("command", "device", "steps", "train_seconds", "expected_acceptance_length", "eval_first_turns")
-    return [{k: t[k] for k in keep if k in t}, *t.get("grown_from", [])]
+    split = {"val_split": t["data"]["val_split"]} if "val_split" in (t.get("data") or {}) else {}
+    return [{**{k: t[k] for k in keep if k in t}, **split}, *t.get("grown_from", [])]
 
 
 class BestWeights:
@@ -231,20 +232,24 @@ def normalize_modes(folder: Path) -> None:
 
 
 def warn_if_other_split(init_from: Path, keep_best: bool) -> bool:
-    """Warn (and say so) when the head continued from was trained on another validation split:
-    its runs then trained on some of this run's validation prompts, so validation
-    flatters its starting weights, and ``--keep-best`` leaves step 0 out of its choice (the
-    thirty-eighth session: it kept step 0 while the replay on MT-bench's answers rose; the last
-    step of the same training, exported in another run, benched MAL 1.95 against 1.86)."""
+    """Warn (and say so) when the head continued from, or a run it grew from (its lineage),
+    was trained on another validation split: those runs trained on some of this run's
+    validation prompts, so validation flatters its starting weights, and ``--keep-best`` leaves
+    step 0 out of its choice (the thirty-eighth session: it kept step 0 while the replay on
+    MT-bench's answers rose; the last step of the same training, exported in another run,
+    benched MAL 1.95 against 1.86). Heads grown from one trained before 2026-12-06 stay so."""
     try:
         cfg = json.loads((init_from / "config.json").read_text())
     except (OSError, ValueError):
         return False
     training = cfg.get("speculum", {}).get("training", {})
-    if not training or training.get("data", {}).get("val_split") == VAL_SPLIT:
+    if not training:
         return False
-    log.warning("%s was trained on another validation split than this run's (%s): it has trained on some "
-                "of this run's validation prompts, so validation flatters its starting weights%s",
+    splits = [training.get("data", {}).get("val_split"), *(g.get("val_split") for g in training.get("grown_from", []))]
+    if all(s == VAL_SPLIT for s in splits):
+        return False
+    log.warning("%s (or a run it grew from) was trained on another validation split than this run's (%s): it has "
+                "trained on some of this run's validation prompts, so validation flatters its starting weights%s",
                 init_from, VAL_SPLIT, "; --keep-best chooses among the steps after it" if keep_best else "")
     return True
 
