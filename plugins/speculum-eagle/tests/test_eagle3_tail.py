@@ -132,7 +132,8 @@ def test_a_head_grows_the_tail_and_keeps_it(target, heads, tmp_path, capsys):
     assert cfg["speculum_target_tail"] is True
     parent = json.loads((heads["plain"] / "config.json").read_text())["speculum"]["training"]
     assert cfg["speculum"]["training"]["grown_from"] == [  # the recipe it continued, recorded
-        {k: parent[k] for k in ("command", "device", "steps", "train_seconds", "expected_acceptance_length")}]
+        {**{k: parent[k] for k in ("command", "device", "steps", "train_seconds", "expected_acceptance_length")},
+         "val_split": parent["data"]["val_split"]}]
     grown = load_eagle3(out, TargetParts.from_checkpoint(target))
     assert not torch.allclose(grown.tail_map.weight.float(), torch.eye(64), atol=0.05)  # fitted, not the identity
     with pytest.raises(RuntimeError):  # the CLI prints the ConfigError and exits 1

@@ -264,7 +264,7 @@ def test_keep_best_exports_the_best_validated_weights(target, trained, tmp_path)
     scores = {h["step"]: h["val_acceptance_length"] for h in report["history"]}
     assert sorted(scores) == [0, 2, 4]
     best = max(scores, key=lambda s: (scores[s], s))  # a tie goes to the later step
-    assert report["kept"] == {"step": best, "val_acceptance_length": scores[best]}
+    assert report["kept"] == {"step": best, "val_acceptance_length": scores[best], "start_competed": True}
     assert best == 0 and scores[4] < scores[0]  # lr 30 makes the heads worse than where they started
     assert report["expected_acceptance_length"] == scores[0]
     assert json.loads((out / "config.json").read_text())["speculum"]["training"]["kept"]["step"] == 0
