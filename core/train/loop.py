@@ -238,15 +238,8 @@ def warn_if_other_split(init_from: Path, keep_best: bool) -> bool:
     step 0 out of its choice (the thirty-eighth session: it kept step 0 while the replay on
     MT-bench's answers rose; the last step of the same training, exported in another run,
     benched MAL 1.95 against 1.86). Heads grown from one trained before 2026-12-06 stay so."""
-    try:
-        cfg = json.loads((init_from / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    training = cfg.get("speculum", {}).get("training", {})
-    if not training:
-        return False
-    splits = [training.get("data", {}).get("val_split"), *(g.get("val_split") for g in training.get("grown_from", []))]
-    if all(s == VAL_SPLIT for s in splits):
+    runs = lineage(init_from)  # each run its weights come from, newest first (none without a report)
+    if all(r.get("val_split") == VAL_SPLIT for r in runs):
         return False
     log.warning("%s (or a run it grew from) was trained on another validation split than this run's (%s): it has "
                 "trained on some of this run's validation prompts, so validation flatters its starting weights%s",

@@ -72,16 +72,19 @@ export_answers() {  # the answers alone (token ids, no hidden states: megabytes)
   for d in $SPECULUM_CACHE/distill/*/; do python3 -m speculum.train.distill export $d /tmp/answers | tail -1; done
   tar cf /tmp/answers.tar -C /tmp answers
 }
+send_answers() {  # the answers back into $OUT (answers.tar.part_*, 15 MiB parts) with the data log
+  export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/
+}
 # PREP_ONLY=1: stop here with the answers' hidden states made (the join call can spend the prefill, so that the
 # training call that follows on the warm machine, with the same data options and no ANSWERS, trains for its whole budget)
 # (with GEN_TL above a few seconds such a call also answers rows not answered yet: EXPORT_ANSWERS=1 sends every answer
 # back into $OUT as answers.tar.part_*, for a later session to carry in as ANSWERS)
 if [ "${PREP_ONLY:-0}" = 1 ]; then
-  [ "${EXPORT_ANSWERS:-0}" = 1 ] && export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/
+  [ "${EXPORT_ANSWERS:-0}" = 1 ] && send_answers
   exit 0
 fi
 if [ "${DATA_ONLY:-0}" = 1 ]; then  # a data call: the answers come back, training is another call's
-  export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/ && ls -la $OUT
+  send_answers && ls -la $OUT
   exit 0
 fi
 TL=$(( BUDGET - ($(date +%s) - T0) - RESERVE ))
