@@ -186,13 +186,42 @@ class BestWeights:
         self.step, self.score = step, score
         self.state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
+    def would_restore(self, last_step: int) -> bool:
+        """Whether :meth:`restore` will load weights other than the last step's."""
+        return self.on and self.state is not None and self.step != last_step
+
     def restore(self, module, last_step: int) -> dict | None:
         """Load the best weights into ``module`` if they are not the last step's; returns
         ``{"step", "val_acceptance_length"}`` of what was loaded, else None."""
-        if not self.on or self.state is None or self.step == last_step:
+        if not self.would_restore(last_step):
             return None
         module.load_state_dict(self.state)
         return {"step": self.step, "val_acceptance_length": self.score}
+
+
+LAST_STEP = "last-step"
+
+
+def save_last_step(trainer, module, out: Path, target, args, steps: int, seconds: float, history: list) -> Path:
+    """``--keep-best`` exporting an earlier step: the last step's weights into ``out/last-step``
+    in the same public format, its config recording the run and the last validation (bench
+    it beside the kept export; ``--init-from`` continues it)."""
+    last = next((h for h in reversed(history) if h["step"] == steps), {})
+    training = {"command": "speculum " + " ".join(args.argv) if getattr(args, "argv", None) else " ".join(sys.argv),
+                "steps": steps, "train_seconds": round(seconds, 1),
+                "last_step": f"the last step of the run exported one folder up, which --keep-best exported "
+                             f"from an earlier step",
+                **{k: last[k] for k in ("val_accuracy", "val_acceptance_length", "eval_accuracy",
+                                        "eval_acceptance_length") if k in last},
+                "data": {"val_split": VAL_SPLIT}}
+    meta = {"method": trainer.name, "target": target.fingerprint(), "training": training}
+    if grown := lineage(getattr(args, "init_from", None)):
+        training["grown_from"] = grown
+    dst = Path(out) / LAST_STEP
+    trainer.export(module, dst, target, args, meta)
+    normalize_modes(dst)
+    log.info("--keep-best: the last step's weights (step %d) are in %s", steps, dst)
+    return dst
 
 
 def score_of(result) -> Score:
@@ -411,7 +440,11 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     steps_done = step + 1 if args.steps > start else start
     train_s = trained_seconds()
 
-    # 4. validate and export (--keep-best: the best validated weights, if not the last)
+    # 4. validate and export (--keep-best: the best validated weights, if not the last; the last
+    # step's weights then go beside them, in last-step/, so that a run whose validation misleads
+    # loses nothing: the thirty-eighth session lost an MTP module whose MT-bench replay had risen)
+    if best.would_restore(steps_done):
+        save_last_step(trainer, module, out, target, args, steps_done, trained_seconds(), history)
     kept = best.restore(module, steps_done)
     if kept is not None:
         log.info("--keep-best: exporting the weights of step %d (expected acceptance length %s on validation)",

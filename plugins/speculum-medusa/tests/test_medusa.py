@@ -252,7 +252,7 @@ def test_training_grows_a_checkpoint_to_more_blocks(target, trained, parts, tmp_
     assert "its heads have 3 blocks each, --num-layers asks for 1" in capsys.readouterr().err
 
 
-def test_keep_best_exports_the_best_validated_weights(target, trained, tmp_path):
+def test_keep_best_exports_the_best_validated_weights(target, parts, trained, tmp_path):
     """--keep-best: a run whose learning rate wrecks the heads exports the validated step with the
     best expected acceptance length (here step 0, the --init-from checkpoint, bit for bit), and
     records which one in training.json and config.json; without it the wrecked last step is
@@ -273,6 +273,16 @@ def test_keep_best_exports_the_best_validated_weights(target, trained, tmp_path)
     plain = train_tiny("medusa", target, tmp_path / "last", steps=4, extra=args)
     assert "kept" not in json.loads((plain / "training.json").read_text())
     assert not all(torch.equal(w.float(), read_weights(plain)[k]) for k, w in before.items())
+    assert not (plain / "last-step").exists()  # the last step is the export: no copy beside it
+    # the last step's weights are kept beside the earlier step exported: the run without
+    # --keep-best exported the same weights, and the copy's config records its step and validation
+    last = out / "last-step"
+    assert read_weights(last).keys() == read_weights(plain).keys()
+    assert all(torch.equal(w, read_weights(last)[k]) for k, w in read_weights(plain).items())
+    training = json.loads((last / "config.json").read_text())["speculum"]["training"]
+    assert training["steps"] == 4 and training["val_acceptance_length"] == scores[4]
+    assert training["data"]["val_split"] == "prompt-hash" and training["grown_from"]
+    load_medusa(last, parts)  # loads as any shipped head
 
 
 # ------------------------------------------------------------------ token-aware heads
