@@ -117,8 +117,9 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--keep-best", action=argparse.BooleanOptionalAction, default=False,
                    help="export the weights of the validation (never --eval-prompts) with the best expected "
                         "acceptance length, counting the start (step 0: a --init-from checkpoint is never "
-                        "exported worse than it came), instead of the last step's; --no-keep-best after it "
-                        "turns it off again (a phase that lowers the token acceptance on purpose)")
+                        "exported worse than it came), instead of the last step's, which then go into "
+                        "OUT/last-step; --no-keep-best after it turns it off again (a phase that lowers the "
+                        "token acceptance on purpose)")
     t.add_argument("--save-every", type=int, default=250, help="write a resumable checkpoint every N steps")
     t.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds from the first step (wall clock, validation included; then "

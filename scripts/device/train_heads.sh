@@ -97,7 +97,8 @@ T="$D --cached-data-only --max-len ${MAXLEN:-640} --batch-size ${BS:-32} --time-
 # head continued from the shipped one never comes back worse on validation than it went in; 2026-12-03's
 # medusa heads peaked after 45 s and lost 0.07 tokens per step of validation by the end; a head trained before
 # 2026-12-06 was trained on another validation split and has seen most of today's validation prompts, so its step 0
-# does not compete (the trainer warns): the thirty-eighth session's run 1 kept step 0 before that fix)
+# does not compete (the trainer warns): the thirty-eighth session's run 1 kept step 0 before that fix; the last
+# step's weights come back beside an earlier step kept, in <method>/last-step/)
 SHAPE=""; [ -f /tmp/draft_shapes.json ] && SHAPE="--shape /tmp/draft_shapes.json"
 # the draft keeps the target's embedding (and so can leave it out of its checkpoint) at the target's width only
 EMB="--embeddings-from-target"
