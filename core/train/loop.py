@@ -202,15 +202,19 @@ class BestWeights:
 LAST_STEP = "last-step"
 
 
+def command_of(args) -> str:
+    """The command line that started this training run, as its report records it."""
+    return "speculum " + " ".join(args.argv) if getattr(args, "argv", None) else " ".join(sys.argv)
+
+
 def save_last_step(trainer, module, out: Path, target, args, steps: int, seconds: float, history: list) -> Path:
     """``--keep-best`` exporting an earlier step: the last step's weights into ``out/last-step``
     in the same public format, its config recording the run and the last validation (bench
     it beside the kept export; ``--init-from`` continues it)."""
     last = next((h for h in reversed(history) if h["step"] == steps), {})
-    training = {"command": "speculum " + " ".join(args.argv) if getattr(args, "argv", None) else " ".join(sys.argv),
-                "steps": steps, "train_seconds": round(seconds, 1),
-                "last_step": f"the last step of the run exported one folder up, which --keep-best exported "
-                             f"from an earlier step",
+    training = {"command": command_of(args), "steps": steps, "train_seconds": round(seconds, 1),
+                "last_step": "the last step of the run exported one folder up, which --keep-best exported "
+                             "from an earlier step",
                 **{k: last[k] for k in ("val_accuracy", "val_acceptance_length", "eval_accuracy",
                                         "eval_acceptance_length") if k in last},
                 "data": {"val_split": VAL_SPLIT}}
@@ -476,7 +480,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         coverage = round(float(torch.isin(toks, vocab.to(toks.device)).float().mean()), 4) if toks.numel() else None
     report = {
         "method": trainer.name, "target": target.fingerprint(),
-        "command": "speculum " + " ".join(args.argv) if getattr(args, "argv", None) else " ".join(sys.argv),
+        "command": command_of(args),
         "device": torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else "cpu",
         "data": {**{k: v for k, v in attrs.asdict(spec).items() if k != "model"}, "model": target.name,
                  "sequences": len(data), "train_sequences": len(train_ids), "validation_sequences": len(val_ids),

@@ -202,6 +202,12 @@ if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
   tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
     $METHODS *.log *.json
 fi
+# --keep-best's copies of the last step (<method>/last-step/, where an earlier step was kept) come next
+if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
+  echo "the last steps' weights do not fit: left out (they stay in $TR/*/last-step while the machine is warm)"
+  tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
+    --exclude='*/last-step/*.safetensors' $METHODS *.log *.json
+fi
 if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tar) )) -le $LIMIT ]; then
   split -b 15M /tmp/answers.tar $OUT/answers.tar.part_  # a file coming back from a call may hold 16 MiB
 else
