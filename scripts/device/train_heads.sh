@@ -196,17 +196,18 @@ export_answers
 # pack: everything but checkpoints; what comes back from a call is about 60 MB in all, so the
 # draft's weights (70 MB) are left out when the rest would not fit (they stay in $TR/draft while warm)
 LIMIT=${OUT_LIMIT:-60000000}
-cd $TR && tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json $METHODS *.log *.json
-if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
+# pack [more tar options]: the heads' tar, whose size too_big compares with LIMIT
+pack() { tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json "$@" $METHODS *.log *.json; }
+too_big() { [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; }
+cd $TR && pack
+if too_big; then
   echo "the draft's weights do not fit: left out (they stay in $TR/draft while the machine is warm)"
-  tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
-    $METHODS *.log *.json
+  pack --exclude='draft/*.safetensors'
 fi
 # --keep-best's copies of the last step (<method>/last-step/, where an earlier step was kept) come next
-if [ $(stat -c %s /tmp/heads.tar) -gt $LIMIT ]; then
+if too_big; then
   echo "the last steps' weights do not fit: left out (they stay in $TR/*/last-step while the machine is warm)"
-  tar cf /tmp/heads.tar --exclude=checkpoint.pt --exclude=meta.json --exclude='draft/*.safetensors' \
-    --exclude='*/last-step/*.safetensors' $METHODS *.log *.json
+  pack --exclude='draft/*.safetensors' --exclude='*/last-step/*.safetensors'
 fi
 if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tar) )) -le $LIMIT ]; then
   split -b 15M /tmp/answers.tar $OUT/answers.tar.part_  # a file coming back from a call may hold 16 MiB
