@@ -56,8 +56,18 @@ def test_a_spinning_process_shows_in_every_config_it_ran_beside(tiny_llama):
     groups = {"a": [{"prompt_token_ids": [5 + i, 6, 7, 5, 6, 7]} for i in range(4)]}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
-    alone = methods.compare([cfg], groups, params, lambda c: make_llm(tiny_llama, c, threads=1), warmup_tokens=4)
-    assert all(r.extra["other_busy_cpus"] < 0.5 for r in alone), [r.extra for r in alone]
+    # The quiet run is the test's precondition, not its claim: a shared machine (CI's, once) can get
+    # busy mid-run. Up to three tries; this process's own work is kept out of the reading by
+    # test_first_run.py::test_busy_cpus_counts_other_processes_only, which needs no quiet machine.
+    readings = []
+    for _ in range(3):
+        alone = methods.compare([cfg], groups, params, lambda c: make_llm(tiny_llama, c, threads=1),
+                                warmup_tokens=4)
+        readings.append([r.extra["other_busy_cpus"] for r in alone])
+        if all(b < 0.5 for b in readings[-1]):
+            break
+    else:
+        pytest.skip(f"other processes kept the machine busy in three runs alone (cores: {readings})")
     assert methods.load_warnings(alone) == []
     with spinning_process():
         beside = methods.compare([cfg], groups, params, lambda c: make_llm(tiny_llama, c, threads=1),
