@@ -116,6 +116,65 @@ def test_tuning_can_be_turned_off(monkeypatch):
     assert gemm.tuning_enabled()
 
 
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_a_cpu_runner_packs_every_fp32_gemm_and_computes_what_f_linear_does(monkeypatch):
+    """On a CPU in fp32 every GEMM of the forward (4 per layer and the LM head) goes through
+    oneDNN's prepacked copy; the logits match the unpacked twin's (SPECULUM_GEMM_TUNE=0) to
+    rounding, and the copies count in the runner's weight bytes (the memory plan's log)."""
+    model = random_native(LlamaArch(**ARCH), torch.float32, torch.device("cpu"))
+    runner = NativeRunner(model, max_model_len=256)
+    weights = [w for layer in model.layers for w in (layer.attn.qkv.weight, layer.attn.o.weight,
+                                                     layer.mlp.gate_up.weight, layer.mlp.down.weight)]
+    weights.append(model.lm_head.weight)
+    assert {id(w) for w in weights} == set(model.gemm.packed)
+    assert runner.packed_bytes == sum(w.numel() * 4 for w in weights)
+    assert runner.weight_bytes == sum(p.numel() * 4 for p in model.parameters()) + runner.packed_bytes
+    calls = []
+    real = gemm._onednn_linear
+    monkeypatch.setattr(gemm, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    runner.attach_cache(PagedKVAllocator("target", 64, 16, 256))
+    prompt = torch.randint(0, ARCH["vocab_size"], (1, 12))
+    tok = torch.randint(0, ARCH["vocab_size"], (1, 4))
+    runner.forward([0], prompt, [12])
+    packed = runner.forward([0], tok, [4]).logits
+    assert len(calls) == 2 * (4 * ARCH["num_layers"] + 1)  # the prefill's GEMMs, then the verify's
+
+    monkeypatch.setenv("SPECULUM_GEMM_TUNE", "0")
+    twin = NativeRunner(random_native(LlamaArch(**ARCH), torch.float32, torch.device("cpu")), max_model_len=256)
+    assert twin.packed_bytes == 0 and twin.model.gemm.packed == {}
+    twin.attach_cache(PagedKVAllocator("target", 64, 16, 256))
+    twin.forward([0], prompt, [12])
+    assert torch.allclose(twin.forward([0], tok, [4]).logits, packed, atol=1e-5, rtol=1e-4)
+
+
+@needs_onednn
+def test_a_weight_changed_after_packing_is_never_read_from_its_stale_copy():
+    w, x = torch.randn(16, 8), torch.randn(3, 8)
+    plan = gemm.GemmPlan()
+    assert plan.pack([w]) == 16 * 8 * 4
+    assert torch.allclose(plan.linear(x, w), F.linear(x, w), atol=1e-5)
+    with torch.no_grad():
+        w.mul_(2)  # written in place: its version moves on
+    assert torch.equal(plan.linear(x, w), F.linear(x, w))
+    plan.pack([w])  # packed already: kept as it was (stale, unused)
+    w2 = torch.randn(16, 8)
+    plan.pack([w2])
+    w2.data = torch.randn(16, 8)  # swapped storage (what module.to() does)
+    assert torch.equal(plan.linear(x, w2), F.linear(x, w2))
+
+
+def test_only_fp32_cpu_weights_are_packed_and_not_in_batch_invariant_mode(monkeypatch):
+    assert not gemm.packable(torch.randn(4, 4, dtype=torch.bfloat16))
+    assert not gemm.packable(torch.randn(4))
+    model = random_native(LlamaArch(**ARCH), torch.float32, torch.device("cpu")).set_batch_invariant()
+    assert model.pack_gemms() == 0 and model.gemm.packed == {}  # its own GEMM, whose rows are the claim
+    monkeypatch.setenv("SPECULUM_GEMM_TUNE", "0")
+    assert not gemm.packable(torch.randn(4, 4))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_tune_before_capture_and_match_eager():
     dev = torch.device("cuda")

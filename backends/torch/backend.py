@@ -112,9 +112,11 @@ class TorchBackend:
                 raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
             limit = arch.context_limit(role, max_model_len)
             runner = NativeRunner(model, name=role, max_model_len=limit, cuda_graphs=self.cuda_graphs)
-            log.info("%s model %s: native %s runner (paged KV%s%s), %s on %s", role, Path(path).name,
+            log.info("%s model %s: native %s runner (paged KV%s%s%s), %s on %s", role, Path(path).name,
                      arch.model_type, ", CUDA graphs" if runner.cuda_graphs else "",
-                     ", batch-invariant kernels" if invariant else "", str(self.dtype).replace("torch.", ""), self.device)
+                     ", batch-invariant kernels" if invariant else "",
+                     ", oneDNN-packed GEMMs" if runner.packed_bytes else "", str(self.dtype).replace("torch.", ""),
+                     self.device)
         else:
             runner = self._load_hf(path, role, max_model_len, num_layers)
             log.info("%s model %s: transformers runner (%s: %s), %s on %s", role, Path(path).name,

@@ -18,6 +18,14 @@ differently where the libraries are within noise of each other (their bf16 resul
 then differ in the last bit). ``SPECULUM_GEMM_TUNE=0`` in the environment turns the timing
 off: every GEMM goes where PyTorch sends it. The batch-invariant mode has its own Triton
 GEMM and no plan.
+
+On a CPU the plan holds oneDNN's prepacked copy of each fp32 weight instead (:meth:`GemmPlan.pack`):
+``F.linear`` through MKL reads a weight at memory speed for one row but takes 1.7-2.2x as long
+for the 2-5 rows of a verify, so speculation did not pay on this project's AMD EPYC; oneDNN's
+prepacked product took 0.87x of MKL's time for one row and 0.52-0.57x for 3-5 (all 121 GEMMs
+of SmolLM2-135M, one thread; docs/benchmarks.md, fortieth session), and its rows come out the
+same whatever the row count. The copy costs the weights' memory once more.
+``SPECULUM_GEMM_TUNE=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -103,15 +111,54 @@ COLD_BYTES = 128 << 20
 MIN_ROWS = 2
 
 
+def packable(weight: torch.Tensor) -> bool:
+    """Whether :meth:`GemmPlan.pack` takes ``weight``: fp32 on a CPU, torch built with oneDNN,
+    tuning not turned off (bf16 packing needs AVX-512 or AVX-NE-CONVERT and was not measured)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available() and tuning_enabled())
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from oneDNN's prepacked copy of ``weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
 class GemmPlan:
     """Per (rows, out features, in features, dtype): the BLAS library a linear layer's GEMM
     takes (None: PyTorch's default). Empty until :meth:`tune` fills it, and then only for
-    the row counts it was tuned for; every other call goes the default way."""
+    the row counts it was tuned for; every other call goes the default way. On a CPU,
+    :meth:`pack` gives weights a prepacked oneDNN copy that every row count uses."""
 
     def __init__(self, timer: Timer = graph_us) -> None:
         self.choice: dict[tuple[int, int, int, torch.dtype], str | None] = {}
         self.timings: dict[tuple[int, int, int, torch.dtype], dict[str, float]] = {}
+        #: id(weight) -> (weight, its data pointer and version when packed, oneDNN's copy)
+        self.packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
         self._timer = timer
+
+    def pack(self, weights: Iterable[torch.Tensor]) -> int:
+        """oneDNN's prepacked copy of each :func:`packable` weight, for :meth:`linear`; returns
+        the bytes the copies hold. A weight changed after (moved, cast, written in place) goes
+        the default way again: a stale copy is never used."""
+        added = 0
+        for w in weights:
+            if id(w) in self.packed or not packable(w):
+                continue
+            try:
+                copy = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+            except RuntimeError as exc:  # a CPU or build oneDNN cannot pack for
+                log.warning("GEMM plan: %d x %d weight not packed for oneDNN (%s); F.linear kept",
+                            w.shape[0], w.shape[1], str(exc).splitlines()[0][:200])
+                return added
+            self.packed[id(w)] = (w, w.data_ptr(), w._version, copy)
+            added += w.numel() * w.element_size()
+        return added
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor | None:
+        hit = self.packed.get(id(weight))
+        if hit is None or hit[0] is not weight or hit[1] != weight.data_ptr() or hit[2] != weight._version:
+            return None
+        return hit[3]
 
     def tune(self, weights: Iterable[torch.Tensor], rows: int) -> None:
         """Time each distinct weight shape's GEMM at ``rows`` rows (at least :data:`MIN_ROWS`)
@@ -143,7 +190,10 @@ class GemmPlan:
         return times
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear`` through the library chosen for ``x``'s row count and ``weight``'s shape."""
+        """``F.linear`` through the library chosen for ``x``'s row count and ``weight``'s shape
+        (oneDNN's prepacked copy of ``weight`` where :meth:`pack` made one)."""
+        if self.packed and (copy := self._packed(weight)) is not None:
+            return _onednn_linear(x, copy, bias)
         if not self.choice:
             return F.linear(x, weight, bias)
         rows = x.numel() // x.shape[-1]
@@ -158,5 +208,5 @@ class GemmPlan:
         return {f"{r}x{n}x{k}": b for (r, n, k, _), b in self.choice.items() if b is not None}
 
 
-__all__ = ["ALTERNATIVES", "COLD_BYTES", "GemmPlan", "MIN_ROWS", "blas", "capture", "graph_us", "replay_us",
-           "tuning_enabled"]
+__all__ = ["ALTERNATIVES", "COLD_BYTES", "GemmPlan", "MIN_ROWS", "blas", "capture", "graph_us", "packable",
+           "replay_us", "tuning_enabled"]

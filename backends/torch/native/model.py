@@ -171,6 +171,16 @@ class NativeLlama(nn.Module):
         self.gemm.tune([first.attn.qkv.weight, first.attn.o.weight, first.mlp.gate_up.weight,
                         first.mlp.down.weight, self.lm_head.weight], rows)
 
+    def pack_gemms(self) -> int:
+        """On a CPU (fp32): every GEMM's weight gets oneDNN's prepacked copy (:meth:`GemmPlan.pack`),
+        which verifies a few tokens for little more than one; returns the bytes the copies
+        hold (0: nothing packed, e.g. on a GPU, in another dtype or in batch-invariant mode)."""
+        if self.batch_invariant:
+            return 0
+        return self.gemm.pack([w for layer in self.layers for w in (layer.attn.qkv.weight, layer.attn.o.weight,
+                                                                     layer.mlp.gate_up.weight, layer.mlp.down.weight)]
+                              + [self.lm_head.weight])
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, q, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)

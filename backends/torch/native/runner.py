@@ -72,10 +72,12 @@ class NativeRunner:
         self._graphs: dict[tuple, tuple[StaticGraph, tuple | None]] = {}
         self._pool = GraphPool()
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
+        #: bytes of oneDNN's prepacked weight copies (a CPU in fp32; :meth:`NativeLlama.pack_gemms`)
+        self.packed_bytes = model.pack_gemms() if self.device.type == "cpu" else 0
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.packed_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
