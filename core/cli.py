@@ -23,8 +23,10 @@ DEFAULT_COMPARE = (
     {"method": "eagle3", "num_speculative_tokens": 3},
     {"method": "ngram+eagle3", "num_speculative_tokens": 3},
 )
-#: k on a CPU: fp32 GEMMs there cost about 1.1x a 1-token step up to 3 query tokens and
-#: 1.6-2.2x from 4 on (oneDNN/MKL change kernels at M = 4; docs/benchmarks.md), so k = 2
+#: k on a CPU: with oneDNN's prepacked fp32 weights a forward of 3 query tokens costs
+#: 1.04-1.11x a 1-token one and of 4 tokens 1.19-1.44x on this project's machine, while the
+#: shipped EAGLE-3 head's third token would be accepted about a sixth of the time
+#: (docs/benchmarks.md, fortieth session), so k = 2
 CPU_COMPARE_K = 2
 
 
