@@ -24,9 +24,10 @@ DEFAULT_COMPARE = (
     {"method": "ngram+eagle3", "num_speculative_tokens": 3},
 )
 #: k on a CPU: with oneDNN's prepacked fp32 weights a forward of 3 query tokens costs
-#: 1.04-1.11x a 1-token one and of 4 tokens 1.19-1.44x on this project's machine, while the
-#: shipped EAGLE-3 head's third token would be accepted about a sixth of the time
-#: (docs/benchmarks.md, fortieth session), so k = 2
+#: 1.04-1.11x a 1-token one and of 4 tokens 1.19-1.44x on this project's machine, and the
+#: shipped EAGLE-3 head's third token was accepted 14% of the time: k = 3 gave 1.16x, 1.22x
+#: and 1.30x where k = 2 gave 1.18x, 1.28x and 1.36x (docs/benchmarks.md, fortieth session),
+#: so k = 2
 CPU_COMPARE_K = 2
 
 
