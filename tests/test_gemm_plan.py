@@ -164,6 +164,11 @@ def test_a_weight_changed_after_packing_is_never_read_from_its_stale_copy():
     plan.pack([w2])
     w2.data = torch.randn(16, 8)  # swapped storage (what module.to() does)
     assert torch.equal(plan.linear(x, w2), F.linear(x, w2))
+    w3 = torch.randn(16, 8)
+    plan.pack([w3])
+    w3.requires_grad_(True)  # training: the prepacked product has no gradient
+    plan.linear(x, w3).sum().backward()
+    assert w3.grad is not None and torch.allclose(w3.grad, x.sum(0).expand(16, 8))
 
 
 def test_only_fp32_cpu_weights_are_packed_and_not_in_batch_invariant_mode(monkeypatch):

@@ -139,7 +139,8 @@ class GemmPlan:
     def pack(self, weights: Iterable[torch.Tensor]) -> int:
         """oneDNN's prepacked copy of each :func:`packable` weight, for :meth:`linear`; returns
         the bytes the copies hold. A weight changed after (moved, cast, written in place) goes
-        the default way again: a stale copy is never used."""
+        the default way again: a stale copy is never used; so does one that needs a gradient
+        (the prepacked product has none)."""
         added = 0
         for w in weights:
             if id(w) in self.packed or not packable(w):
@@ -157,6 +158,8 @@ class GemmPlan:
     def _packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         hit = self.packed.get(id(weight))
         if hit is None or hit[0] is not weight or hit[1] != weight.data_ptr() or hit[2] != weight._version:
+            return None
+        if weight.requires_grad and torch.is_grad_enabled():
             return None
         return hit[3]
 
