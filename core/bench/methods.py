@@ -480,8 +480,10 @@ def diagnose(base: MethodResult, r: MethodResult) -> str:
     if t < 1.3:
         return (what + ". Acceptance too low: the drafts rarely match this target's output; try another method "
                 "(a trained head), fewer draft tokens, or prompts that repeat their input (code, extraction).")
-    return (what + ". Step cost too high for what is accepted: on a few CPU cores verifying k+1 tokens costs "
-            "nearly k+1 times one (try fewer draft tokens, or a GPU); on a GPU, where verifying a few tokens costs "
+    return (what + ". Step cost too high for what is accepted: on a CPU a verify of k+1 tokens costs more than "
+            "one step, the more so for k+1 above 3 (in fp32 up to twice one with SPECULUM_GEMM_TUNE=0, which "
+            "turns off oneDNN's prepacked weights; `scripts/cpu_step_cost.py` measures this machine), and the "
+            "drafting adds to it (try fewer draft tokens, or a GPU); on a GPU, where verifying a few tokens costs "
             "about as much as one, drafting is what a step adds (try fewer draft tokens or a tree; "
             "`bench offline --profile` splits a step into draft, verify and host time).")
 
