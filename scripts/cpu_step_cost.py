@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -25,12 +26,9 @@ import torch
 def measure(dtype: str, query_lens: list[int], threads: int | None, iters: int, model: str | None,
             packed: bool = True) -> dict[int, float]:
     from speculum.engine import LLM
-    before = os.environ.get("SPECULUM_GEMM_TUNE")
-    os.environ["SPECULUM_GEMM_TUNE"] = "1" if packed else "0"  # read when the runner is made
-    try:
+    # read when the runner is made; put back as it was after
+    with mock.patch.dict(os.environ, SPECULUM_GEMM_TUNE="1" if packed else "0"):
         llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=1, threads=threads)
-    finally:
-        os.environ.pop("SPECULUM_GEMM_TUNE") if before is None else os.environ.update(SPECULUM_GEMM_TUNE=before)
     target = llm.target
     target.add_many([0], [list(range(100, 300))])
     base = target.length(0)

@@ -132,7 +132,8 @@ class GemmPlan:
     def __init__(self, timer: Timer = graph_us) -> None:
         self.choice: dict[tuple[int, int, int, torch.dtype], str | None] = {}
         self.timings: dict[tuple[int, int, int, torch.dtype], dict[str, float]] = {}
-        #: id(weight) -> (weight, its data pointer and version when packed, oneDNN's copy)
+        #: id(weight) -> (weight, its data pointer and version when packed, oneDNN's copy); holding
+        #: the weight keeps its id from being reused by another tensor
         self.packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
         self._timer = timer
 
@@ -157,7 +158,7 @@ class GemmPlan:
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         hit = self.packed.get(id(weight))
-        if hit is None or hit[0] is not weight or hit[1] != weight.data_ptr() or hit[2] != weight._version:
+        if hit is None or hit[1] != weight.data_ptr() or hit[2] != weight._version:
             return None
         if weight.requires_grad and torch.is_grad_enabled():
             return None

@@ -135,6 +135,10 @@ class Block(nn.Module):
         normed, residual = self.mlp_norm(a, residual)
         return self.mlp(normed), residual
 
+    def gemm_weights(self) -> list[torch.Tensor]:
+        """The weights of the layer's four GEMMs (qkv, o, gate/up, down), for the GEMM plan."""
+        return [self.attn.qkv.weight, self.attn.o.weight, self.mlp.gate_up.weight, self.mlp.down.weight]
+
 
 class NativeLlama(nn.Module):
     """The decoder stack; K/V pools are passed in (the runner owns them)."""
@@ -167,9 +171,7 @@ class NativeLlama(nn.Module):
         on a CPU, in batch-invariant mode (its own GEMM) or with ``SPECULUM_GEMM_TUNE=0``."""
         if self.batch_invariant or not self.lm_head.weight.is_cuda or not tuning_enabled():
             return
-        first = self.layers[0]
-        self.gemm.tune([first.attn.qkv.weight, first.attn.o.weight, first.mlp.gate_up.weight,
-                        first.mlp.down.weight, self.lm_head.weight], rows)
+        self.gemm.tune(self.layers[0].gemm_weights() + [self.lm_head.weight], rows)
 
     def pack_gemms(self) -> int:
         """On a CPU (fp32): every GEMM's weight gets oneDNN's prepacked copy (:meth:`GemmPlan.pack`),
@@ -177,9 +179,7 @@ class NativeLlama(nn.Module):
         hold (0: nothing packed, e.g. on a GPU, in another dtype or in batch-invariant mode)."""
         if self.batch_invariant:
             return 0
-        return self.gemm.pack([w for layer in self.layers for w in (layer.attn.qkv.weight, layer.attn.o.weight,
-                                                                     layer.mlp.gate_up.weight, layer.mlp.down.weight)]
-                              + [self.lm_head.weight])
+        return self.gemm.pack([w for layer in self.layers for w in layer.gemm_weights()] + [self.lm_head.weight])
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, q, D/2]

@@ -73,7 +73,7 @@ class NativeRunner:
         self._pool = GraphPool()
         self.allocator: PagedKVAllocator | None = None  # set by attach_cache (memory plan)
         #: bytes of oneDNN's prepacked weight copies (a CPU in fp32; :meth:`NativeLlama.pack_gemms`)
-        self.packed_bytes = model.pack_gemms() if self.device.type == "cpu" else 0
+        self.packed_bytes = model.pack_gemms()
 
     @property
     def weight_bytes(self) -> int:
