@@ -20,11 +20,10 @@ off: every GEMM goes where PyTorch sends it. The batch-invariant mode has its ow
 GEMM and no plan.
 
 On a CPU the plan holds oneDNN's prepacked copy of each fp32 weight instead (:meth:`GemmPlan.pack`):
-``F.linear`` through MKL reads a weight at memory speed for one row but takes 1.7-2.2x as long
-for the 2-5 rows of a verify, so speculation did not pay on this project's AMD EPYC; oneDNN's
-prepacked product took 0.87x of MKL's time for one row and 0.52-0.57x for 3-5 (all 121 GEMMs
-of SmolLM2-135M, one thread; docs/benchmarks.md, fortieth session), and its rows come out the
-same whatever the row count. The copy costs the weights' memory once more.
+with ``F.linear`` (MKL) a target forward of 3 tokens cost 2.06x one of 1 token on this project's
+AMD EPYC, so speculation did not pay there; through the prepacked copies 1.04x (one thread,
+``scripts/cpu_step_cost.py --unpacked``; docs/benchmarks.md, fortieth session). The copy costs
+the weights' memory once more.
 ``SPECULUM_GEMM_TUNE=0`` turns it off too.
 """
 
