@@ -125,13 +125,18 @@ def test_a_cpu_runner_packs_every_fp32_gemm_and_computes_what_f_linear_does(monk
     oneDNN's prepacked copy; the logits match the unpacked twin's (SPECULUM_GEMM_TUNE=0) to
     rounding, and the copies count in the runner's weight bytes (the memory plan's log)."""
     model = random_native(LlamaArch(**ARCH), torch.float32, torch.device("cpu"))
+    dense_bytes = sum(p.numel() * 4 for p in model.parameters())
+    layer_weights = [w for layer in model.layers for w in (layer.attn.qkv.weight, layer.attn.o.weight,
+                                                           layer.mlp.gate_up.weight, layer.mlp.down.weight)]
+    weights = layer_weights + [model.lm_head.weight]
+    gemm_bytes = sum(w.numel() * 4 for w in weights)
     runner = NativeRunner(model, max_model_len=256)
-    weights = [w for layer in model.layers for w in (layer.attn.qkv.weight, layer.attn.o.weight,
-                                                     layer.mlp.gate_up.weight, layer.mlp.down.weight)]
-    weights.append(model.lm_head.weight)
     assert {id(w) for w in weights} == set(model.gemm.packed)
-    assert runner.packed_bytes == sum(w.numel() * 4 for w in weights)
+    assert runner.packed_bytes == gemm_bytes
+    # the layers' dense weights are given back, so only the LM head's copy adds to the model's memory
+    assert all(w.numel() == 0 for w in layer_weights) and model.lm_head.weight.numel() > 0
     assert runner.weight_bytes == sum(p.numel() * 4 for p in model.parameters()) + runner.packed_bytes
+    assert runner.weight_bytes == dense_bytes + model.lm_head.weight.numel() * 4
     calls = []
     real = gemm._onednn_linear
     monkeypatch.setattr(gemm, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -169,6 +174,48 @@ def test_a_weight_changed_after_packing_is_never_read_from_its_stale_copy():
     w3.requires_grad_(True)  # training: the prepacked product has no gradient
     plan.linear(x, w3).sum().backward()
     assert w3.grad is not None and torch.allclose(w3.grad, x.sum(0).expand(16, 8))
+
+
+@needs_onednn
+def test_released_weights_come_back_dense_for_the_batch_invariant_mode():
+    """A CPU runner's layers give their dense weights back after packing; switching the model to
+    the batch-invariant mode (its GEMM reads dense weights) restores them bit for bit from the
+    prepacked copies, and its logits then equal those of a twin that was never packed."""
+    arch = LlamaArch(**ARCH)
+    twin = random_native(arch, torch.float32, torch.device("cpu"))  # the same seed: the same weights
+    model = random_native(arch, torch.float32, torch.device("cpu"))
+    runner = NativeRunner(model, max_model_len=256)
+    assert model.gemm.released and all(w.numel() == 0 for layer in model.layers for w in layer.gemm_weights())
+    model.set_batch_invariant()
+    assert not model.gemm.released
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert a.shape == b.shape and torch.equal(a, b)
+    twin_runner = NativeRunner(twin.set_batch_invariant(), max_model_len=256)
+    assert twin_runner.packed_bytes == 0
+    prompt = torch.randint(0, ARCH["vocab_size"], (1, 12))
+    out = []
+    for r in (runner, twin_runner):
+        r.attach_cache(PagedKVAllocator("target", 64, 16, 256))
+        out.append(r.forward([0], prompt, [12]).logits)
+    assert torch.equal(out[0], out[1])
+
+
+@needs_onednn
+def test_a_released_weight_goes_through_its_copy_until_given_other_values():
+    w, x = torch.randn(16, 8), torch.randn(3, 8)
+    want = F.linear(x, w)
+    plan = gemm.GemmPlan()
+    plan.pack([w])
+    assert plan.release([w]) == 16 * 8 * 4 and w.numel() == 0
+    assert plan.release([w]) == 0  # released already
+    assert torch.allclose(plan.linear(x, w), want, atol=1e-5)
+    w.data = torch.randn(16, 8)  # other dense values put back by hand: never the stale copy's
+    assert torch.equal(plan.linear(x, w), F.linear(x, w))
+    stale = torch.randn(16, 8)
+    plan.pack([stale])
+    with torch.no_grad():
+        stale.mul_(2)
+    assert plan.release([stale]) == 0 and stale.numel() == 16 * 8  # a stale copy keeps its weight
 
 
 def test_only_fp32_cpu_weights_are_packed_and_not_in_batch_invariant_mode(monkeypatch):

@@ -22,8 +22,9 @@ GEMM and no plan.
 On a CPU the plan holds oneDNN's prepacked copy of each fp32 weight instead (:meth:`GemmPlan.pack`):
 with ``F.linear`` (MKL) a target forward of 3 tokens cost 2.06x one of 1 token on this project's
 AMD EPYC, so speculation did not pay there; through the prepacked copies 1.04x (one thread,
-``scripts/cpu_step_cost.py --unpacked``; docs/benchmarks.md, fortieth session). The copy costs
-the weights' memory once more.
+``scripts/cpu_step_cost.py --unpacked``; docs/benchmarks.md, fortieth session). A weight whose
+only reader is the plan can give its dense storage back (:meth:`GemmPlan.release`), so the copy
+replaces it rather than doubling it; :meth:`GemmPlan.restore` brings the dense values back.
 ``SPECULUM_GEMM_TUNE=0`` turns it off too.
 """
 
@@ -134,6 +135,8 @@ class GemmPlan:
         #: id(weight) -> (weight, its data pointer and version when packed, oneDNN's copy); holding
         #: the weight keeps its id from being reused by another tensor
         self.packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+        #: id(weight) -> its shape, for weights whose dense storage :meth:`release` gave back
+        self.released: dict[int, torch.Size] = {}
         self._timer = timer
 
     def pack(self, weights: Iterable[torch.Tensor]) -> int:
@@ -155,9 +158,43 @@ class GemmPlan:
             added += w.numel() * w.element_size()
         return added
 
+    @torch.no_grad()
+    def release(self, weights: Iterable[torch.Tensor]) -> int:
+        """Give back the dense storage of packed weights that nothing but :meth:`linear` reads
+        (each becomes an empty tensor; its prepacked copy holds the values); returns the bytes
+        freed. A weight not packed, or whose copy is stale, is kept. A released weight needs no
+        gradient (none could reach it) and goes through its copy whatever its data pointer."""
+        freed = 0
+        for w in weights:
+            hit = self.packed.get(id(w))
+            if hit is None or id(w) in self.released or hit[1] != w.data_ptr() or hit[2] != w._version:
+                continue
+            self.released[id(w)] = w.shape
+            freed += w.numel() * w.element_size()
+            w.requires_grad_(False)
+            w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+            # no data pointer matches -1: dense values put back by anything but restore() are
+            # not the copy's, so they go through F.linear
+            self.packed[id(w)] = (w, -1, -1, hit[3])
+        return freed
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Dense values back into every released weight, from its prepacked copy (the same
+        values: oneDNN's reorder only moves them); the copies stay valid for :meth:`linear`."""
+        for key, shape in self.released.items():
+            w, _, _, copy = self.packed[key]
+            w.data = copy.to_dense().reshape(shape)
+            self.packed[key] = (w, w.data_ptr(), w._version, copy)
+        self.released.clear()
+
     def _packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         hit = self.packed.get(id(weight))
-        if hit is None or hit[1] != weight.data_ptr() or hit[2] != weight._version:
+        if hit is None:
+            return None
+        if id(weight) in self.released and weight.numel() == 0:
+            return hit[3]
+        if hit[1] != weight.data_ptr() or hit[2] != weight._version:
             return None
         if weight.requires_grad and torch.is_grad_enabled():
             return None

@@ -160,6 +160,8 @@ class NativeLlama(nn.Module):
         """Compute every token's row the same way whatever the batch (GEMMs, attention and
         the LM head through :mod:`.invariant`; RMSNorm and RoPE are row-local already)."""
         self.batch_invariant = on
+        if on:  # its GEMM reads the dense weights (pack_gemms released the layers')
+            self.gemm.restore()
         for layer in self.layers:
             layer.attn.batch_invariant = on
             layer.mlp.batch_invariant = on
@@ -176,10 +178,18 @@ class NativeLlama(nn.Module):
     def pack_gemms(self) -> int:
         """On a CPU (fp32): every GEMM's weight gets oneDNN's prepacked copy (:meth:`GemmPlan.pack`),
         which verifies a few tokens for little more than one; returns the bytes the copies
-        hold (0: nothing packed, e.g. on a GPU, in another dtype or in batch-invariant mode)."""
+        hold (0: nothing packed, e.g. on a GPU, in another dtype or in batch-invariant mode).
+
+        The layers' weights then give their dense storage back (:meth:`GemmPlan.release`): only
+        their GEMMs read them, so the copies replace them and the model's memory does not
+        double (:meth:`set_batch_invariant` brings them back). The LM head keeps its own: the
+        embedding (tied weights) and the draft heads read it."""
         if self.batch_invariant:
             return 0
-        return self.gemm.pack([w for layer in self.layers for w in layer.gemm_weights()] + [self.lm_head.weight])
+        layers = [w for layer in self.layers for w in layer.gemm_weights()]
+        packed = self.gemm.pack(layers + [self.lm_head.weight])
+        self.gemm.release(layers)
+        return packed
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, q, D/2]
