@@ -135,8 +135,8 @@ class GemmPlan:
         #: id(weight) -> (weight, its data pointer and version when packed, oneDNN's copy); holding
         #: the weight keeps its id from being reused by another tensor
         self.packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
-        #: id(weight) -> its shape, for weights whose dense storage :meth:`release` gave back
-        self.released: dict[int, torch.Size] = {}
+        #: id(weight) of the weights whose dense storage :meth:`release` gave back
+        self.released: set[int] = set()
         self._timer = timer
 
     def pack(self, weights: Iterable[torch.Tensor]) -> int:
@@ -166,25 +166,24 @@ class GemmPlan:
         gradient (none could reach it) and goes through its copy whatever its data pointer."""
         freed = 0
         for w in weights:
-            hit = self.packed.get(id(w))
-            if hit is None or id(w) in self.released or hit[1] != w.data_ptr() or hit[2] != w._version:
+            if id(w) in self.released or (copy := self._packed(w)) is None:  # not packed, or stale
                 continue
-            self.released[id(w)] = w.shape
+            self.released.add(id(w))
             freed += w.numel() * w.element_size()
             w.requires_grad_(False)
             w.data = torch.empty(0, dtype=w.dtype, device=w.device)
             # no data pointer matches -1: dense values put back by anything but restore() are
             # not the copy's, so they go through F.linear
-            self.packed[id(w)] = (w, -1, -1, hit[3])
+            self.packed[id(w)] = (w, -1, -1, copy)
         return freed
 
     @torch.no_grad()
     def restore(self) -> None:
         """Dense values back into every released weight, from its prepacked copy (the same
         values: oneDNN's reorder only moves them); the copies stay valid for :meth:`linear`."""
-        for key, shape in self.released.items():
+        for key in self.released:
             w, _, _, copy = self.packed[key]
-            w.data = copy.to_dense().reshape(shape)
+            w.data = copy.to_dense()  # the copy keeps the weight's shape
             self.packed[key] = (w, w.data_ptr(), w._version, copy)
         self.released.clear()
 
