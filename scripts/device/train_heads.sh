@@ -7,10 +7,10 @@
 #     sessions add up; carry the heads' folders, or put them in the tree: tree.sh heads;
 #     INIT_DIR=<TR of an earlier call>: each method from what that call left, with another TR)
 #     (the draft's shape from /tmp/draft_shapes.json when draft_shapes.sh ran in this warm session);
-#     (DATA_ONLY=1: stop after step 1, the answers into $OUT as answers.tar.part_* (15 MiB parts): a data call, whose
+#     (DATA_ONLY=1: stop after step 1, the answers into $OUT as answers.tgz.part_* (15 MiB parts): a data call, whose
 #     answers a training call carries back in as ANSWERS, so training gets the whole call)
 #  3. heads, reports, logs and training curves into $OUT as tar parts of 15 MiB (the draft's
-#     weights left out when they do not fit), and the answers alone (answers.tar.part_*: token ids, no
+#     weights left out when they do not fit), and the answers alone (answers.tgz.part_*: gzipped token ids, no
 #     hidden states) for a later call to carry back in as ANSWERS=<folder> (states recomputed
 #     by prefill, generation continuing where the answers stop).
 . scripts/device/common.sh
@@ -67,18 +67,22 @@ D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-5
 speculum train eagle3 $D --prepare-only $([ "${DATA_ONLY:-0}" = 1 ] && echo --answers-only) > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
 grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
-export_answers() {  # the answers alone (token ids, no hidden states: megabytes) into /tmp/answers.tar
+export_answers() {  # the answers alone (token ids, no hidden states) into /tmp/answers.tgz
   rm -rf /tmp/answers && mkdir -p /tmp/answers
   for d in $SPECULUM_CACHE/distill/*/; do python3 -m speculum.train.distill export $d /tmp/answers | tail -1; done
-  tar cf /tmp/answers.tar -C /tmp answers
+  # gzipped: 8.01 M answer tokens are 48 MB as a tar and 8.4 MB gzipped (the form docs/results keeps, answers.tgz);
+  # as a plain tar they would pass the ~60 MB a call brings back once the answers grow much past 8 M tokens
+  tar czf /tmp/answers.tgz -C /tmp answers
 }
-send_answers() {  # the answers back into $OUT (answers.tar.part_*, 15 MiB parts) with the data log
-  export_answers && split -b 15M /tmp/answers.tar $OUT/answers.tar.part_ && cp $TR/data.log $OUT/
+# the answers back into $OUT (answers.tgz.part_*, 15 MiB parts: a file coming back holds at most 16 MiB) with the data
+# log; here, `cat answers.tgz.part_* > docs/results/<card>/<run>/answers.tgz` is the file a later call carries
+send_answers() {
+  export_answers && split -b 15M /tmp/answers.tgz $OUT/answers.tgz.part_ && cp $TR/data.log $OUT/
 }
 # PREP_ONLY=1: stop here with the answers' hidden states made (the join call can spend the prefill, so that the
 # training call that follows on the warm machine, with the same data options and no ANSWERS, trains for its whole budget)
 # (with GEN_TL above a few seconds such a call also answers rows not answered yet: EXPORT_ANSWERS=1 sends every answer
-# back into $OUT as answers.tar.part_*, for a later session to carry in as ANSWERS)
+# back into $OUT as answers.tgz.part_*, for a later session to carry in as ANSWERS)
 if [ "${PREP_ONLY:-0}" = 1 ]; then
   [ "${EXPORT_ANSWERS:-0}" = 1 ] && send_answers
   exit 0
@@ -209,9 +213,9 @@ if too_big; then
   echo "the last steps' weights do not fit: left out (they stay in $TR/*/last-step while the machine is warm)"
   pack --exclude='draft/*.safetensors' --exclude='*/last-step/*.safetensors'
 fi
-if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tar) )) -le $LIMIT ]; then
-  split -b 15M /tmp/answers.tar $OUT/answers.tar.part_  # a file coming back from a call may hold 16 MiB
+if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tgz) )) -le $LIMIT ]; then
+  split -b 15M /tmp/answers.tgz $OUT/answers.tgz.part_  # a file coming back from a call may hold 16 MiB
 else
-  echo "the answers ($(stat -c %s /tmp/answers.tar) bytes) do not fit beside the heads: left in /tmp/answers.tar"
+  echo "the answers ($(stat -c %s /tmp/answers.tgz) bytes) do not fit beside the heads: left in /tmp/answers.tgz"
 fi
 cd $OUT && split -b 15M /tmp/heads.tar heads.tar.part_ && rm /tmp/heads.tar && ls -la $OUT
