@@ -74,10 +74,11 @@ export_answers() {  # the answers alone (token ids, no hidden states) into /tmp/
   # as a plain tar they would pass the ~60 MB a call brings back once the answers grow much past 8 M tokens
   tar czf /tmp/answers.tgz -C /tmp answers
 }
-# the answers back into $OUT (answers.tgz.part_*, 15 MiB parts: a file coming back holds at most 16 MiB) with the data
-# log; here, `cat answers.tgz.part_* > docs/results/<card>/<run>/answers.tgz` is the file a later call carries
-send_answers() {
-  export_answers && split -b 15M /tmp/answers.tgz $OUT/answers.tgz.part_ && cp $TR/data.log $OUT/
+# the answers into $OUT as answers.tgz.part_* (15 MiB parts: a file coming back from a call holds at most 16 MiB);
+# here, `cat answers.tgz.part_* > docs/results/<card>/<run>/answers.tgz` is the file a later call carries
+put_answers() { split -b 15M /tmp/answers.tgz $OUT/answers.tgz.part_; }
+send_answers() {  # a data call's end: the answers and the data log back
+  export_answers && put_answers && cp $TR/data.log $OUT/
 }
 # PREP_ONLY=1: stop here with the answers' hidden states made (the join call can spend the prefill, so that the
 # training call that follows on the warm machine, with the same data options and no ANSWERS, trains for its whole budget)
@@ -214,7 +215,7 @@ if too_big; then
   pack --exclude='draft/*.safetensors' --exclude='*/last-step/*.safetensors'
 fi
 if [ $(( $(stat -c %s /tmp/heads.tar) + $(stat -c %s /tmp/answers.tgz) )) -le $LIMIT ]; then
-  split -b 15M /tmp/answers.tgz $OUT/answers.tgz.part_  # a file coming back from a call may hold 16 MiB
+  put_answers
 else
   echo "the answers ($(stat -c %s /tmp/answers.tgz) bytes) do not fit beside the heads: left in /tmp/answers.tgz"
 fi
