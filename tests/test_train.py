@@ -660,6 +660,33 @@ def test_a_data_call_leaves_carried_answers_without_states(tiny_llama, prompts, 
     assert "use it with --prepare-only" in capsys.readouterr().err
 
 
+def test_answers_recorded_for_more_layers_serve_a_run_that_records_fewer(tiny_llama, prompts, tmp_path, capsys):
+    """`speculum train --record-for mtp`: the data holds the states of mtp's layers only (a 64 GB
+    disk held no more of EAGLE-3's four a token); answers carried in from a cache keyed for
+    more layers are found (not answered again), and get only the states this run records."""
+    from safetensors import safe_open
+
+    from speculum.train.distill import find_cache
+    from speculum.train.distill import main as distill_main
+    sp = spec(tiny_llama, prompts, 12)  # layers (-1, 0)
+    d, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    assert distill_main(["export", str(d), str(tmp_path / "b")]) == 0
+    fewer = attrs.evolve(sp, layers=(-1,))
+    assert find_cache(fewer, tmp_path / "b") == tmp_path / "b" / d.name  # keyed for other layers, found
+    d2, shards2 = ensure_distill(fewer, tmp_path / "b", device="cpu", shard_size=8, generate=False)
+    assert d2 == tmp_path / "b" / d.name and shards2 == shards
+    with safe_open(str(d2 / shards[0]), "pt") as f:
+        assert {k for k in f.keys() if k.startswith("hidden.")} == {"hidden.-1"}
+    a, b = DistillData.load(d, shards=shards), DistillData.load(d2, layers=(-1,), shards=shards2)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(b.hidden[-1].float(), a.hidden[-1].float(), atol=0.05, rtol=0.02)
+    # a cache of its own wins; other data is not taken for it
+    assert find_cache(attrs.evolve(fewer, max_tokens=23), tmp_path / "b").name != d.name
+    assert train(["mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "8",
+                  "--device", "cpu", "--record-for", "mtp,nosuch"]) == 2
+    assert "--record-for: no trainer for nosuch" in capsys.readouterr().err
+
+
 def test_imported_answers_keep_their_key_when_a_data_file_lies_elsewhere(tiny_llama, prompts, tmp_path):
     """A data call writes the target's own requests to /tmp/tr/... and answers them; the
     training call imports the answers before that file exists there and names the same

@@ -170,6 +170,28 @@ def cache_dir(spec: DistillSpec, root: Path | None = None, file_ids: Mapping[str
     return root / f"{Path(spec.model).name}-{spec.key(file_ids)}"
 
 
+def find_cache(spec: DistillSpec, root: Path | None = None) -> Path:
+    """Where ``spec``'s answers are: its own cache folder when it exists, else a folder with
+    the same answers keyed for other recorded ``layers`` (the answers do not depend on them;
+    :func:`fill_features` adds the states this spec needs), else the folder to make. So
+    answers made where every installed method's layers were recorded (four of the target's
+    hidden states a token) serve a run that records fewer (``speculum train --record-for``):
+    on a 64 GB disk, 2026-12-07, the four layers of 12 M tokens no longer fitted."""
+    out = cache_dir(spec, root)
+    if out.exists():
+        return out
+    for meta_file in sorted(out.parent.glob(f"{Path(spec.model).name}-*/meta.json")):
+        try:
+            layers = tuple(json.loads(meta_file.read_text())["spec"]["layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if layers != tuple(spec.layers) and cache_dir(attrs.evolve(spec, layers=layers), root) == meta_file.parent:
+            log.info("self-distillation: the answers of %s (recorded for layers %s) serve layers %s",
+                     meta_file.parent.name, list(layers), list(spec.layers))
+            return meta_file.parent
+    return out
+
+
 def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: int = 32, device: str = "auto",
                    dtype: str = "auto", shard_size: int = 64, progress: bool = True, time_limit: float = 0,
                    max_model_len: int = 2048, generate: bool = True, states: bool = True) -> tuple[Path, list[str]]:
@@ -184,7 +206,7 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     """
     from speculum.model_source import resolve_model_path
     from speculum.tokenizer import Tokenizer
-    out = cache_dir(spec, root)
+    out = find_cache(spec, root)
     out.mkdir(parents=True, exist_ok=True)
     meta_file = out / "meta.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {
@@ -330,7 +352,7 @@ def time_shares(pieces: Sequence[DistillSpec], root: Path | None = None) -> list
     requests stopped at their share with 4,700 of 7,000 unanswered."""
     rows = []
     for part in pieces:
-        meta_file = cache_dir(part, root) / "meta.json"
+        meta_file = find_cache(part, root) / "meta.json"
         meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
         known = meta.get("selections", {}).get(str(part.num_prompts))
         if known:

@@ -60,11 +60,15 @@ D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-5
    --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --template-long-form ${TLONG:-1} \
    --second-turns ${SECOND:-0.5} \
    --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
-   --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-} $SELF"
+   --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-} $SELF ${RECORD_FOR:+--record-for $RECORD_FOR}"
+# RECORD_FOR=mtp (methods, comma-separated): the data holds only the hidden states these methods train on, where
+# every installed method's are recorded by default (EAGLE-3's four a token: 2026-12-07, the carried 8 M answer
+# tokens' states and 2,616 requests more filled the H100's 64 GB disk); answers carried in are found all the same
 # (each --data file's answers are a cache of their own, found by the file's name and size in any order:
 # a training call after a data call gives the same DATA_ARGS plus --data <the self_prompts.jsonl that came back>)
 # (DATA_ONLY: --answers-only, no prefill of the carried answers' hidden states: the training call makes them)
-speculum train eagle3 $D --prepare-only $([ "${DATA_ONLY:-0}" = 1 ] && echo --answers-only) > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
+DM=${RECORD_FOR%%,*}  # the data call's method: one whose layers are recorded
+speculum train ${DM:-eagle3} $D --prepare-only $([ "${DATA_ONLY:-0}" = 1 ] && echo --answers-only) > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
 grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
 echo "self-distillation: $(( $(date +%s) - T0 )) s"
 export_answers() {  # the answers alone (token ids, no hidden states) into /tmp/answers.tgz
