@@ -687,6 +687,31 @@ def test_answers_recorded_for_more_layers_serve_a_run_that_records_fewer(tiny_ll
     assert "--record-for: no trainer for nosuch" in capsys.readouterr().err
 
 
+def test_states_that_would_not_fit_the_disk_are_refused_before_any_is_written(tiny_llama, prompts, tmp_path,
+                                                                               monkeypatch):
+    """Answers carried in without states: when the disk has less room than their states
+    need (the first shard's bytes a token times every shard's tokens), the prefill stops with
+    a clear error before writing one, and the answers stay as they were (2026-12-07: a full
+    disk failed the call and lost the answers it had made)."""
+    import shutil
+    from collections import namedtuple
+
+    from speculum.train.distill import main as distill_main
+    sp = spec(tiny_llama, prompts, 12)
+    d, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    states = sum(p.stat().st_size for p in d.iterdir())
+    assert distill_main(["export", str(d), str(tmp_path / "b")]) == 0
+    copied = tmp_path / "b" / d.name
+    before = {p.name: p.read_bytes() for p in copied.iterdir()}
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 10 ** 12 - states // 4, states // 4))
+    with pytest.raises(ConfigError, match=r"need .* GB.*--record-for"):
+        ensure_distill(sp, tmp_path / "b", device="cpu", shard_size=8)
+    assert {p.name: p.read_bytes() for p in copied.iterdir()} == before
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 2 * states))
+    assert ensure_distill(sp, tmp_path / "b", device="cpu", shard_size=8)[1] == shards
+
+
 def test_imported_answers_keep_their_key_when_a_data_file_lies_elsewhere(tiny_llama, prompts, tmp_path):
     """A data call writes the target's own requests to /tmp/tr/... and answers them; the
     training call imports the answers before that file exists there and names the same

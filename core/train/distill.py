@@ -402,16 +402,44 @@ def fill_features(path: Path, shards: Sequence[str], spec: DistillSpec, make_llm
         return 0
     llm = make_llm()
     t0 = time.perf_counter()
-    for name in todo:
+    for i, name in enumerate(todo):
         data = load_file(str(Path(path) / name))
         offsets = data["offsets"].tolist()
         tokens = data["tokens"].tolist()
         seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        data.update(_hidden(prefill_features(llm, seqs, spec.layers), spec.layers))
+        states = _hidden(prefill_features(llm, seqs, spec.layers), spec.layers)
+        if i == 0:  # the first shard's states tell the bytes a token takes
+            check_disk(Path(path), todo, states, len(tokens), spec.layers)
+        data.update(states)
         _save_tensors(Path(path) / name, data)
     log.info("self-distillation: hidden states of %d shards of answers computed by prefill in %.1f s", len(todo),
              time.perf_counter() - t0)
     return len(todo)
+
+
+def check_disk(path: Path, shards: Sequence[str], states: Mapping[str, torch.Tensor], tokens: int,
+               layers: Sequence[int]) -> None:
+    """Refuse, before writing any, states that ``shards`` of ``path`` would not have room for:
+    ``states`` are the first shard's (``tokens`` tokens), the others are counted from their
+    token ids. (2026-12-07: an H100's 64 GB disk filled while writing them, the call failed
+    and the answers it had made were lost with it.)"""
+    import shutil
+
+    from safetensors import safe_open
+
+    from speculum.errors import ConfigError
+    per_token = sum(t.numel() * t.element_size() for t in states.values()) / max(1, tokens)
+    total = 0
+    for name in shards:
+        with safe_open(str(path / name), "pt") as f:
+            total += f.get_slice("tokens").get_shape()[0]
+    need, free = per_token * total, shutil.disk_usage(path).free
+    if need > free:
+        raise ConfigError(
+            f"self-distillation: the hidden states of {total / 1e6:.1f} M tokens for layers {list(layers)} need "
+            f"{need / 1e9:.1f} GB, and {path.parent} has {free / 1e9:.1f} GB free: record fewer layers "
+            "(speculum train --record-for METHOD: the methods you train), give fewer --data files, or free disk. "
+            "The answers are kept (python -m speculum.train.distill export copies them)")
 
 
 def export_answers(src: Path, dst: Path) -> Path:

@@ -64,13 +64,6 @@ D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-5
 # RECORD_FOR=mtp (methods, comma-separated): the data holds only the hidden states these methods train on, where
 # every installed method's are recorded by default (EAGLE-3's four a token: 2026-12-07, the carried 8 M answer
 # tokens' states and 2,616 requests more filled the H100's 64 GB disk); answers carried in are found all the same
-# (each --data file's answers are a cache of their own, found by the file's name and size in any order:
-# a training call after a data call gives the same DATA_ARGS plus --data <the self_prompts.jsonl that came back>)
-# (DATA_ONLY: --answers-only, no prefill of the carried answers' hidden states: the training call makes them)
-DM=${RECORD_FOR%%,*}  # the data call's method: one whose layers are recorded
-speculum train ${DM:-eagle3} $D --prepare-only $([ "${DATA_ONLY:-0}" = 1 ] && echo --answers-only) > $TR/data.log 2>&1 || { tail -20 $TR/data.log; echo "self-distillation failed"; exit 1; }
-grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
-echo "self-distillation: $(( $(date +%s) - T0 )) s"
 export_answers() {  # the answers alone (token ids, no hidden states) into /tmp/answers.tgz
   rm -rf /tmp/answers && mkdir -p /tmp/answers
   for d in $SPECULUM_CACHE/distill/*/; do python3 -m speculum.train.distill export $d /tmp/answers | tail -1; done
@@ -84,6 +77,18 @@ put_answers() { split -b 15M /tmp/answers.tgz $OUT/answers.tgz.part_; }
 send_answers() {  # a data call's end: the answers and the data log back
   export_answers && put_answers && cp $TR/data.log $OUT/
 }
+# (each --data file's answers are a cache of their own, found by the file's name and size in any order:
+# a training call after a data call gives the same DATA_ARGS plus --data <the self_prompts.jsonl that came back>)
+# (DATA_ONLY: --answers-only, no prefill of the carried answers' hidden states: the training call makes them)
+DM=${RECORD_FOR%%,*}  # the data call's method: one whose layers are recorded
+speculum train ${DM:-eagle3} $D --prepare-only $([ "${DATA_ONLY:-0}" = 1 ] && echo --answers-only) > $TR/data.log 2>&1 || {
+  tail -20 $TR/data.log; echo "self-distillation failed"
+  # a data call's answers come back all the same (2026-12-07: the disk filled while the states were written, and
+  # 2,616 requests' answers were lost with the call)
+  if [ "${DATA_ONLY:-0}" = 1 ] || [ "${EXPORT_ANSWERS:-0}" = 1 ]; then send_answers && echo "the answers made so far: in \$OUT"; fi
+  exit 1; }
+grep -v -E "it/s|s/it|prompt/s|Loading|Converting" $TR/data.log | tail -4
+echo "self-distillation: $(( $(date +%s) - T0 )) s"
 # PREP_ONLY=1: stop here with the answers' hidden states made (the join call can spend the prefill, so that the
 # training call that follows on the warm machine, with the same data options and no ANSWERS, trains for its whole budget)
 # (with GEN_TL above a few seconds such a call also answers rows not answered yet: EXPORT_ANSWERS=1 sends every answer
