@@ -393,11 +393,12 @@ def fill_features(path: Path, shards: Sequence[str], spec: DistillSpec, make_llm
     from safetensors import safe_open
     from safetensors.torch import load_file
     want = {f"hidden.{l}" for l in spec.layers}
-    todo = []
+    todo, todo_tokens = [], 0
     for name in shards:
         with safe_open(str(Path(path) / name), "pt") as f:
             if not want <= set(f.keys()):
                 todo.append(name)
+                todo_tokens += f.get_slice("tokens").get_shape()[0]
     if not todo:
         return 0
     llm = make_llm()
@@ -409,7 +410,7 @@ def fill_features(path: Path, shards: Sequence[str], spec: DistillSpec, make_llm
         seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         states = _hidden(prefill_features(llm, seqs, spec.layers), spec.layers)
         if i == 0:  # the first shard's states tell the bytes a token takes
-            check_disk(Path(path), todo, states, len(tokens), spec.layers)
+            check_disk(Path(path), todo_tokens, states, len(tokens), spec.layers)
         data.update(states)
         _save_tensors(Path(path) / name, data)
     log.info("self-distillation: hidden states of %d shards of answers computed by prefill in %.1f s", len(todo),
@@ -417,22 +418,16 @@ def fill_features(path: Path, shards: Sequence[str], spec: DistillSpec, make_llm
     return len(todo)
 
 
-def check_disk(path: Path, shards: Sequence[str], states: Mapping[str, torch.Tensor], tokens: int,
+def check_disk(path: Path, total: int, states: Mapping[str, torch.Tensor], tokens: int,
                layers: Sequence[int]) -> None:
-    """Refuse, before writing any, states that ``shards`` of ``path`` would not have room for:
-    ``states`` are the first shard's (``tokens`` tokens), the others are counted from their
-    token ids. (2026-12-07: an H100's 64 GB disk filled while writing them, the call failed
-    and the answers it had made were lost with it.)"""
+    """Refuse, before writing any, the states of ``total`` tokens that the disk of ``path``
+    would not have room for: ``states`` are the first shard's (``tokens`` tokens), the bytes
+    a token takes. (2026-12-07: an H100's 64 GB disk filled while writing them, the call
+    failed and the answers it had made were lost with it.)"""
     import shutil
-
-    from safetensors import safe_open
 
     from speculum.errors import ConfigError
     per_token = sum(t.numel() * t.element_size() for t in states.values()) / max(1, tokens)
-    total = 0
-    for name in shards:
-        with safe_open(str(path / name), "pt") as f:
-            total += f.get_slice("tokens").get_shape()[0]
     need, free = per_token * total, shutil.disk_usage(path).free
     if need > free:
         raise ConfigError(
