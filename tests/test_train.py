@@ -712,6 +712,48 @@ def test_states_that_would_not_fit_the_disk_are_refused_before_any_is_written(ti
     assert ensure_distill(sp, tmp_path / "b", device="cpu", shard_size=8)[1] == shards
 
 
+def test_a_disk_that_fills_during_generation_keeps_every_answer(tiny_llama, prompts, tmp_path, monkeypatch):
+    """The disk fills while generation writes its shards: the shard being written and those
+    after it are kept without their hidden states, every answer is in the cache (exportable)
+    and the call ends with check_disk's clear error instead of "No space left on device";
+    with room again, the same call fills the states by prefill and returns every shard, the
+    answers those of a run that never ran short. The wrong variant (before: the OSError
+    propagated) loses the shard being written and every one after it: the meta check fails."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    import speculum.train.distill as distill
+    from speculum.train.distill import find_cache
+    sp = spec(tiny_llama, prompts, 24)
+    ref, ref_shards = ensure_distill(sp, tmp_path / "ref", max_num_seqs=5, device="cpu", shard_size=8)
+    assert len(ref_shards) == 3
+    save, written = distill._save_tensors, []
+
+    def full_after_one(path, data):  # the first shard's states fit, then the disk is full
+        if any(k.startswith("hidden.") for k in data) and written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path.name)
+        save(path, data)
+
+    monkeypatch.setattr(distill, "_save_tensors", full_after_one)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 10 ** 12 - 1000, 1000))
+    with pytest.raises(ConfigError, match=r"need .* GB.*--record-for"):
+        ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    d = find_cache(sp, tmp_path / "a")
+    meta = json.loads((d / "meta.json").read_text())
+    assert sorted(meta["shards"]) == ref_shards  # no answer lost
+    assert not list(d.glob(".*.tmp"))  # no part left behind on the full disk
+    monkeypatch.setattr(distill, "_save_tensors", save)
+    monkeypatch.undo()
+    d2, shards = ensure_distill(sp, tmp_path / "a", max_num_seqs=5, device="cpu", shard_size=8)
+    a, b = DistillData.load(ref, shards=ref_shards), DistillData.load(d2, shards=shards)
+    assert shards == ref_shards and torch.equal(a.tokens, b.tokens)
+    for layer in a.hidden:
+        torch.testing.assert_close(b.hidden[layer].float(), a.hidden[layer].float(), atol=0.05, rtol=0.02)
+
+
 def test_imported_answers_keep_their_key_when_a_data_file_lies_elsewhere(tiny_llama, prompts, tmp_path):
     """A data call writes the target's own requests to /tmp/tr/... and answers them; the
     training call imports the answers before that file exists there and names the same

@@ -22,6 +22,7 @@ none and gets zeros).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -247,13 +248,22 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
         bar = tqdm(total=len(sel.rows), desc="self-distillation", unit="prompt",
                    initial=len(sel.rows) - sum(len(s.rows) for s in todo))
     t0 = time.perf_counter()
+    layers = list(spec.layers)  # emptied when the disk fills: the answers are kept without their states
 
     def write(shard: Shard) -> None:
         name = names[shard.index]
         pos = {r.index: i for i, r in enumerate(shard.rows)}
         # a fixed order, whatever order the answers finished in
         recs = sorted(shard.records, key=lambda r: (pos[r[0].row.index], r[0].turn, r[0].kind, r[0].seed))
-        _write_shard(out / name, recs, spec.layers)
+        try:
+            _write_shard(out / name, recs, layers)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or not layers:
+                raise
+            log.warning("self-distillation: the disk under %s is full (%s): this shard's answers and the rest are "
+                        "kept without their hidden states, for the prefill to fill where there is room", out, e)
+            layers.clear()
+            _write_shard(out / name, recs, layers)
         meta["shards"] = sorted(set(meta["shards"]) | {name})
         meta["sizes"][name] = len(shard.rows)
         meta["mix"][name] = mix_counts(recs)
@@ -267,6 +277,8 @@ def ensure_distill(spec: DistillSpec, root: Path | None = None, max_num_seqs: in
     _save_meta(meta_file, meta)
     if done < len(todo):  # out of time: the shards finished so far
         names = [n for s, n in zip(shards, names) if meta["sizes"].get(n) == len(s.rows)]
+    if states and len(layers) < len(spec.layers):  # the disk filled: states by prefill, or check_disk's clear error
+        fill_features(out, names, spec, lambda: llm)
     return out, names
 
 
@@ -497,7 +509,11 @@ def import_answers(src: Path, model: str, root: Path | None = None) -> Path:
 def _save_tensors(path: Path, data: dict) -> None:
     from safetensors.torch import save_file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(data, str(tmp))
+    try:
+        save_file(data, str(tmp))
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a part written to a full disk would keep it full
+        raise
     tmp.chmod(new_file_mode())  # safetensors writes 0600; the cache's other files get a new file's mode
     os.replace(tmp, path)
 
