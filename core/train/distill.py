@@ -36,6 +36,7 @@ from typing import Mapping, Sequence
 import attrs
 import torch
 
+from speculum.errors import ConfigError
 from speculum.train.generate import PromptIds, Shard, engine, prefill_features, stream_jobs
 from speculum.train.mix import DATA_BASE, KINDS, Row, drop_overlaps, eval_texts, normalise, order_rows, read_rows
 
@@ -436,9 +437,6 @@ def check_disk(path: Path, total: int, states: Mapping[str, torch.Tensor], token
     would not have room for: ``states`` are the first shard's (``tokens`` tokens), the bytes
     a token takes. (2026-12-07: an H100's 64 GB disk filled while writing them, the call
     failed and the answers it had made were lost with it.)"""
-    import shutil
-
-    from speculum.errors import ConfigError
     per_token = sum(t.numel() * t.element_size() for t in states.values()) / max(1, tokens)
     need, free = per_token * total, shutil.disk_usage(path).free
     if need > free:
