@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import attrs
 import torch
@@ -53,6 +53,19 @@ def shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.cat([x[:, shift:], pad], dim=1)
 
 
+class StateSource(Protocol):
+    """Where a batch's hidden states come from when the data holds none (``speculum train
+    --states online``: :class:`speculum.train.online.OnlineStates`)."""
+
+    #: the target layers it gives
+    layers: tuple[int, ...]
+
+    def __call__(self, seqs: Sequence[Sequence[int]]) -> list[dict[int, torch.Tensor]]:
+        """Per sequence ``{layer: [n, H]}``: the target's state at each of its ``n`` positions
+        given the tokens before it (zeros at the last), on the training device."""
+        ...
+
+
 #: how :meth:`DistillData.split` places prompts, recorded in each head's training report
 #: (``data.val_split``): a head continued from one trained on another split may have
 #: trained on today's validation prompts
@@ -73,6 +86,10 @@ class DistillData:
     #: [S] which cache directory each sequence came from (the prompt file's answers, each --data
     #: file's): ``prompt_index`` counts rows within one file, so groups are (part, prompt_index)
     part: torch.Tensor | None = None
+    #: with ``hidden`` empty: what computes each batch's states (``--states online``)
+    states: StateSource | None = None
+    #: ``tokens`` on the host, for ``states`` (made once)
+    _host_tokens: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
     def load(cls, path: Path, layers: Sequence[int] | None = None, shards: Sequence[str] | None = None,
@@ -138,7 +155,7 @@ class DistillData:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return tuple(sorted(self.hidden))
+        return tuple(sorted(self.states.layers if self.states is not None else self.hidden))
 
     def split(self, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """Disjoint train / validation sequence ids, split by prompt (the answers of one
@@ -210,11 +227,12 @@ class DistillData:
         rows = []
         for i in ids:
             s, e, P = int(self.offsets[i]), int(self.offsets[i + 1]), int(self.prompt_lens[i])
+            end = e
             if answer_tokens:
                 e = min(e, s + P + answer_tokens)
             start = max(s, e - max_len, s + P - prompt_context if prompt_context else s)
-            rows.append((start, e, s + P))
-        B, T = len(rows), max(e - s for s, e, _ in rows)
+            rows.append((start, e, s + P, s, end))
+        B, T = len(rows), max(r[1] - r[0] for r in rows)
         starts = torch.tensor([r[0] for r in rows]).unsqueeze(1)
         ends = torch.tensor([r[1] for r in rows]).unsqueeze(1)
         answer = torch.tensor([r[2] for r in rows]).unsqueeze(1)
@@ -226,8 +244,30 @@ class DistillData:
         idx = torch.where(present, flat, 0).to(where)
         keep = present.to(where)
         tokens = torch.where(keep, self.tokens[idx], 0)
-        hidden = {l: h[idx].float() * keep.unsqueeze(-1) for l, h in self.hidden.items()}
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        if self.states is None:
+            hidden = {l: to(h[idx].float() * keep.unsqueeze(-1)) for l, h in self.hidden.items()}
+        else:
+            hidden = self._computed_states(rows, T, device)
         temps = self.temperature if self.temperature is not None else torch.zeros(len(self))
         greedy = torch.tensor([float(temps[i]) == 0.0 for i in ids])
-        return Batch(to(tokens), {l: to(h) for l, h in hidden.items()}, to(valid), to(answer_next), to(greedy))
+        return Batch(to(tokens), hidden, to(valid), to(answer_next), to(greedy))
+
+    def _computed_states(self, rows, T: int, device) -> dict[int, torch.Tensor]:
+        """The states of the batch's ``rows`` (start, stop, answer start, sequence start,
+        sequence end) from :attr:`states`: each sequence prefilled from its first token up to
+        the token after the last position kept (a state depends on every token before it;
+        the recorded ones saw them all), so the last position kept has its state unless it
+        ends the sequence (then zeros, as recorded)."""
+        if self._host_tokens is None:
+            self._host_tokens = self.tokens.cpu()
+        host = self._host_tokens
+        feats = self.states([host[s: min(e + 1, end)].tolist() for start, e, _, s, end in rows])
+        out = {}
+        for l in self.states.layers:
+            H = feats[0][l].shape[-1]
+            h = torch.zeros(len(rows), T, H, dtype=torch.float32, device=device)
+            for b, ((start, e, _, s, _), f) in enumerate(zip(rows, feats)):
+                h[b, : e - start] = f[l][start - s: e - s].to(device, torch.float32)
+            out[l] = h
+        return out

@@ -30,10 +30,12 @@ log = logging.getLogger(__name__)
 FEATURE_TOKENS = 16384
 
 
-def prefill_features(llm, token_lists: Sequence[Sequence[int]], layers: Sequence[int]) -> list[dict[int, torch.Tensor]]:
-    """Per sequence ``{layer: [n, H]}`` bfloat16 on the host: the target's state at each of
-    its ``n`` positions given the tokens before it, from batched prefills through the
-    engine's target runner (zeros for the last token: nothing follows it to train on)."""
+def prefill_features(llm, token_lists: Sequence[Sequence[int]], layers: Sequence[int],
+                     to: torch.device | str = "cpu") -> list[dict[int, torch.Tensor]]:
+    """Per sequence ``{layer: [n, H]}`` bfloat16 on ``to`` (the host by default): the
+    target's state at each of its ``n`` positions given the tokens before it, from batched
+    prefills through the engine's target runner (zeros for the last token: nothing follows
+    it to train on)."""
     runner = llm.target
     out: list[dict[int, torch.Tensor]] = [None] * len(token_lists)  # type: ignore[list-item]
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))  # similar lengths together
@@ -61,7 +63,7 @@ def prefill_features(llm, token_lists: Sequence[Sequence[int]], layers: Sequence
         for g, sid in zip(group, sids):
             feats = {}
             for l in layers:
-                h = hidden[sid][l].to("cpu", torch.bfloat16)
+                h = hidden[sid][l].to(to, torch.bfloat16)
                 feats[l] = torch.cat([h, h.new_zeros(1, h.shape[1])])
             out[g] = feats
     return out

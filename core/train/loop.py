@@ -32,6 +32,7 @@ from speculum.train.data import VAL_SPLIT, DistillData
 from speculum.train.distill import DistillSpec, ensure_distill, ensure_parts, new_file_mode, parts_summary
 from speculum.train.generate import release_engines
 from speculum.train.mix import ANSWER, KINDS
+from speculum.train.online import online_states
 
 if TYPE_CHECKING:
     from speculum.backends.torch import TargetParts
@@ -298,13 +299,15 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     L = target.num_layers
     out = Path(args.out or f"trained/{trainer.name}-{target.name}")
 
-    # 1. self-distillation data (cached; shared by every method)
+    # 1. self-distillation data (cached; shared by every method). --states online: the answers
+    # only (a cache keyed for recorded layers serves it too), the states made batch by batch
     t0 = time.perf_counter()
-    layers = record_layers(list(all_trainers) or [trainer], args, L)
+    online = getattr(args, "states", "disk") == "online"
+    layers = () if online else record_layers(list(all_trainers) or [trainer], args, L)
     spec = distill_spec(args, model_path, layers)
     found = ensure_parts(spec, args.cache_dir, time_limit=args.gen_time_limit, generate=not args.cached_data_only,
-                         states=not getattr(args, "answers_only", False),  # (the CLI allows it with --prepare-only only)
-                         **_gen_kwargs(args))
+                         # (the CLI allows --answers-only with --prepare-only only)
+                         states=not (online or getattr(args, "answers_only", False)), **_gen_kwargs(args))
     # every part's shards by full path (the --data rows' cache, then the prompts')
     data_dir, shards = found[-1][0], [str(d / n) for d, names in found for n in names]
     where = ", ".join(str(d) for d, _ in found)
@@ -328,11 +331,15 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
     if getattr(args, "prepare_only", False):
         return {"data_dir": str(data_dir), "data_dirs": [str(d) for d, _ in found], "data": mix}
     out.mkdir(parents=True, exist_ok=True)
-    data = load_data(data_dir, trainer.data_layers(args, L), shards, device)
+    want = trainer.data_layers(args, L)
+    data = load_data(data_dir, () if online else want, shards, device)
+    source = online_states(spec, want, device, args.gen_device, args.gen_dtype, max(args.batch_size, getattr(
+        args, "eval_batch_size", 0) or 0), args.gen_max_model_len) if online else None
+    data = attrs.evolve(data, states=source)
     train_ids, val_ids = data.split(args.val_fraction, args.data_seed)
     # a fixed sample of the validation answers, drawn across the whole mix
     val_ids = sorted(random.Random(args.data_seed).sample(val_ids, min(len(val_ids), args.val_max_seqs)))
-    eval_data = load_data(eval_dir, trainer.data_layers(args, L), eval_shards, device) \
+    eval_data = attrs.evolve(load_data(eval_dir, () if online else want, eval_shards, device), states=source) \
         if eval_dir is not None else None
     log.info("data %s: %d sequences (%d train, %d validation), %d tokens", where, len(data), len(train_ids),
              len(val_ids), data.num_tokens(range(len(data))))

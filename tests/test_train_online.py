@@ -1,0 +1,125 @@
+"""``speculum train --states online``: the target's hidden states made batch by batch while
+training, in place of recorded ones. Tiny random target, token-id prompts, CPU (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import torch
+
+from speculum.cli import main
+from speculum.testing import token_prompts_file
+from speculum.train.data import DistillData
+from speculum.train.distill import DistillSpec, ensure_distill
+from speculum.train.generate import engine
+from speculum.train.online import OnlineStates
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LAYERS = (-1, 0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return token_prompts_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", n=40)
+
+
+def recorded(tiny_llama, prompts, root):
+    sp = DistillSpec(model=str(tiny_llama), prompts=str(prompts), num_prompts=12, max_tokens=24, layers=LAYERS)
+    d, shards = ensure_distill(sp, root, max_num_seqs=5, device="cpu", shard_size=8)
+    return sp, d, shards
+
+
+def compare(a, b, atol: float) -> float:
+    """The largest difference of two batches' states (their tokens and masks must be equal)."""
+    for f in ("tokens", "valid", "answer_next", "greedy"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert set(a.hidden) == set(b.hidden) == set(LAYERS)
+    worst = max(float((a.hidden[l] - b.hidden[l]).abs().max()) for l in LAYERS)
+    assert worst <= atol, worst
+    return worst
+
+
+# (max_len, prompt_context, answer_tokens): whole sequences; the start cut by --max-len (the
+# prefill must still begin at the first token); the prompt cut by --prompt-context; the answer
+# cut as validation's first-turn replay cuts it (the last position kept then has a state)
+CUTS = [(384, 0, 0), (12, 0, 0), (384, 3, 0), (384, 0, 5), (10, 2, 4)]
+
+
+@pytest.mark.parametrize("max_len,prompt_context,answer_tokens", CUTS)
+def test_online_batches_equal_the_recorded_ones(tiny_llama, prompts, tmp_path, max_len, prompt_context,
+                                                answer_tokens):
+    """The states an online batch gets are the recorded ones (both stored in bf16; computed in
+    fp32 by the same engine, in other groups of sequences), position for position, padding and
+    each sequence's last token zero, for every cut a batch makes."""
+    sp, d, shards = recorded(tiny_llama, prompts, tmp_path)
+    disk = DistillData.load(d, shards=shards)
+    # another engine (batch of 3, not generation's 5): the states must not depend on the grouping
+    source = OnlineStates(engine(sp, "cpu", "auto", 3, 2048), LAYERS)
+    online = attrs.evolve(DistillData.load(d, layers=(), shards=shards), states=source)
+    assert online.hidden == {} and online.layers == LAYERS
+    ids = list(range(len(disk)))
+    for chunk in (ids[:7], ids[7:]):
+        a = disk.batch(chunk, max_len, prompt_context=prompt_context, answer_tokens=answer_tokens)
+        b = online.batch(chunk, max_len, prompt_context=prompt_context, answer_tokens=answer_tokens)
+        compare(a, b, atol=1e-2)
+        assert not b.hidden[-1][~a.valid & ~(a.tokens != 0)].any()  # padding stays zero
+
+
+def test_a_prefill_of_the_kept_window_only_would_be_caught(tiny_llama, prompts, tmp_path):
+    """Power of the comparison above: states computed from the first token kept (not the
+    sequence's first token) differ from the recorded ones by far more than its tolerance."""
+    sp, d, shards = recorded(tiny_llama, prompts, tmp_path)
+    disk = DistillData.load(d, shards=shards)
+    source = OnlineStates(engine(sp, "cpu", "auto", 3, 2048), LAYERS)
+    i = max(range(len(disk)), key=lambda j: int(disk.offsets[j + 1] - disk.offsets[j]))
+    s, e = int(disk.offsets[i]), int(disk.offsets[i + 1])
+    cut = 6  # the window a --max-len of e - s - cut keeps
+    window = source([disk.tokens[s + cut: e].tolist()])[0]
+    gap = max(float((window[l][:-1].float() - disk.hidden[l][s + cut: e - 1].float()).abs().max()) for l in LAYERS)
+    assert gap > 0.1, gap
+
+
+def test_training_online_writes_no_states_and_learns_what_training_on_disk_learns(tiny_llama, prompts, tmp_path):
+    """`speculum train mtp --states online`: the answers are cached without states (a cache
+    of recorded answers is reused, not answered again), and the trained module, its
+    validation and its report match a run on the recorded states."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    def run(out, *extra):
+        assert main(["train", "mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12",
+                     "--max-tokens", "16", "--device", "cpu", "--cache-dir", str(tmp_path / out / "c"), "--out",
+                     str(tmp_path / out / "m"), "--steps", "6", "--batch-size", "4", "--eval-every", "3",
+                     "--warmup", "1", *extra]) == 0
+        return (load_file(str(tmp_path / out / "m" / "model.safetensors")),
+                json.loads((tmp_path / out / "m" / "training.json").read_text()))
+
+    w_disk, r_disk = run("disk")
+    w_online, r_online = run("online", "--states", "online")
+    cache = next((tmp_path / "online" / "c").glob("*/meta.json")).parent
+    for shard in cache.glob("shard_*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            assert not any(k.startswith("hidden.") for k in f.keys())
+    assert "--states online" in r_online["command"]
+    assert r_online["data"]["tokens"] == r_disk["data"]["tokens"]
+    assert set(w_online) == set(w_disk)
+    for k in w_disk:
+        torch.testing.assert_close(w_online[k], w_disk[k], atol=1e-3, rtol=1e-3)
+    for a, b in zip(r_online["val_accuracy_per_position"], r_disk["val_accuracy_per_position"]):
+        assert abs(a - b) <= 0.02
+    # answers recorded with states serve an online run as they are: nothing answered again
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "disk" / "c").rglob("shard_*")}
+    assert main(["train", "mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12",
+                 "--max-tokens", "16", "--device", "cpu", "--cache-dir", str(tmp_path / "disk" / "c"), "--out",
+                 str(tmp_path / "again"), "--steps", "2", "--batch-size", "4", "--eval-every", "0",
+                 "--states", "online", "--cached-data-only"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "disk" / "c").rglob("shard_*")} == before
+
+
+def test_record_for_is_refused_with_online_states(tiny_llama, prompts, capsys):
+    assert main(["train", "mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--device", "cpu",
+                 "--states", "online", "--record-for", "mtp"]) == 2
+    assert "--states online writes none" in capsys.readouterr().err
