@@ -123,3 +123,16 @@ def test_record_for_is_refused_with_online_states(tiny_llama, prompts, capsys):
     assert main(["train", "mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--device", "cpu",
                  "--states", "online", "--record-for", "mtp"]) == 2
     assert "--states online writes none" in capsys.readouterr().err
+
+
+def test_the_states_engine_leaves_the_runs_threads(tiny_llama, prompts, tmp_path, monkeypatch):
+    """`--threads 1` holds while the online states' engine starts: an engine applies its own
+    default (here forced to 2, what this machine's idle CPUs would give) when it starts."""
+    import speculum.threads as threads
+    from speculum.train.online import online_states
+    monkeypatch.setattr(threads, "choose_threads", lambda n=None: threads.ThreadChoice(n or 2, 2, 0.0, "default"))
+    monkeypatch.setattr(threads, "_applied", None)
+    sp, _, _ = recorded(tiny_llama, prompts, tmp_path)
+    torch.set_num_threads(1)
+    online_states(sp, LAYERS, "cpu", None, "auto", 4, 2048)
+    assert torch.get_num_threads() == 1

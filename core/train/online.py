@@ -48,5 +48,7 @@ def online_states(spec, layers: Sequence[int], device, gen_device, dtype, batch_
     with KV room for one batch (``batch_size`` sequences: the memory plan caps the cache at
     what they can use), on ``gen_device`` (default: the training device) at ``dtype``."""
     from speculum.train.generate import engine
+    threads = torch.get_num_threads()
     llm = engine(spec, gen_device or device, dtype, max(1, batch_size), max_model_len)
+    torch.set_num_threads(threads)  # the engine applied its default; the run keeps its --threads
     return OnlineStates(llm, layers, device)
