@@ -89,11 +89,13 @@ def test_training_online_writes_no_states_and_learns_what_training_on_disk_learn
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    other = token_prompts_file(tmp_path / "other.jsonl", n=10, seed=7)  # --eval-prompts: their answers online too
+
     def run(out, *extra):
         assert main(["train", "mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12",
                      "--max-tokens", "16", "--device", "cpu", "--cache-dir", str(tmp_path / out / "c"), "--out",
                      str(tmp_path / out / "m"), "--steps", "6", "--batch-size", "4", "--eval-every", "3",
-                     "--warmup", "1", *extra]) == 0
+                     "--warmup", "1", "--eval-prompts", str(other), "--eval-num-prompts", "6", *extra]) == 0
         return (load_file(str(tmp_path / out / "m" / "model.safetensors")),
                 json.loads((tmp_path / out / "m" / "training.json").read_text()))
 
@@ -108,14 +110,18 @@ def test_training_online_writes_no_states_and_learns_what_training_on_disk_learn
     assert set(w_online) == set(w_disk)
     for k in w_disk:
         torch.testing.assert_close(w_online[k], w_disk[k], atol=1e-3, rtol=1e-3)
-    for a, b in zip(r_online["val_accuracy_per_position"], r_disk["val_accuracy_per_position"]):
-        assert abs(a - b) <= 0.02
+    for key in ("val_accuracy_per_position", "eval_accuracy_per_position"):
+        assert len(r_online[key]) == len(r_disk[key])
+        for a, b in zip(r_online[key], r_disk[key]):
+            assert abs(a - b) <= 0.02, key
+    assert r_online["eval_sequences"] == r_disk["eval_sequences"] == 6
     # answers recorded with states serve an online run as they are: nothing answered again
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "disk" / "c").rglob("shard_*")}
     assert main(["train", "mtp", "--model", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "12",
                  "--max-tokens", "16", "--device", "cpu", "--cache-dir", str(tmp_path / "disk" / "c"), "--out",
                  str(tmp_path / "again"), "--steps", "2", "--batch-size", "4", "--eval-every", "0",
-                 "--states", "online", "--cached-data-only"]) == 0
+                 "--eval-prompts", str(other), "--eval-num-prompts", "6", "--states", "online",
+                 "--cached-data-only"]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "disk" / "c").rglob("shard_*")} == before
 
 
