@@ -88,6 +88,21 @@ def test_impossible_kv_budget_is_a_clear_error(tiny_llama):
         LLM(str(tiny_llama), kv_cache_memory=4096, max_model_len=512)
 
 
+def test_prefill_chunk_sets_the_prompt_tokens_per_forward_and_not_the_output(tiny_llama):
+    """`prefill_chunk` (as the jax backend's): a prompt of 30 tokens in chunks of 7 (five
+    forwards, the later ones reading the earlier chunks through the cache) gives the greedy
+    tokens of one whole-prompt forward; a chunk below 1 is a clear error."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (30, 9, 17)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    whole = LLM(str(tiny_llama), prefill_chunk=64)
+    chunked = LLM(str(tiny_llama), prefill_chunk=7)
+    assert (whole.target.prefill_chunk, chunked.target.prefill_chunk) == (64, 7)
+    assert [o.token_ids for o in chunked.generate(prompts, sp)] == [o.token_ids for o in whole.generate(prompts, sp)]
+    with pytest.raises(ConfigError, match="prefill_chunk must be an integer >= 1"):
+        TorchBackend(device="cpu", prefill_chunk=0)
+
+
 def test_runner_choice_is_logged(tiny_llama, caplog):
     import logging
     with caplog.at_level(logging.INFO, logger="speculum"):

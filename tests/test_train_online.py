@@ -142,3 +142,20 @@ def test_the_states_engine_leaves_the_runs_threads(tiny_llama, prompts, tmp_path
     torch.set_num_threads(1)
     online_states(sp, LAYERS, "cpu", None, "auto", 4, 2048)
     assert torch.get_num_threads() == 1
+
+
+def test_the_states_engine_prefills_whole_sequences_to_the_same_states(tiny_llama, prompts, tmp_path):
+    """The online engine prefills whole sequences (one chunk of `max_model_len`: a batch in a
+    few forwards) and gets the states a prefill in chunks of 5 tokens gets (the chunks after the
+    first read the earlier ones through the cache), as the recorded ones."""
+    from speculum.train.online import online_states
+    sp, d, shards = recorded(tiny_llama, prompts, tmp_path)
+    src = online_states(sp, LAYERS, "cpu", None, "auto", 4, 2048)
+    assert src.llm.target.prefill_chunk == 2048
+    chunked = OnlineStates(engine(sp, "cpu", "auto", 4, 2048, prefill_chunk=5), LAYERS)
+    disk = DistillData.load(d, shards=shards)
+    seqs = [disk.tokens[int(disk.offsets[i]): int(disk.offsets[i + 1])].tolist() for i in range(len(disk))]
+    assert max(map(len, seqs)) > 20  # several chunks of 5
+    for a, b in zip(src(seqs), chunked(seqs)):
+        for l in LAYERS:
+            torch.testing.assert_close(a[l].float(), b[l].float(), atol=1e-2, rtol=0)

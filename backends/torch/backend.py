@@ -62,7 +62,7 @@ class TorchBackend:
     def __init__(self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  runner: str | None = None, cuda_graphs: bool = True, block_size: int = 16,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, prefill_chunk: int = 512):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.runner_kind = runner or os.environ.get("SPECULUM_RUNNER", "auto")
@@ -78,6 +78,11 @@ class TorchBackend:
             raise ConfigError("batch_invariant needs the native runner (its kernels are the invariant ones); "
                               "use runner='auto' or 'native'")
         self.block_size = block_size
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be an integer >= 1 (prompt tokens per prefill forward), "
+                              f"got {prefill_chunk!r}")
+        #: prompt tokens per prefill forward of the native runner (a longer prompt takes several)
+        self.prefill_chunk = prefill_chunk
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization
         #: every loaded runner; the paged ones and the registered caches are the cache groups
@@ -111,7 +116,8 @@ class TorchBackend:
             except Exception as exc:
                 raise ModelLoadError(f"could not load {role} model from {path}: {type(exc).__name__}: {exc}") from exc
             limit = arch.context_limit(role, max_model_len)
-            runner = NativeRunner(model, name=role, max_model_len=limit, cuda_graphs=self.cuda_graphs)
+            runner = NativeRunner(model, name=role, max_model_len=limit, cuda_graphs=self.cuda_graphs,
+                                  prefill_chunk=self.prefill_chunk)
             log.info("%s model %s: native %s runner (paged KV%s%s%s), %s on %s", role, Path(path).name,
                      arch.model_type, ", CUDA graphs" if runner.cuda_graphs else "",
                      ", batch-invariant kernels" if invariant else "",

@@ -187,13 +187,15 @@ def stream_jobs(llm, shards: list[Shard], spec, ids: PromptIds, on_done: Callabl
 _ENGINES: dict[tuple, object] = {}
 
 
-def engine(spec, device, dtype, max_num_seqs: int, max_model_len: int):
-    """The answering LLM (plain decoding), made once per configuration."""
+def engine(spec, device, dtype, max_num_seqs: int, max_model_len: int, prefill_chunk: int | None = None):
+    """The answering LLM (plain decoding), made once per configuration (``prefill_chunk``:
+    the torch backend's prompt tokens per prefill forward; None: its default)."""
     from speculum.engine import LLM
-    key = (spec.model, str(device), str(dtype), max_num_seqs, max_model_len)
+    key = (spec.model, str(device), str(dtype), max_num_seqs, max_model_len, prefill_chunk)
     if key not in _ENGINES:
+        options = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         _ENGINES[key] = LLM(spec.model, device=device, dtype=dtype, seed=spec.seed, max_num_seqs=max_num_seqs,
-                            max_model_len=max_model_len)
+                            max_model_len=max_model_len, **options)
     return _ENGINES[key]
 
 
