@@ -60,7 +60,8 @@ D="--model $M --num-prompts ${NPROMPTS:-4728} --max-prompt-tokens ${MAXPROMPT:-5
    --extra-temperature ${EXTRA_T:-0.7,1.0} --long-form ${LONG:-2} --template-long-form ${TLONG:-1} \
    --second-turns ${SECOND:-0.5} \
    --gen-batch ${GEN_BATCH:-512} --gen-shard-size 128 --gen-dtype bfloat16 --gen-time-limit $GEN_TL \
-   --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-} $SELF ${RECORD_FOR:+--record-for $RECORD_FOR}"
+   --eval-prompts mt_bench --eval-num-prompts 80 ${DATA_ARGS:-} $SELF ${RECORD_FOR:+--record-for $RECORD_FOR} \
+   --states ${STATES:-disk}"
 # RECORD_FOR=mtp (methods, comma-separated): the data holds only the hidden states these methods train on, where
 # every installed method's are recorded by default (EAGLE-3's four a token: 2026-12-07, the carried 8 M answer
 # tokens' states and 2,616 requests more filled the H100's 64 GB disk); answers carried in are found all the same
@@ -81,13 +82,13 @@ send_answers() {  # a data call's end: the answers and the data log back
 # a training call after a data call gives the same DATA_ARGS plus --data <the self_prompts.jsonl that came back>)
 # (DATA_ONLY: --answers-only, no prefill of the carried answers' hidden states: the training call makes them)
 DM=${RECORD_FOR%%,*}  # the data call's method: one whose layers are recorded
-# STATES=online: no hidden states on disk at all (speculum train --states online): the data step makes answers only and
-# every trainer has the target prefill its batches; for data whose states pass the disk (EAGLE-3 past ~12 M answer tokens)
+# STATES=online: no hidden states on disk at all (speculum train --states online, in $D): the data step writes answers
+# only and every trainer has the target prefill its batches; for data whose states pass the disk (EAGLE-3 past ~12 M
+# answer tokens)
 if [ "${STATES:-disk}" = online ] && [ -n "${RECORD_FOR:-}" ]; then
   echo "STATES=online writes no hidden states; RECORD_FOR chooses which are written: leave RECORD_FOR unset"; exit 2
 fi
-ANSWERS_ONLY=$([ "${DATA_ONLY:-0}" = 1 ] || [ "${STATES:-disk}" = online ] && echo --answers-only)
-speculum train ${DM:-eagle3} $D --prepare-only $ANSWERS_ONLY > $TR/data.log 2>&1 || {
+speculum train ${DM:-eagle3} $D --prepare-only $([ "${DATA_ONLY:-0}" = 1 ] && echo --answers-only) > $TR/data.log 2>&1 || {
   tail -20 $TR/data.log; echo "self-distillation failed"
   # a data call's answers come back all the same (2026-12-07: the disk filled while the states were written, and
   # 2,616 requests' answers were lost with the call)
@@ -111,7 +112,7 @@ TL=$(( BUDGET - ($(date +%s) - T0) - RESERVE ))
 echo "training for $TL s"
 T="$D --cached-data-only --max-len ${MAXLEN:-640} --batch-size ${BS:-32} --time-limit $TL --steps 1000000 \
    --warmup 100 --eval-every 0 --eval-seconds ${EVAL_S:-45} --save-every 5000 --val-max-seqs 256 --threads 2 --amp bf16 \
-   $([ "${KEEP_BEST:-1}" = 1 ] && echo --keep-best) --states ${STATES:-disk} \
+   $([ "${KEEP_BEST:-1}" = 1 ] && echo --keep-best) \
    ${TRAIN_ARGS:-}"  # TRAIN_ARGS: more options for every trainer, e.g. "--lr 3e-4" when continuing a shipped head
 # (--keep-best, KEEP_BEST=0 to leave it out: each head is exported at its best validation, step 0 included, so a
 # head continued from the shipped one never comes back worse on validation than it went in; 2026-12-03's
