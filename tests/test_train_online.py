@@ -159,3 +159,21 @@ def test_the_states_engine_prefills_whole_sequences_to_the_same_states(tiny_llam
     for a, b in zip(src(seqs), chunked(seqs)):
         for l in LAYERS:
             torch.testing.assert_close(a[l].float(), b[l].float(), atol=1e-2, rtol=0)
+
+
+def test_bench_states_times_recorded_and_online_batches(tiny_llama, prompts, tmp_path, capsys):
+    """`speculum bench states CACHE`: ms per training batch from the recorded states and made
+    online at each prefill chunk, in a table and JSON; the online states of the first batch
+    are the recorded ones."""
+    _, d, _ = recorded(tiny_llama, prompts, tmp_path)
+    out = tmp_path / "states.json"
+    assert main(["bench", "states", str(d), "--model", str(tiny_llama), "--layers=-1,0", "--batch-size", "2",
+                 "--batches", "2", "--chunks", "5,2048", "--device", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["source"], r["prefill_chunk"]) for r in report["rows"]] == [("recorded", None), ("online", 5),
+                                                                           ("online", 2048)]
+    assert all(len(r["seconds"]) == 2 and r["ms_median"] > 0 for r in report["rows"])
+    assert all(r["max_abs_diff_to_recorded"] <= 1e-2 for r in report["rows"][1:])
+    assert "x recorded" in capsys.readouterr().out
+    assert main(["bench", "states", str(tmp_path), "--model", str(tiny_llama), "--device", "cpu"]) == 2
+    assert "not a distillation cache" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from pathlib import Path
 
 #: further ``speculum bench`` subcommands: modules with ``add_parser(bench_subparsers)``
 OTHER_COMMANDS = ("speculum.bench.offline", "speculum.bench.scaling", "speculum.bench.step", "speculum.bench.soak",
-                  "speculum.bench.backends", "speculum.bench.verifiers")
+                  "speculum.bench.backends", "speculum.bench.verifiers", "speculum.bench.states")
 
 
 def _rate(text: str) -> float:
