@@ -53,7 +53,8 @@ def _timed(data, batches, max_len: int, device) -> tuple[list[float], object]:
             torch.cuda.synchronize()
         if i >= WARMUP:
             out.append(time.perf_counter() - t0)
-        first = first or b
+        if first is None:
+            first = b
     return out, first
 
 
@@ -63,7 +64,6 @@ def run(args) -> int:
     from speculum.backends.torch import resolve_device
     from speculum.errors import ConfigError
     from speculum.model_source import resolve_model_path
-    from speculum.train.data import DistillData
     from speculum.train.generate import engine, release_engines
     from speculum.train.loop import length_buckets, load_data
     from speculum.train.online import OnlineStates
@@ -77,12 +77,12 @@ def run(args) -> int:
         if not meta.exists():
             raise ConfigError(f"{d}: not a distillation cache (no meta.json); give $SPECULUM_CACHE/distill/<folder>")
         shards += [str(Path(d) / n) for n in json.loads(meta.read_text())["shards"]]
-    answers = load_data(Path(args.cache[0]), (), shards, device)
+    recorded = load_data(Path(args.cache[0]), layers, shards, device)
+    answers = attrs.evolve(recorded, hidden={})  # the same tokens, read once
     batches = length_buckets(answers, list(range(len(answers))), args.batch_size, random.Random(args.seed))
     batches = batches[: args.batches + WARMUP]
     tokens = statistics.mean(answers.num_tokens(b) for b in batches)
     rows, ref = [], None
-    recorded = load_data(Path(args.cache[0]), layers, shards, device)
     if set(recorded.hidden) == set(layers):
         times, ref = _timed(recorded, batches, args.max_len, device)
         rows.append({"source": "recorded", "prefill_chunk": None, "seconds": times})
