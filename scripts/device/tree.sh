@@ -5,9 +5,10 @@
 #
 #   bash scripts/device/tree.sh small    # heads, docs/results and the n-gram corpora out: the tree
 #                                        # is ~6 MB, room for .whl + .gguf_a or .gguf_b (47 MiB each)
-#   bash scripts/device/tree.sh heads    # the shipped heads back in (~48 MB): calls after the GGUF
-#                                        # is joined train from and bench the shipped heads with
-#                                        # nothing carried
+#   bash scripts/device/tree.sh heads    # the shipped heads back in (~72 MB since the draft shipped:
+#                                        # more than a call carries; it says so). Carry the heads a
+#                                        # call needs instead, or stage them all in /tmp over two
+#                                        # calls: scripts/device/stage_heads.sh
 #   bash scripts/device/tree.sh restore  # everything back (before any commit)
 #   bash scripts/device/tree.sh size     # bytes the tree carries now
 set -e -f  # -f: the patterns below stay patterns (the ignore lines); compgen -G expands them
@@ -31,7 +32,8 @@ track() {
   done
   return 0
 }
-size() { git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {printf "the tree carries %.1f MB\n", s / 1e6}'; }
+size() { git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {printf "the tree carries %.1f MB\n", s / 1e6
+  if (s > 67108864) print "more than a device call carries (64 MiB): carry the heads a call needs, or stage them (stage_heads.sh)"}'; }
 
 case "${1:-size}" in
   small) untrack $HEADS $OTHERS ;;
