@@ -62,8 +62,8 @@ def run(args) -> int:
     import attrs
 
     from speculum.backends.torch import resolve_device
-    from speculum.errors import ConfigError
     from speculum.model_source import resolve_model_path
+    from speculum.train.data import cache_shards
     from speculum.train.generate import engine, release_engines
     from speculum.train.loop import length_buckets, load_data
     from speculum.train.online import OnlineStates
@@ -71,12 +71,7 @@ def run(args) -> int:
     layers = tuple(sorted(int(x) for x in args.layers.split(",") if x.strip()))
     chunks = [int(x) for x in args.chunks.split(",") if x.strip()]
     device = resolve_device(args.device)
-    shards = []
-    for d in args.cache:
-        meta = Path(d) / "meta.json"
-        if not meta.exists():
-            raise ConfigError(f"{d}: not a distillation cache (no meta.json); give $SPECULUM_CACHE/distill/<folder>")
-        shards += [str(Path(d) / n) for n in json.loads(meta.read_text())["shards"]]
+    shards = [f for d in args.cache for f in cache_shards(d)]
     recorded = load_data(Path(args.cache[0]), layers, shards, device)
     answers = attrs.evolve(recorded, hidden={})  # the same tokens, read once
     batches = length_buckets(answers, list(range(len(answers))), args.batch_size, random.Random(args.seed))

@@ -72,6 +72,15 @@ class StateSource(Protocol):
 VAL_SPLIT = "prompt-hash"
 
 
+def cache_shards(path: Path | str) -> list[str]:
+    """Every shard of the distillation cache at ``path`` (its ``meta.json``), by full path."""
+    meta = Path(path) / "meta.json"
+    if not meta.exists():
+        from speculum.errors import ConfigError
+        raise ConfigError(f"{path}: not a distillation cache (no meta.json); give $SPECULUM_CACHE/distill/<folder>")
+    return [str(Path(path) / n) for n in json.loads(meta.read_text())["shards"]]
+
+
 @attrs.define(eq=False)
 class DistillData:
     tokens: torch.Tensor        # [N] int64
@@ -100,9 +109,7 @@ class DistillData:
         shard at a time, so the host never holds more than one shard beyond them.
         """
         from safetensors import safe_open
-        if shards is None:
-            shards = json.loads((Path(path) / "meta.json").read_text())["shards"]
-        files = [str(Path(path) / n) for n in shards]
+        files = cache_shards(path) if shards is None else [str(Path(path) / n) for n in shards]
         sizes, keep = [], None
         for f in files:  # sizes first (headers only)
             with safe_open(f, "pt") as h:
