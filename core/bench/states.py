@@ -64,9 +64,9 @@ def run(args) -> int:
     from speculum.backends.torch import resolve_device
     from speculum.model_source import resolve_model_path
     from speculum.train.data import cache_shards
-    from speculum.train.generate import engine, release_engines
+    from speculum.train.generate import release_engines
     from speculum.train.loop import length_buckets, load_data
-    from speculum.train.online import OnlineStates
+    from speculum.train.online import online_states
 
     layers = tuple(sorted(int(x) for x in args.layers.split(",") if x.strip()))
     chunks = [int(x) for x in args.chunks.split(",") if x.strip()]
@@ -84,8 +84,8 @@ def run(args) -> int:
     del recorded
     spec = types.SimpleNamespace(model=str(resolve_model_path(args.model)), seed=0)
     for c in chunks:
-        src = OnlineStates(engine(spec, device, args.dtype, args.batch_size, args.max_model_len, prefill_chunk=c),
-                           layers, device)
+        src = online_states(spec, layers, device, None, args.dtype, args.batch_size, args.max_model_len,
+                            prefill_chunk=c)  # the source training uses, at chunk c
         times, first = _timed(attrs.evolve(answers, states=src), batches, args.max_len, device)
         diff = None if ref is None else max(float((first.hidden[l] - ref.hidden[l]).abs().max()) for l in layers)
         rows.append({"source": "online", "prefill_chunk": c, "seconds": times, "max_abs_diff_to_recorded": diff})

@@ -43,16 +43,18 @@ class OnlineStates:
 
 
 def online_states(spec, layers: Sequence[int], device, gen_device, dtype, batch_size: int,
-                  max_model_len: int) -> OnlineStates:
+                  max_model_len: int, prefill_chunk: int | None = None) -> OnlineStates:
     """The states source a training run on ``spec``'s answers uses: an engine of its own
     with KV room for one batch (``batch_size`` sequences: the memory plan caps the cache at
     what they can use), on ``gen_device`` (default: the training device) at ``dtype``. Its
     prefill takes whole sequences (``prefill_chunk`` = ``max_model_len``): a batch is then
     one or a few forwards (16,384 tokens each at most), every one a sequence's first chunk,
     which attends to its own keys only (the runner's flash path), where the default chunk
-    of 512 tokens made passes of at most 4,096 and a masked second chunk past 512."""
+    of 512 tokens made passes of at most 4,096 and a masked second chunk past 512
+    (``prefill_chunk``: another chunk, as ``speculum bench states`` compares)."""
     from speculum.train.generate import engine
     threads = torch.get_num_threads()
-    llm = engine(spec, gen_device or device, dtype, max(1, batch_size), max_model_len, prefill_chunk=max_model_len)
+    llm = engine(spec, gen_device or device, dtype, max(1, batch_size), max_model_len,
+                 prefill_chunk=prefill_chunk or max_model_len)
     torch.set_num_threads(threads)  # the engine applied its default; the run keeps its --threads
     return OnlineStates(llm, layers, device)
