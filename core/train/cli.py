@@ -131,6 +131,10 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
                         "OUT/last-step; --no-keep-best after it turns it off again (a phase that lowers the "
                         "token acceptance on purpose)")
     t.add_argument("--save-every", type=int, default=250, help="write a resumable checkpoint every N steps")
+    t.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="time the phases of N steps (after two): the batch (with --states online the target's "
+                        "prefill), forward and loss, backward, optimizer; median ms each in the log and in "
+                        "training.json (step_phases_ms). Each phase then ends with a device sync (default 0: off)")
     t.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds from the first step (wall clock, validation included; then "
                         "validate and export as at the end)")

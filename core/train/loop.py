@@ -33,6 +33,7 @@ from speculum.train.distill import DistillSpec, ensure_distill, ensure_parts, ne
 from speculum.train.generate import release_engines
 from speculum.train.mix import ANSWER, KINDS
 from speculum.train.online import online_states
+from speculum.train.phases import StepPhases
 
 if TYPE_CHECKING:
     from speculum.backends.torch import TargetParts
@@ -407,21 +408,25 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         best.step, best.score, best.state = resumed_best
     if best.on and start == 0:  # where training starts (a --init-from checkpoint) competes too
         validate(0)
+    phases = StepPhases(getattr(args, "profile_steps", 0), device)
     for step in range(start, args.steps):
         if not queue:
             queue = length_buckets(data, train_ids, args.batch_size, rng)
-        batch = data.batch(queue.pop(), args.max_len, device, args.prompt_context)
+        with phases.phase("batch"):
+            batch = data.batch(queue.pop(), args.max_len, device, args.prompt_context)
         # over the wall-clock budget (validation included): the decay ends when time does
         factor = lr_factor(step, args.warmup, args.steps, base_s + time.perf_counter() - t1, args.time_limit)
         for g in opt.param_groups:
             g["lr"] = args.lr * factor
-        with autocast():
+        with phases.phase("forward"), autocast():
             res = trainer.loss(module, batch, target, args)
         loss, score = res[0], score_of(res)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, args.clip)
-        opt.step()
+        with phases.phase("backward"):
+            loss.backward()
+        with phases.phase("optimizer"):
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
+            opt.step()
         acc = float(score.correct[0] / score.count[0]) if score.count[0] else 0.0
         lv = loss.item()
         ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
@@ -445,6 +450,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
                         "step": step + 1, "history": history, "train_seconds": trained_seconds(), "queue": queue,
                         "best": (best.step, best.score, best.state)},
                        ckpt)
+        phases.end_step()
         if out_of_time:
             break
     bar.close()
@@ -499,6 +505,8 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         "expected_acceptance_length": val.acceptance_length(), "val_by_kind": by_kind,
         "positions": trainer.positions(args), "history": history,
     }
+    if phases.result is not None:
+        report["step_phases_ms"] = phases.result
     if best.on:
         report["kept"] = {**(kept or {"step": steps_done, "val_acceptance_length": best.score}),
                           "start_competed": best.start_competes}
