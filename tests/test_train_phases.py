@@ -32,8 +32,10 @@ def test_each_phase_gets_its_own_time():
     r = phases.result
     assert r is not None and r["steps"] == 3
     assert list(r) == ["steps", *PHASES, "other", "step"]
-    assert 30 <= r["batch"] < 90 and 15 <= r["backward"] < 60 and 10 <= r["other"] < 60
-    assert r["forward"] < 12 and r["optimizer"] < 12  # nothing slept there
+    # lower bounds from the sleeps; the phases that slept nothing stay well under the one that slept
+    # most (medians of three, so a busy machine's odd slow step does not decide)
+    assert r["batch"] >= 30 and r["backward"] >= 15 and r["other"] >= 10
+    assert r["forward"] < r["batch"] / 2 and r["optimizer"] < r["batch"] / 2
     assert r["step"] >= r["batch"] + r["backward"] + r["other"] - 1
     assert all(len(t) == 3 for t in phases.times.values())
 
