@@ -40,6 +40,18 @@ def test_each_phase_gets_its_own_time():
     assert all(len(t) == 3 for t in phases.times.values())
 
 
+def test_a_run_shorter_than_asked_reports_the_steps_it_profiled():
+    phases = StepPhases(10, "cpu")
+    run_steps(phases, SKIP + 3, {"batch": 0.005})
+    assert phases.result is None
+    phases.finish()
+    assert phases.result["steps"] == 3 and phases.result["batch"] >= 5
+    empty = StepPhases(10, "cpu")
+    run_steps(empty, SKIP, {})  # nothing past the skipped steps: nothing to report
+    empty.finish()
+    assert empty.result is None
+
+
 def test_off_by_default_times_nothing():
     phases = StepPhases(0, "cpu")
     run_steps(phases, 4, {"batch": 0.001})

@@ -454,6 +454,7 @@ def run(trainer: Trainer, args, all_trainers: Iterable[Trainer] = ()) -> dict:
         if out_of_time:
             break
     bar.close()
+    phases.finish()
     steps_done = step + 1 if args.steps > start else start
     train_s = trained_seconds()
 

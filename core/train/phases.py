@@ -67,9 +67,16 @@ class StepPhases:
         self._start = None
         self.seen += 1
         if self.seen == SKIP + self.steps:
-            self.result = self.summary()
-            log.info("a training step, median of %d: %s", self.steps, ", ".join(
-                f"{k} {v:.1f} ms" for k, v in self.result.items() if k != "steps"))
+            self.finish()
+
+    def finish(self) -> None:
+        """Log and keep the summary (at the end of training too, where it ended before N steps
+        were profiled: the steps that were)."""
+        if self.result is not None or not self.times["step"]:
+            return
+        self.result = self.summary()
+        log.info("a training step, median of %d: %s", self.result["steps"], ", ".join(
+            f"{k} {v:.1f} ms" for k, v in self.result.items() if k != "steps"))
 
     def summary(self) -> dict:
         """Median ms per phase, ``other`` (the step less its phases) and ``step``, over the steps profiled."""
