@@ -50,9 +50,9 @@ class StepPhases:
         if not self._on():
             yield
             return
-        if self._start is None:
-            self._start = self._now()
         t0 = self._now()
+        if self._start is None:  # the step starts with its first phase
+            self._start = t0
         yield
         if self.seen >= SKIP:
             self.times[name].append(self._now() - t0)
